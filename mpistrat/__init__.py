@@ -1,0 +1,32 @@
+"""mpistrat: TensorFlow's tf.distribute all-reduce machinery over MPI, without TensorFlow.
+
+Importing this package never initialises MPI and never imports CuPy: MPI starts when a
+function that needs a communicator runs, and GPU support is probed lazily.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import (
+    BackendUnavailable,
+    MpistratError,
+    SpecError,
+    SpecTypeError,
+    TopologyError,
+    UnknownAlgorithmError,
+)
+from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
+
+__all__ = [
+    "__version__",
+    "AllReduceSpec",
+    "AllReduceSpecTuple",
+    "parse_spec",
+    "MpistratError",
+    "SpecError",
+    "SpecTypeError",
+    "UnknownAlgorithmError",
+    "TopologyError",
+    "BackendUnavailable",
+]

@@ -1,0 +1,20 @@
+"""Lazy access to ``mpi4py.MPI``: importing it initialises MPI, so only code that needs a
+communicator calls :func:`mpi`. Nothing imports ``mpi4py.MPI`` at module import time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["mpi", "world"]
+
+
+def mpi() -> Any:
+    """Return the ``mpi4py.MPI`` module, initialising MPI on first use."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world() -> Any:
+    """``MPI.COMM_WORLD``, the default communicator."""
+    return mpi().COMM_WORLD

@@ -1,0 +1,41 @@
+"""Exception types raised by mpistrat.
+
+Every message names the offending value, what was expected and how to fix it.
+Errors about user input derive from ``ValueError`` (or ``TypeError``) so callers
+that already catch the builtin types keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MpistratError",
+    "SpecError",
+    "SpecTypeError",
+    "UnknownAlgorithmError",
+    "TopologyError",
+    "BackendUnavailable",
+]
+
+
+class MpistratError(Exception):
+    """Base class of every error raised by mpistrat."""
+
+
+class SpecError(MpistratError, ValueError):
+    """An all-reduce spec that cannot be parsed or fails validation."""
+
+
+class SpecTypeError(SpecError, TypeError):
+    """An all-reduce spec (or a part of one) of the wrong Python type."""
+
+
+class UnknownAlgorithmError(SpecError):
+    """An algorithm name that is not in the registry."""
+
+
+class TopologyError(MpistratError, ValueError):
+    """A spec or setting that does not fit the workers, devices or nodes it runs on."""
+
+
+class BackendUnavailable(MpistratError, RuntimeError):
+    """A capability (CuPy, a GPU, NCCL, a CUDA-aware MPI) that this machine does not have."""

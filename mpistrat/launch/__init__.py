@@ -1,0 +1,1 @@
+"""Launching: which launcher started us, finding and driving ``mpiexec``."""

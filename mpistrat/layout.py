@@ -1,0 +1,150 @@
+"""The shape of a job (workers, local devices, nodes) and the spec checks that depend on it.
+
+A :class:`Layout` is plain data: ``mpistrat validate --workers ...`` builds one from
+its options, and a running job builds one from its communicator (see
+:mod:`mpistrat.topology`), so the same :func:`check_spec` serves both. Nothing here
+touches MPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from . import algorithms
+from .algorithms.registry import Pool, Shards
+from .errors import TopologyError
+from .spec import AllReduceSpec, SpecLike, parse_spec
+
+__all__ = ["Layout", "Finding", "check_spec", "require_fits"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many workers, devices per worker and nodes a job has.
+
+    Attributes:
+        workers: number of MPI ranks (W).
+        devices_per_worker: local devices per rank (G): GPUs, or CPU replicas.
+        gpus: True when the local devices are GPUs, False for CPU replicas.
+        nodes: number of node groups (hierarchical algorithms run their second
+            stage across one leader per node).
+    """
+
+    workers: int
+    devices_per_worker: int = 1
+    gpus: bool = False
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "devices_per_worker", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.nodes > self.workers:
+            raise TopologyError(
+                f"nodes ({self.nodes}) cannot exceed workers ({self.workers}): every node "
+                f"holds at least one rank"
+            )
+
+    @classmethod
+    def from_ranks_per_node(
+        cls, workers: int, ranks_per_node: int, devices_per_worker: int = 1, gpus: bool = False
+    ) -> Layout:
+        """A layout whose nodes each hold ``ranks_per_node`` ranks (the last may hold fewer)."""
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
+                or ranks_per_node < 1:
+            raise TopologyError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+        nodes = -(-workers // ranks_per_node) if workers >= 1 else 1
+        return cls(workers, devices_per_worker, gpus, nodes)
+
+    @property
+    def replicas(self) -> int:
+        """Number of replicas in sync, ``W * G``."""
+        return self.workers * self.devices_per_worker
+
+    def pool_size(self, pool: Pool) -> int:
+        """How many gather ranks/devices a shuffle over ``pool`` can use."""
+        if pool is Pool.RANKS:
+            return self.workers
+        if pool is Pool.GPUS:
+            return self.replicas if self.gpus else 0
+        return self.nodes
+
+    def describe(self) -> str:
+        kind = "GPU" if self.gpus else "CPU replica"
+        plural = "s" if self.devices_per_worker != 1 else ""
+        return (f"{self.workers} worker(s) x {self.devices_per_worker} {kind}{plural} "
+                f"on {self.nodes} node(s)")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One result of :func:`check_spec`: an error (the spec cannot run) or a warning."""
+
+    level: Literal["error", "warning"]
+    entry: int | None
+    message: str
+
+    def as_dict(self) -> dict:
+        return {"level": self.level, "entry": self.entry, "message": self.message}
+
+
+def check_spec(spec: SpecLike, layout: Layout) -> list[Finding]:
+    """Check a spec against a job's layout.
+
+    Errors: a GPU algorithm on CPU replicas; ``shards`` above the number of gather
+    ranks of a shuffle. Warnings: a ``shards`` value the algorithm ignores; a
+    hierarchical algorithm on one node (its cross-node stage is skipped); a single
+    replica (nothing to reduce).
+
+    Returns:
+        The findings, errors first, in entry order.
+    """
+    spec = parse_spec(spec)
+    errors: list[Finding] = []
+    warnings: list[Finding] = []
+    for index, (alg, shards, _limit) in enumerate(spec):
+        info = algorithms.get(alg)
+        where = f"entry {index} {alg!r}"
+        if info.needs_gpu and not layout.gpus:
+            errors.append(Finding("error", index, (
+                f"{where} needs GPUs, but the job has CPU replicas only "
+                f"({layout.describe()}); use a CPU algorithm such as 'xring', 'rechd', "
+                f"'pscpu' or 'pscpu/pscpu', or give the workers GPUs (--gpus-per-worker)"
+            )))
+        if info.pool is not None:
+            available = layout.pool_size(info.pool)
+            if available and shards > available:
+                errors.append(Finding("error", index, (
+                    f"{where} has shards={shards} but can gather on only {available} "
+                    f"{info.pool.value} ({layout.describe()}); use shards <= {available}"
+                )))
+        if info.shards is Shards.IGNORED and shards > 1:
+            warnings.append(Finding("warning", index, (
+                f"{where} ignores shards (got {shards}); write it without '#{shards}'"
+            )))
+        if info.hierarchical and layout.nodes == 1:
+            warnings.append(Finding("warning", index, (
+                f"{where} is hierarchical but the job has one node: only its intra-node "
+                f"stage {info.intra!r} runs (set MPISTRAT_RANKS_PER_NODE to form virtual "
+                f"nodes, or use a flat algorithm)"
+            )))
+    if layout.replicas == 1:
+        warnings.append(Finding("warning", None, (
+            "the job has a single replica (1 worker x 1 device): every all-reduce is a copy"
+        )))
+    return errors + warnings
+
+
+def require_fits(spec: SpecLike, layout: Layout) -> AllReduceSpec:
+    """Parse ``spec`` and raise :class:`TopologyError` on the first error :func:`check_spec` finds.
+
+    Every rank of a job calls this with the same spec and layout, so every rank raises
+    the same error.
+    """
+    parsed = parse_spec(spec)
+    for finding in check_spec(parsed, layout):
+        if finding.level == "error":
+            raise TopologyError(finding.message)
+    return parsed

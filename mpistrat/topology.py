@@ -1,0 +1,178 @@
+"""Node groups of a communicator: who shares a node, who leads it, how nodes are ordered.
+
+The topology model (see ``docs/architecture`` in the project notes):
+
+* a **worker** is one MPI rank of the communicator;
+* a **node group** is the set of ranks on one node, from
+  ``Split_type(COMM_TYPE_SHARED)``; with ``ranks_per_node=k`` (or
+  ``MPISTRAT_RANKS_PER_NODE=k``) each physical node is cut into virtual nodes of ``k``
+  consecutive local ranks, so a single machine can exercise cross-node stages;
+* the **leader** of a node is its local rank 0 (its lowest rank); leaders form the
+  cross-node communicator; nodes are numbered by their leader's rank.
+
+Building a topology is collective over the communicator. The result is cached on the
+communicator itself as an MPI attribute, so later calls are free and the
+sub-communicators are freed together with the communicator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._mpi import mpi, world
+from .config import Settings
+from .errors import TopologyError
+from .layout import Layout
+
+__all__ = ["Topology", "get_topology"]
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """The node structure of a communicator, as seen from one rank.
+
+    Attributes:
+        comm: the communicator this describes.
+        rank, size: this rank and the number of ranks of ``comm``.
+        node_comm: the ranks of this rank's node group (rank order kept).
+        local_rank, local_size: this rank's place in, and the size of, its node group.
+        node: index of this rank's node group (nodes ordered by leader rank).
+        num_nodes: number of node groups.
+        leader_comm: the node leaders (local rank 0 of each node), ordered by node index;
+            None on ranks that are not leaders.
+        node_of_rank: node index of every rank of ``comm``.
+        hostnames: processor name of every rank of ``comm``.
+        ranks_per_node: the virtual node size in force, or None for physical nodes.
+    """
+
+    comm: Any
+    rank: int
+    size: int
+    node_comm: Any
+    local_rank: int
+    local_size: int
+    node: int
+    num_nodes: int
+    leader_comm: Any | None
+    node_of_rank: tuple[int, ...]
+    hostnames: tuple[str, ...]
+    ranks_per_node: int | None
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the lowest rank of each node group."""
+        return self.local_rank == 0
+
+    @property
+    def node_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of ``comm`` in each node group, by node index."""
+        groups: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for rank, node in enumerate(self.node_of_rank):
+            groups[node].append(rank)
+        return tuple(tuple(g) for g in groups)
+
+    def layout(self, devices_per_worker: int = 1, gpus: bool = False) -> Layout:
+        """The :class:`~mpistrat.layout.Layout` of this job for spec checks."""
+        return Layout(self.size, devices_per_worker, gpus, self.num_nodes)
+
+
+_KEYVAL: int | None = None
+
+
+def _free_cached(comm: Any, keyval: int, cache: dict) -> None:
+    MPI = mpi()
+    if MPI.Is_finalized():
+        return
+    for topology in cache.values():
+        for sub in (topology.node_comm, topology.leader_comm):
+            if sub is not None and sub != MPI.COMM_NULL:
+                sub.Free()
+
+
+def _cache(comm: Any) -> dict:
+    global _KEYVAL
+    MPI = mpi()
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_cached)
+    cache = comm.Get_attr(_KEYVAL)
+    if cache is None:
+        cache = {}
+        comm.Set_attr(_KEYVAL, cache)
+    return cache
+
+
+def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topology:
+    """Return the node topology of ``comm`` (collective on first call, cached after).
+
+    Args:
+        comm: an mpi4py intracommunicator (default ``COMM_WORLD``).
+        ranks_per_node: cut each physical node into virtual nodes of this many ranks;
+            None reads ``MPISTRAT_RANKS_PER_NODE`` and otherwise uses physical nodes.
+
+    Raises:
+        TopologyError: on every rank, when ranks disagree on ``ranks_per_node`` or it
+            is not a positive integer.
+    """
+    comm = world() if comm is None else comm
+    if ranks_per_node is None:
+        ranks_per_node = Settings.from_env().ranks_per_node
+    local_ok = ranks_per_node is None or (
+        isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
+        and ranks_per_node >= 1
+    )
+    key = ranks_per_node if local_ok else "invalid"
+    cache = _cache(comm)
+    if key in cache:
+        return cache[key]
+    # Agree on the setting first, so a mistake on one rank is an error on every rank.
+    settings = comm.allgather(ranks_per_node if local_ok else repr(ranks_per_node))
+    if any(s != settings[0] for s in settings) or not local_ok:
+        raise TopologyError(
+            f"ranks_per_node must be the same positive integer (or None) on every rank; "
+            f"got {settings} by rank; set MPISTRAT_RANKS_PER_NODE identically on every rank "
+            f"(e.g. mpiexec -genv MPISTRAT_RANKS_PER_NODE 2) or not at all"
+        )
+    topology = _build(comm, ranks_per_node)
+    cache[key] = topology
+    return topology
+
+
+def _build(comm: Any, ranks_per_node: int | None) -> Topology:
+    MPI = mpi()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    physical = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        physical_leader = physical.bcast(rank, root=0)
+        sub_node = physical.Get_rank() // ranks_per_node if ranks_per_node else 0
+    finally:
+        physical.Free()
+    entries = comm.allgather((physical_leader, sub_node, MPI.Get_processor_name()))
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r, (leader, sub, _host) in enumerate(entries):
+        groups.setdefault((leader, sub), []).append(r)
+    ordered = sorted(groups.values(), key=lambda members: members[0])
+    node_of_rank = [0] * size
+    for index, members in enumerate(ordered):
+        for r in members:
+            node_of_rank[r] = index
+    node = node_of_rank[rank]
+    node_comm = comm.Split(node, key=rank)
+    local_rank = node_comm.Get_rank()
+    leader_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=rank)
+    if leader_comm == MPI.COMM_NULL:
+        leader_comm = None
+    return Topology(
+        comm=comm,
+        rank=rank,
+        size=size,
+        node_comm=node_comm,
+        local_rank=local_rank,
+        local_size=node_comm.Get_size(),
+        node=node,
+        num_nodes=len(ordered),
+        leader_comm=leader_comm,
+        node_of_rank=tuple(node_of_rank),
+        hostnames=tuple(host for _, _, host in entries),
+        ranks_per_node=ranks_per_node,
+    )
