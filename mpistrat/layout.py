@@ -113,12 +113,14 @@ def check_spec(spec: SpecLike, layout: Layout) -> list[Finding]:
                 f"({layout.describe()}); use a CPU algorithm such as 'xring', 'rechd', "
                 f"'pscpu' or 'pscpu/pscpu', or give the workers GPUs (--gpus-per-worker)"
             )))
-        if info.pool is not None:
+        if info.pool is not None and not (info.hierarchical and layout.nodes == 1):
+            # (on one node a hierarchical algorithm skips its cross-node stage, where
+            # the shards apply: the warning below says so)
             available = layout.pool_size(info.pool)
             if available and shards > available:
                 errors.append(Finding("error", index, (
-                    f"{where} has shards={shards} but can gather on only {available} "
-                    f"{info.pool.value} ({layout.describe()}); use shards <= {available}"
+                    f"{where} has shards={shards} but its gather pool ({info.pool.value}) "
+                    f"has only {available} ({layout.describe()}); use shards <= {available}"
                 )))
         if info.shards is Shards.IGNORED and shards > 1:
             warnings.append(Finding("warning", index, (

@@ -9,7 +9,8 @@ is reduced by the first entry whose ``limit >= B``; the last entry has ``limit =
 * the tf_cnn_benchmarks string grammar ``alg[#shards][:limit:alg[#shards]]...``
   (``"nccl#2:1K:pscpu/pscpu#2"``), where the last limit is left out and means -1;
 * a comma form ``alg:shards:limit,...`` (``"nccl:2:1024,pscpu/pscpu:2:-1"``), where
-  an entry may leave out ``limit`` (-1) or ``shards:limit`` (1, -1).
+  an entry may leave out ``limit`` (-1) or ``shards:limit`` (1, -1) when the spec
+  has several entries (a single entry is ``alg:shards:limit``, or just ``alg``).
 
 Limits are **bytes** (TensorFlow's code compared element counts although its docs said
 bytes; mpistrat follows the docs). The suffixes K, M, G and T are powers of two
@@ -45,7 +46,7 @@ __all__ = [
 UNBOUNDED = -1
 
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-_LIMIT_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_LIMIT_RE = re.compile(r"^\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*$", re.IGNORECASE)
 _INT_RE = re.compile(r"^\s*[+-]?\d+\s*$")
 
 
@@ -60,15 +61,19 @@ class AllReduceSpecTuple(NamedTuple):
 SpecLike = Union[str, tuple, list, "AllReduceSpec"]
 
 
-def parse_bytes(text: str) -> int:
-    """Parse a byte count such as ``"1024"``, ``"32K"``, ``"1MiB"`` or ``"-1"``.
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte count such as ``"1024"``, ``"32K"``, ``"1MiB"``, ``"-1"`` or ``1024``.
 
     Raises:
         SpecError: the text is not a whole number of bytes with an optional K/M/G/T
-            suffix, nor -1.
+            suffix, nor -1 (``SpecTypeError`` for a value that is neither str nor int).
     """
     if not isinstance(text, str):
-        raise SpecTypeError(f"a byte count must be a str or int, got {type(text).__name__}")
+        if isinstance(text, bool) or not _is_integer(text):
+            raise SpecTypeError(
+                f"a byte count must be a str or an int, got {text!r} ({type(text).__name__})"
+            )
+        text = str(operator.index(text))
     if text.strip() == "-1":
         return UNBOUNDED
     match = _LIMIT_RE.match(text)
@@ -78,7 +83,7 @@ def parse_bytes(text: str) -> int:
             f"optional K/M/G/T suffix (powers of two, e.g. 1024, 32K, 4MiB) or -1 for no limit"
         )
     number, unit = match.groups()
-    return int(number) << (10 * _UNITS[unit.upper()])
+    return int(number) << (10 * _UNITS[(unit or "").upper()])
 
 
 def format_limit(limit: int) -> str:
@@ -162,9 +167,15 @@ class AllReduceSpec:
     entries: tuple[AllReduceSpecTuple, ...]
 
     def __post_init__(self) -> None:
-        entries = tuple(AllReduceSpecTuple(*e) for e in self.entries)
+        raw = self.entries
+        if not isinstance(raw, (tuple, list)) or not all(isinstance(e, tuple) for e in raw):
+            raise SpecTypeError(
+                f"AllReduceSpec takes a tuple of (alg, shards, limit) tuples, got {raw!r}; "
+                f"use parse_spec() for the other forms"
+            )
+        entries = tuple(_entry_from_tuple(e, i) for i, e in enumerate(raw))
         object.__setattr__(self, "entries", entries)
-        _validate(entries, [repr(tuple(e)) for e in entries])
+        _validate(entries, [repr(e) for e in raw])
 
     @classmethod
     def parse(cls, spec: SpecLike) -> AllReduceSpec:
@@ -364,10 +375,15 @@ def _parse_string(text: str) -> tuple[list[AllReduceSpecTuple], list[str]]:
     if "," in spec:
         return _parse_comma_form(spec)
     parts = spec.split(":")
-    if (len(parts) == 2 and _INT_RE.match(parts[1])) or (
-        len(parts) == 3 and _INT_RE.match(parts[1]) and _looks_like_limit(parts[2])
-    ):
-        return _parse_comma_form(spec)  # a single comma-form entry: alg:shards[:limit]
+    if len(parts) == 3 and _INT_RE.match(parts[1]) and _looks_like_limit(parts[2]):
+        return _parse_comma_form(spec)  # a single comma-form entry: alg:shards:limit
+    if len(parts) % 2 == 0 and parts[-1].strip() == "-1":
+        raise SpecError(
+            f"all-reduce spec {text!r} ends with ':-1': in the form "
+            f"alg[#shards][:limit:alg[#shards]]... the last entry has no limit, so leave "
+            f"it out (e.g. {':'.join(parts[:-1])!r}), or write every entry as "
+            f"alg:shards:limit separated by commas"
+        )
     if len(parts) % 2 == 0:
         raise SpecError(
             f"all-reduce spec {text!r} is not well formed: expected "

