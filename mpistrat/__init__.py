@@ -30,3 +30,8 @@ __all__ = [
     "TopologyError",
     "BackendUnavailable",
 ]
+
+from .allreduce import CollectiveMismatchError, all_reduce  # noqa: E402
+from .ops import ReduceOp  # noqa: E402
+
+__all__ += ["all_reduce", "CollectiveMismatchError", "ReduceOp"]

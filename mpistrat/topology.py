@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ._commcache import comm_cache
 from ._mpi import mpi, world
 from .config import Settings
 from .errors import TopologyError
@@ -76,30 +77,11 @@ class Topology:
         """The :class:`~mpistrat.layout.Layout` of this job for spec checks."""
         return Layout(self.size, devices_per_worker, gpus, self.num_nodes)
 
-
-_KEYVAL: int | None = None
-
-
-def _free_cached(comm: Any, keyval: int, cache: dict) -> None:
-    MPI = mpi()
-    if MPI.Is_finalized():
-        return
-    for topology in cache.values():
-        for sub in (topology.node_comm, topology.leader_comm):
-            if sub is not None and sub != MPI.COMM_NULL:
+    def release(self) -> None:
+        """Free the sub-communicators (called when ``comm`` is freed)."""
+        for sub in (self.node_comm, self.leader_comm):
+            if sub is not None and sub != mpi().COMM_NULL:
                 sub.Free()
-
-
-def _cache(comm: Any) -> dict:
-    global _KEYVAL
-    MPI = mpi()
-    if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_cached)
-    cache = comm.Get_attr(_KEYVAL)
-    if cache is None:
-        cache = {}
-        comm.Set_attr(_KEYVAL, cache)
-    return cache
 
 
 def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topology:
@@ -121,8 +103,8 @@ def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topolog
         isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
         and ranks_per_node >= 1
     )
-    key = ranks_per_node if local_ok else "invalid"
-    cache = _cache(comm)
+    key = ("topology", ranks_per_node if local_ok else "invalid")
+    cache = comm_cache(comm)
     if key in cache:
         return cache[key]
     # Agree on the setting first, so a mistake on one rank is an error on every rank.

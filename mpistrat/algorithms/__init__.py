@@ -1,7 +1,69 @@
-"""All-reduce algorithms: the registry of names (pure, no MPI) and, later, their implementations."""
+"""All-reduce algorithms: the registry of names (pure) and the code behind each name.
+
+Every algorithm is a function over a communicator and a contiguous 1-D buffer that it
+reduces in place: ``f(comm, buf, *, op, shards, backend, rotation)``; see each module's
+docstring for its steps, the bytes it moves and its preconditions.
+"""
 
 from __future__ import annotations
 
-from .registry import AlgorithmInfo, Shards, get, names, register
+import functools
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["AlgorithmInfo", "Shards", "get", "names", "register"]
+from ..errors import BackendUnavailable
+from ..ops import ReduceOp
+from . import halving_doubling, native, ring, shuffle
+from .hierarchical import Implementation, hierarchical
+from .registry import AlgorithmInfo, Pool, Shards, get, names, register
+
+__all__ = [
+    "AlgorithmInfo", "Shards", "Pool", "get", "names", "register",
+    "Implementation", "implementation", "run", "compose",
+]
+
+_FLAT: dict[str, Implementation] = {
+    "xring": Implementation(ring.all_reduce),
+    "rechd": Implementation(halving_doubling.all_reduce),
+    "pscpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root),
+    "native": Implementation(native.all_reduce),
+}
+
+
+def implementation(name: str) -> Implementation:
+    """The flat implementation of a registered, non-hierarchical algorithm.
+
+    Raises:
+        UnknownAlgorithmError: the name is not registered.
+        BackendUnavailable: the algorithm needs GPUs (CuPy and NCCL), which host
+            buffers cannot use.
+    """
+    info = get(name)
+    if name in _FLAT:
+        return _FLAT[name]
+    if info.needs_gpu:
+        raise BackendUnavailable(
+            f"algorithm {name!r} runs on GPU buffers through CuPy/NCCL; these are host "
+            f"(NumPy) buffers — use a CPU algorithm such as 'xring', 'rechd', 'pscpu' or "
+            f"'pscpu/pscpu'"
+        )
+    raise BackendUnavailable(f"algorithm {name!r} has no host implementation")
+
+
+@functools.lru_cache(maxsize=None)
+def compose(intra: str, inter: str) -> Callable[..., None]:
+    """The hierarchical all-reduce ``intra/inter`` for any two flat algorithms."""
+    inner, outer = implementation(intra), implementation(inter)
+    return functools.partial(hierarchical, intra=inner, inter=outer)
+
+
+def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+        rotation: int = 0, ranks_per_node: int | None = None) -> None:
+    """Reduce ``buf`` in place over ``comm`` with the algorithm called ``name``."""
+    info = get(name)
+    if info.hierarchical:
+        compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
+                                        rotation=rotation, ranks_per_node=ranks_per_node)
+    else:
+        implementation(name).all_reduce(comm, buf, op=op, shards=shards, backend=backend,
+                                        rotation=rotation)

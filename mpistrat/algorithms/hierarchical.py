@@ -1,0 +1,62 @@
+"""Hierarchical ``a/b`` all-reduce: ``a`` inside each node group, ``b`` across node leaders,
+then a broadcast inside each node.
+
+Steps: (1) the ranks of each node group reduce onto their leader (local rank 0) with
+``a``'s reduce-to-root when it has one (``pscpu``: each local rank gathers one piece and
+sends it to the leader), else with ``a``'s all-reduce; (2) the leaders all-reduce with
+``b`` over the cross-node communicator, ``shards`` applying to this stage; it is skipped
+on a single node; (3) each leader broadcasts the result to its node group. Any pair of
+algorithms composes. With one rank per node this is TensorFlow's "within a worker, then
+across workers". All ranks end bitwise identical: the leaders hold identical results
+after ``b`` and everyone else receives a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._mpi import mpi
+from ..ops import ReduceOp
+
+__all__ = ["Implementation", "hierarchical"]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """The code behind an algorithm name.
+
+    Attributes:
+        all_reduce: ``f(comm, buf, *, op, shards, backend, rotation)``, in place.
+        reduce_to_root: ``f(comm, buf, *, op, backend, root)`` leaving the reduction on
+            ``root`` only, when the algorithm has a cheaper form for that (used as the
+            intra-node stage of hierarchical algorithms).
+    """
+
+    all_reduce: Callable[..., None]
+    reduce_to_root: Callable[..., None] | None = None
+
+
+def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
+                 rotation: int, intra: Implementation, inter: Implementation,
+                 ranks_per_node: int | None = None) -> None:
+    """Run ``intra`` in each node group, ``inter`` across leaders, then broadcast (in place)."""
+    from ..topology import get_topology  # (topology -> layout -> spec -> this package)
+
+    topology = get_topology(comm, ranks_per_node)
+    if buf.size == 0 or topology.size == 1:
+        return
+    node_comm = topology.node_comm
+    if topology.local_size > 1:
+        if intra.reduce_to_root is not None:
+            intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0)
+        else:
+            intra.all_reduce(node_comm, buf, op=op, shards=1, backend=backend,
+                             rotation=rotation)
+    if topology.is_leader and topology.num_nodes > 1:
+        inter.all_reduce(topology.leader_comm, buf, op=op, shards=shards, backend=backend,
+                         rotation=rotation)
+    if topology.local_size > 1:
+        backend.synchronize()
+        node_comm.Bcast([backend.comm_view(buf), mpi().BYTE], root=0)

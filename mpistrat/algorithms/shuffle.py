@@ -1,0 +1,100 @@
+"""``pscpu``: shuffle (parameter-server style) all-reduce in host memory.
+
+Steps (``n`` ranks, ``k = shards`` gather ranks):
+
+1. the buffer is cut TensorFlow's ragged way into ``k`` pieces (``k - 1`` pieces of
+   ``len // k`` elements, the remainder on the last);
+2. the gather ranks are a group of ``k`` ranks chosen as TF's ``group_device_names``
+   does; successive tensors (``rotation``) use successive groups, so the gather work
+   moves around the ranks;
+3. every rank sends piece ``j`` to gather rank ``j``, which adds the ``n`` contributions
+   in rank order (deterministic) — the piece is reduced once, on one rank;
+4. each gather rank sends its reduced piece back to every rank (straight into the
+   destination buffer).
+
+Bytes: each non-gather rank sends and receives the whole buffer once; gather rank ``j``
+receives ``(n - 1)`` copies of its piece and sends ``n - 1``. Bitwise identical results
+on all ranks since every piece is reduced on exactly one rank. Preconditions: ``1 <= k
+<= n`` (checked by the spec's topology check before any rank communicates).
+
+:func:`reduce_to_root` is the same shuffle with step 4 sending only to one root: the
+intra-node stage of hierarchical ``pscpu/...`` algorithms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._mpi import mpi
+from ..ops import ReduceOp
+from ._chunks import gather_groups, ragged_bounds
+
+__all__ = ["all_reduce", "reduce_to_root"]
+
+_TAG_GATHER, _TAG_SCATTER = 5, 6
+
+
+def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
+             destinations: list[int] | None) -> None:
+    MPI = mpi()
+    n, rank = comm.Get_size(), comm.Get_rank()
+    k = len(owners)
+    bounds = ragged_bounds(buf.size, k)
+    raw = backend.comm_view(buf)
+    size = buf.itemsize
+
+    def piece(j: int) -> Any:
+        return raw[bounds[j] * size:bounds[j + 1] * size]
+
+    mine = [j for j in range(k) if owners[j] == rank]
+    # post the receives of every contribution to the pieces this rank gathers
+    incoming: dict[int, list[tuple[int, Any, Any]]] = {}
+    for j in mine:
+        length = bounds[j + 1] - bounds[j]
+        slots = backend.scratch(f"pscpu{j}", length * (n - 1), buf.dtype)
+        slots_raw = backend.comm_view(slots)
+        entries = []
+        for index, source in enumerate(r for r in range(n) if r != rank):
+            slot = slots[index * length:(index + 1) * length]
+            request = comm.Irecv([slots_raw[index * length * size:(index + 1) * length * size],
+                                  MPI.BYTE], source, tag=_TAG_GATHER)
+            entries.append((source, slot, request))
+        incoming[j] = entries
+    sends = [comm.Isend([piece(j), MPI.BYTE], owners[j], tag=_TAG_GATHER)
+             for j in range(k) if owners[j] != rank]
+    # reduce each owned piece, adding contributions in rank order as they arrive
+    for j in mine:
+        target = buf[bounds[j]:bounds[j + 1]]
+        for _source, slot, request in incoming[j]:
+            request.Wait()
+            backend.combine(op, target, slot)
+    MPI.Request.Waitall(sends)
+    # send the reduced pieces back
+    targets = range(n) if destinations is None else destinations
+    requests = []
+    for j in range(k):
+        if owners[j] == rank:
+            requests += [comm.Isend([piece(j), MPI.BYTE], dest, tag=_TAG_SCATTER)
+                         for dest in targets if dest != rank]
+        elif rank in targets:
+            requests.append(comm.Irecv([piece(j), MPI.BYTE], owners[j], tag=_TAG_SCATTER))
+    MPI.Request.Waitall(requests)
+
+
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+               rotation: int = 0) -> None:
+    """Shuffle all-reduce of ``buf`` in place over ``comm`` with ``shards`` gather ranks."""
+    n = comm.Get_size()
+    if n == 1 or buf.size == 0:
+        return
+    groups = gather_groups(n, shards)
+    _shuffle(comm, buf, op, groups[rotation % len(groups)], backend, None)
+
+
+def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0) -> None:
+    """Shuffle-reduce ``buf`` onto ``root``: every rank gathers one piece, then sends it
+    to ``root`` only. Other ranks' buffers are left partly reduced (scratch)."""
+    n = comm.Get_size()
+    if n == 1 or buf.size == 0:
+        return
+    _shuffle(comm, buf, op, list(range(n)), backend, [root])

@@ -1,0 +1,237 @@
+"""``all_reduce``: reduce one tensor (or a rank's G local replicas of it) across a communicator.
+
+What happens on every rank, in order:
+
+1. the value is normalised: one array, or a list of the rank's ``G`` replica arrays of
+   one shape and dtype; the op is parsed; the spec is parsed and the entry for the
+   tensor's byte size is chosen;
+2. unless ``check=False``, the ranks agree that they all asked for the same thing (``G``,
+   shape, dtype, op, spec) with one small ``Allreduce`` of a hash; a rank whose
+   arguments were invalid takes part too, so a mistake on one rank raises the same error
+   on every rank instead of leaving the others waiting;
+3. the chosen entry is checked against the job's layout (e.g. shards above the number of
+   gather ranks) — identical on every rank, so it fails everywhere or nowhere;
+4. the ``G`` replicas are combined locally (in replica order), the algorithm reduces the
+   result across ranks in place, MEAN divides by ``W * G``, and the result is copied
+   back out to ``G`` fresh arrays (or into the inputs with ``inplace=True``).
+
+Inputs are never modified unless ``inplace=True``. Results are bitwise identical on
+every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import algorithms
+from ._commcache import comm_cache
+from ._mpi import mpi, world
+from .backends import get_backend
+from .errors import MpistratError
+from .layout import Layout, require_fits
+from .ops import ReduceOp
+from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
+
+__all__ = ["all_reduce", "CollectiveMismatchError"]
+
+
+class CollectiveMismatchError(MpistratError, ValueError):
+    """Ranks called a collective with different arguments, or some rank's arguments were
+    invalid; raised on every rank with a description of each rank's call."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    arrays: list[Any]
+    backend: Any
+    op: ReduceOp
+    spec: AllReduceSpec
+    entry: AllReduceSpecTuple
+    signature: str
+
+
+_SPEC_CACHE: dict[Any, AllReduceSpec] = {}
+
+
+def _spec(spec: Any) -> AllReduceSpec:
+    if isinstance(spec, AllReduceSpec):
+        return spec
+    try:
+        return _SPEC_CACHE[spec]
+    except (KeyError, TypeError):  # TypeError: lists are not hashable
+        pass
+    parsed = parse_spec(spec)
+    if isinstance(spec, (str, tuple)) and len(_SPEC_CACHE) < 256:
+        _SPEC_CACHE[spec] = parsed
+    return parsed
+
+
+def _prepare(value: Any, op: Any, spec: Any) -> _Call:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("all_reduce got an empty list: give one array, or one array "
+                             "per local replica")
+        items = list(value)
+    else:
+        items = [value]
+    backend = get_backend(items[0] if not np.isscalar(items[0]) else np.asarray(items[0]))
+    arrays = [backend.asarray(item) for item in items]
+    first = arrays[0]
+    for index, array in enumerate(arrays[1:], start=1):
+        if array.shape != first.shape or array.dtype != first.dtype:
+            raise ValueError(
+                f"local replica {index} has shape {array.shape} and dtype {array.dtype}, "
+                f"replica 0 has {first.shape} and {first.dtype}; every replica of a tensor "
+                f"must have the same shape and dtype"
+            )
+    dtype = first.dtype
+    if not (dtype.kind in "fiuc" or dtype.name == "bfloat16"):
+        raise TypeError(f"cannot all-reduce dtype {dtype}: expected a numeric dtype "
+                        f"(float16/32/64, bfloat16, int*, uint*, complex)")
+    reduce_op = ReduceOp.parse(op)
+    if dtype.kind == "c" and reduce_op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(f"{reduce_op} is not defined for complex dtype {dtype}")
+    parsed = _spec(spec)
+    entry = parsed.route(first.nbytes)
+    signature = (f"G={len(arrays)} shape={first.shape} dtype={dtype.str} op={reduce_op.name} "
+                 f"spec={parsed}")
+    return _Call(arrays, backend, reduce_op, parsed, entry, signature)
+
+
+def _agree(comm: Any, call: _Call | None, error: BaseException | None) -> None:
+    """One small Allreduce: did every rank prepare the same call without error?"""
+    MPI = mpi()
+    if call is not None:
+        digest = hashlib.blake2b(call.signature.encode(), digest_size=8).digest()
+        code = int.from_bytes(digest, "little") >> 2  # fits in int64, and so does -code
+    else:
+        code = 0
+    flags = np.array([1 if error is not None else 0, code, -code], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    failed, high, negated_low = (int(x) for x in flags)
+    if not failed and high == -negated_low:
+        return
+    # error path only: tell every rank what every rank asked for
+    mine = (f"{type(error).__name__}: {error}" if error is not None else call.signature)
+    everyone = comm.allgather((error is not None, mine))
+    detail = "; ".join(f"rank {rank}: {text}" for rank, (_, text) in enumerate(everyone))
+    if error is not None:
+        raise error
+    if failed:
+        bad = [rank for rank, (erred, _) in enumerate(everyone) if erred]
+        raise CollectiveMismatchError(
+            f"all_reduce failed on rank(s) {bad} before communicating ({detail}); fix the "
+            f"arguments there: every rank must pass a valid, identical call"
+        )
+    raise CollectiveMismatchError(
+        f"all_reduce called with different arguments on different ranks ({detail}); every "
+        f"rank must pass the same number of replicas, shape, dtype, op and spec"
+    )
+
+
+class _Counter:
+    """How many all-reduces ran on a communicator (rotates shuffle gather ranks)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+def all_reduce(
+    value: Any,
+    op: Any = "sum",
+    spec: Any = "xring",
+    comm: Any = None,
+    *,
+    check: bool = True,
+    inplace: bool = False,
+    ranks_per_node: int | None = None,
+) -> Any:
+    """All-reduce ``value`` across every rank (and local replica) of ``comm``.
+
+    Args:
+        value: one array (any shape, a scalar too), or a list of this rank's ``G`` local
+            replica arrays of one shape and dtype.
+        op: ``"sum"``, ``"mean"``, ``"min"``, ``"max"`` (any case) or a :class:`ReduceOp`.
+        spec: an all-reduce spec in any form :func:`~mpistrat.parse_spec` accepts; the
+            entry for the tensor's byte size is used.
+        comm: an mpi4py intracommunicator (default ``COMM_WORLD``); a ``Dup`` or
+            ``Split`` works.
+        check: agree across ranks that every rank passed the same call before
+            communicating (one small Allreduce). Turn it off only for calls whose
+            structure is known to match, e.g. a training loop after its first step.
+        inplace: write the result into the input arrays (C-contiguous) instead of new ones.
+        ranks_per_node: virtual node size for hierarchical algorithms (default
+            ``MPISTRAT_RANKS_PER_NODE``, else physical nodes).
+
+    Returns:
+        The reduced array (same shape; the same dtype except MEAN of integers, which is
+        float64), or a list of ``G`` such arrays when ``value`` was a list.
+
+    Raises:
+        ValueError, TypeError: invalid arguments (on every rank when ``check``).
+        CollectiveMismatchError: ranks passed different calls (on every rank).
+        TopologyError: the spec entry does not fit this job (on every rank).
+    """
+    comm = world() if comm is None else comm
+    call = error = None
+    try:
+        call = _prepare(value, op, spec)
+        if inplace:
+            for array in call.arrays:
+                if not isinstance(array, np.ndarray) or not array.flags.c_contiguous \
+                        or not array.flags.writeable:
+                    raise ValueError("inplace=True needs writeable C-contiguous arrays")
+            if call.op is ReduceOp.MEAN and call.arrays[0].dtype.kind in "iu":
+                raise TypeError("inplace=True cannot hold a MEAN of integers (it is float64)")
+    except (ValueError, TypeError) as exc:
+        if not check:
+            raise
+        error = exc
+    if check:
+        _agree(comm, call, error)
+    assert call is not None
+    arrays, backend, reduce_op = call.arrays, call.backend, call.op
+    replicas = len(arrays)
+    workers = comm.Get_size()
+    info = algorithms.get(call.entry.alg)
+    nodes = 1
+    if info.hierarchical:
+        from .topology import get_topology
+
+        nodes = get_topology(comm, ranks_per_node).num_nodes
+    require_fits([call.entry[:2]], Layout(workers, replicas, False, nodes))
+
+    # combine the local replicas in replica order
+    first = arrays[0]
+    if inplace and replicas == 1:
+        buf = backend.flat_view(first)
+    else:
+        buf = backend.flat_copy(first)
+    for array in arrays[1:]:
+        backend.combine(reduce_op, buf, backend.flat_view(array) if array.flags.c_contiguous
+                        else backend.flat_copy(array))
+    if workers > 1 and buf.size:
+        counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
+        algorithms.run(call.entry.alg, comm, buf, op=reduce_op, shards=call.entry.shards,
+                       backend=backend, rotation=counter.value, ranks_per_node=ranks_per_node)
+        counter.value += 1
+    if reduce_op is ReduceOp.MEAN:
+        buf = backend.divide(buf, workers * replicas)
+    result = buf.reshape(first.shape)
+    if inplace:
+        for array in arrays:
+            if array is not first or replicas > 1:
+                backend.copy(array, result)
+        outputs: Sequence[Any] = arrays
+    else:
+        outputs = [result] + [result.copy() for _ in arrays[1:]]
+    if isinstance(value, (list, tuple)):
+        return list(outputs)
+    return outputs[0]
