@@ -32,8 +32,8 @@ from . import algorithms
 from ._commcache import comm_cache
 from ._mpi import mpi, world
 from .backends import get_backend
-from .errors import MpistratError
-from .layout import Layout, require_fits
+from .config import Settings
+from .errors import MpistratError, TopologyError
 from .ops import ReduceOp
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
 
@@ -61,17 +61,19 @@ _SPEC_CACHE: dict[Any, AllReduceSpec] = {}
 def _spec(spec: Any) -> AllReduceSpec:
     if isinstance(spec, AllReduceSpec):
         return spec
-    try:
-        return _SPEC_CACHE[spec]
-    except (KeyError, TypeError):  # TypeError: lists are not hashable
-        pass
+    # Keyed by repr: ("xring", True) == ("xring", 1) as tuples, but only one is valid.
+    key = repr(spec) if isinstance(spec, (str, tuple)) else None
+    cached = _SPEC_CACHE.get(key) if key is not None else None
+    if cached is not None:
+        return cached
     parsed = parse_spec(spec)
-    if isinstance(spec, (str, tuple)) and len(_SPEC_CACHE) < 256:
-        _SPEC_CACHE[spec] = parsed
+    if key is not None and len(_SPEC_CACHE) < 256:
+        _SPEC_CACHE[key] = parsed
     return parsed
 
 
-def _prepare(value: Any, op: Any, spec: Any) -> _Call:
+def _prepare(value: Any, op: Any, spec: Any, inplace: bool,
+             ranks_per_node: int | None) -> _Call:
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("all_reduce got an empty list: give one array, or one array "
@@ -96,10 +98,36 @@ def _prepare(value: Any, op: Any, spec: Any) -> _Call:
     reduce_op = ReduceOp.parse(op)
     if dtype.kind == "c" and reduce_op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"{reduce_op} is not defined for complex dtype {dtype}")
+    if inplace:
+        for item in items:
+            if not isinstance(item, np.ndarray) or not item.flags.c_contiguous \
+                    or not item.flags.writeable:
+                raise ValueError(
+                    f"inplace=True needs writeable C-contiguous arrays, got a "
+                    f"{type(item).__name__}"
+                    + ("" if not isinstance(item, np.ndarray) else
+                       f" (C-contiguous: {item.flags.c_contiguous}, writeable: "
+                       f"{item.flags.writeable})")
+                    + "; pass such arrays, or drop inplace=True"
+                )
+        if reduce_op is ReduceOp.MEAN and dtype.kind in "iu":
+            raise TypeError(f"inplace=True cannot hold a MEAN of integers ({dtype}): the "
+                            f"result is float64; drop inplace=True or use op='sum'")
+    if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1):
+        raise TopologyError(
+            f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}"
+        )
     parsed = _spec(spec)
     entry = parsed.route(first.nbytes)
     signature = (f"G={len(arrays)} shape={first.shape} dtype={dtype.str} op={reduce_op.name} "
-                 f"spec={parsed}")
+                 f"spec={parsed} inplace={inplace}")
+    if algorithms.get(entry.alg).hierarchical:
+        # ranks must agree on the node grouping too (a cached topology would hide it)
+        effective = ranks_per_node if ranks_per_node is not None \
+            else Settings.from_env().ranks_per_node
+        signature += f" ranks_per_node={effective}"
     return _Call(arrays, backend, reduce_op, parsed, entry, signature)
 
 
@@ -182,14 +210,7 @@ def all_reduce(
     comm = world() if comm is None else comm
     call = error = None
     try:
-        call = _prepare(value, op, spec)
-        if inplace:
-            for array in call.arrays:
-                if not isinstance(array, np.ndarray) or not array.flags.c_contiguous \
-                        or not array.flags.writeable:
-                    raise ValueError("inplace=True needs writeable C-contiguous arrays")
-            if call.op is ReduceOp.MEAN and call.arrays[0].dtype.kind in "iu":
-                raise TypeError("inplace=True cannot hold a MEAN of integers (it is float64)")
+        call = _prepare(value, op, spec, inplace, ranks_per_node)
     except (ValueError, TypeError) as exc:
         if not check:
             raise
@@ -206,7 +227,7 @@ def all_reduce(
         from .topology import get_topology
 
         nodes = get_topology(comm, ranks_per_node).num_nodes
-    require_fits([call.entry[:2]], Layout(workers, replicas, False, nodes))
+    algorithms.check_fits(call.entry.alg, call.entry.shards, workers, nodes, replicas)
 
     # combine the local replicas in replica order
     first = arrays[0]

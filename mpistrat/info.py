@@ -73,7 +73,7 @@ def collect_info(comm: Any = None, gpus: bool = True) -> dict[str, Any]:
         "mpi4py": mpi4py.__version__,
         "mpi": {
             "vendor": f"{vendor} {'.'.join(map(str, vendor_version))}",
-            "library_version": MPI.Get_library_version().strip().splitlines()[0].strip(),
+            "library_version": " ".join(MPI.Get_library_version().split("\n", 1)[0].split()),
             "standard": f"{major}.{minor}",
             "library_path": mpi_library_path(),
             "thread_level": _THREAD_LEVELS[MPI.Query_thread()]

@@ -19,7 +19,7 @@ from .registry import AlgorithmInfo, Pool, Shards, get, names, register
 
 __all__ = [
     "AlgorithmInfo", "Shards", "Pool", "get", "names", "register",
-    "Implementation", "implementation", "run", "compose",
+    "Implementation", "implementation", "run", "compose", "check_fits",
 ]
 
 _FLAT: dict[str, Implementation] = {
@@ -57,13 +57,33 @@ def compose(intra: str, inter: str) -> Callable[..., None]:
     return functools.partial(hierarchical, intra=inner, inter=outer)
 
 
+@functools.lru_cache(maxsize=256)
+def check_fits(name: str, shards: int, workers: int, nodes: int,
+               devices_per_worker: int = 1, gpus: bool = False) -> None:
+    """Raise :class:`~mpistrat.errors.TopologyError` if ``name#shards`` cannot run on this
+    layout (cached). Every rank knows these values, so every rank raises together."""
+    from ..layout import Layout, require_fits  # (layout -> spec -> this package)
+
+    require_fits([(name, shards)], Layout(workers, devices_per_worker, gpus, nodes))
+
+
 def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
         rotation: int = 0, ranks_per_node: int | None = None) -> None:
-    """Reduce ``buf`` in place over ``comm`` with the algorithm called ``name``."""
+    """Reduce ``buf`` in place over ``comm`` with the algorithm called ``name``.
+
+    The algorithm's topology preconditions (e.g. shards no more than the gather ranks
+    of its stage) are checked first, on every rank alike, so a bad call raises
+    everywhere instead of leaving some ranks waiting.
+    """
     info = get(name)
     if info.hierarchical:
+        from ..topology import get_topology
+
+        topology = get_topology(comm, ranks_per_node)
+        check_fits(name, shards, topology.size, topology.num_nodes)
         compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
                                         rotation=rotation, ranks_per_node=ranks_per_node)
     else:
+        check_fits(name, shards, comm.Get_size(), 1)
         implementation(name).all_reduce(comm, buf, op=op, shards=shards, backend=backend,
                                         rotation=rotation)
