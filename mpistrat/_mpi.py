@@ -8,11 +8,17 @@ from typing import Any
 __all__ = ["mpi", "world"]
 
 
+_MPI: Any = None
+
+
 def mpi() -> Any:
     """Return the ``mpi4py.MPI`` module, initialising MPI on first use."""
-    from mpi4py import MPI
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
 
-    return MPI
+        _MPI = MPI
+    return _MPI
 
 
 def world() -> Any:

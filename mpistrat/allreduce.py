@@ -52,7 +52,21 @@ class _Call:
     op: ReduceOp
     spec: AllReduceSpec
     entry: AllReduceSpecTuple
-    signature: str
+    inplace: bool
+    ranks_per_node: int | None
+
+    @property
+    def signature(self) -> str:
+        """What every rank must agree on, as text (built only when checking)."""
+        first = self.arrays[0]
+        text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
+                f"op={self.op.name} spec={self.spec} inplace={self.inplace}")
+        if algorithms.get(self.entry.alg).hierarchical:
+            # ranks must agree on the node grouping too (a cached topology would hide it)
+            effective = self.ranks_per_node if self.ranks_per_node is not None \
+                else Settings.from_env().ranks_per_node
+            text += f" ranks_per_node={effective}"
+        return text
 
 
 _SPEC_CACHE: dict[Any, AllReduceSpec] = {}
@@ -120,15 +134,8 @@ def _prepare(value: Any, op: Any, spec: Any, inplace: bool,
             f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}"
         )
     parsed = _spec(spec)
-    entry = parsed.route(first.nbytes)
-    signature = (f"G={len(arrays)} shape={first.shape} dtype={dtype.str} op={reduce_op.name} "
-                 f"spec={parsed} inplace={inplace}")
-    if algorithms.get(entry.alg).hierarchical:
-        # ranks must agree on the node grouping too (a cached topology would hide it)
-        effective = ranks_per_node if ranks_per_node is not None \
-            else Settings.from_env().ranks_per_node
-        signature += f" ranks_per_node={effective}"
-    return _Call(arrays, backend, reduce_op, parsed, entry, signature)
+    return _Call(arrays, backend, reduce_op, parsed, parsed.route(first.nbytes), inplace,
+                 ranks_per_node)
 
 
 def _agree(comm: Any, call: _Call | None, error: BaseException | None) -> None:
