@@ -14,11 +14,11 @@ then asserts.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _checks import _dtype, _eps, digest, finish, problem
 
 from mpistrat import ReduceOp, algorithms
 from mpistrat.algorithms import halving_doubling, ring
@@ -30,23 +30,6 @@ from mpistrat.topology import get_topology
 
 PERIOD = 1021  # contributions repeat with this (prime) period, so references of huge
 # buffers are computed on one period and tiled
-
-
-def _dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        ml_dtypes = pytest.importorskip("ml_dtypes")
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _eps(dtype: np.dtype) -> float:
-    if dtype.kind in "iu":
-        return 0.0
-    if dtype.name == "bfloat16":
-        import ml_dtypes
-
-        return float(ml_dtypes.finfo(dtype).eps)
-    return float(np.finfo(dtype).eps)
 
 
 def _pattern(rank: int, replica: int = 0) -> np.ndarray:
@@ -83,42 +66,6 @@ def reference(op: ReduceOp, size: int, length: int, dtype: np.dtype,
     if m < length:
         ref, tol = np.resize(ref, length), np.resize(tol, length)
     return ref, tol
-
-
-def problem(result: np.ndarray, ref: np.ndarray, tol: np.ndarray, dtype: np.dtype,
-            label: str) -> str | None:
-    """A description of what is wrong with ``result``, or None."""
-    if result.dtype != dtype:
-        return f"{label}: dtype {result.dtype}, expected {dtype}"
-    if result.shape != ref.shape:
-        return f"{label}: shape {result.shape}, expected {ref.shape}"
-    got = result.astype(np.float64)
-    bad = ~(np.abs(got - ref) <= tol)
-    if bad.any():
-        where = np.flatnonzero(bad)
-        i = int(where[0])
-        return (f"{label}: {where.size} of {ref.size} elements wrong, first at [{i}]: "
-                f"got {got[i]!r}, expected {ref[i]!r} (tolerance {tol[i]:.3g})")
-    return None
-
-
-def digest(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
-
-
-def finish(comm, problems: list[str], digests: list[tuple[str, str]]) -> None:
-    """Gather every rank's result hashes (one collective), then assert."""
-    everyone = comm.allgather(digests)
-    for rank, theirs in enumerate(everyone):
-        if theirs != digests:
-            differ = [(label, mine, other) for (label, mine), (_, other)
-                      in zip(digests, theirs) if mine != other]
-            problems.append(
-                f"results differ between rank {comm.rank} and rank {rank} of {comm.size}: "
-                f"{len(differ)} case(s), first: {differ[0][0] if differ else 'count'}"
-            )
-            break
-    assert not problems, "\n".join(problems[:20])
 
 
 # --- the algorithms under test ---------------------------------------------------------

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mpistrat
 from mpistrat import algorithms
 from mpistrat.errors import SpecError, SpecTypeError, UnknownAlgorithmError
 from mpistrat.spec import (
