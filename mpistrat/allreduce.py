@@ -243,8 +243,8 @@ def all_reduce(
     else:
         buf = backend.flat_copy(first)
     for array in arrays[1:]:
-        backend.combine(reduce_op, buf, backend.flat_view(array) if array.flags.c_contiguous
-                        else backend.flat_copy(array))
+        view = backend.flat_view(array)
+        backend.combine(reduce_op, buf, view if view is not None else backend.flat_copy(array))
     if workers > 1 and buf.size:
         counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
         algorithms.run(call.entry.alg, comm, buf, op=reduce_op, shards=call.entry.shards,
