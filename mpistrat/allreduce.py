@@ -21,7 +21,6 @@ every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,19 +29,15 @@ import numpy as np
 
 from . import algorithms
 from ._commcache import comm_cache
-from ._mpi import mpi, world
+from ._mpi import world
 from .backends import get_backend
 from .config import Settings
-from .errors import MpistratError, TopologyError
+from ._agreement import agree
+from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
 
 __all__ = ["all_reduce", "CollectiveMismatchError"]
-
-
-class CollectiveMismatchError(MpistratError, ValueError):
-    """Ranks called a collective with different arguments, or some rank's arguments were
-    invalid; raised on every rank with a description of each rank's call."""
 
 
 @dataclass(frozen=True)
@@ -138,37 +133,6 @@ def _prepare(value: Any, op: Any, spec: Any, inplace: bool,
                  ranks_per_node)
 
 
-def _agree(comm: Any, call: _Call | None, error: BaseException | None) -> None:
-    """One small Allreduce: did every rank prepare the same call without error?"""
-    MPI = mpi()
-    if call is not None:
-        digest = hashlib.blake2b(call.signature.encode(), digest_size=8).digest()
-        code = int.from_bytes(digest, "little") >> 2  # fits in int64, and so does -code
-    else:
-        code = 0
-    flags = np.array([1 if error is not None else 0, code, -code], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
-    failed, high, negated_low = (int(x) for x in flags)
-    if not failed and high == -negated_low:
-        return
-    # error path only: tell every rank what every rank asked for
-    mine = (f"{type(error).__name__}: {error}" if error is not None else call.signature)
-    everyone = comm.allgather((error is not None, mine))
-    detail = "; ".join(f"rank {rank}: {text}" for rank, (_, text) in enumerate(everyone))
-    if error is not None:
-        raise error
-    if failed:
-        bad = [rank for rank, (erred, _) in enumerate(everyone) if erred]
-        raise CollectiveMismatchError(
-            f"all_reduce failed on rank(s) {bad} before communicating ({detail}); fix the "
-            f"arguments there: every rank must pass a valid, identical call"
-        )
-    raise CollectiveMismatchError(
-        f"all_reduce called with different arguments on different ranks ({detail}); every "
-        f"rank must pass the same number of replicas, shape, dtype, op and spec"
-    )
-
-
 class _Counter:
     """How many all-reduces ran on a communicator (rotates shuffle gather ranks)."""
 
@@ -223,7 +187,8 @@ def all_reduce(
             raise
         error = exc
     if check:
-        _agree(comm, call, error)
+        agree(comm, call.signature if call is not None else None, error, "all_reduce",
+              "the same number of replicas, shape, dtype, op and spec")
     assert call is not None
     arrays, backend, reduce_op = call.arrays, call.backend, call.op
     replicas = len(arrays)

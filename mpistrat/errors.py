@@ -14,6 +14,7 @@ __all__ = [
     "UnknownAlgorithmError",
     "TopologyError",
     "BackendUnavailable",
+    "CollectiveMismatchError",
 ]
 
 
@@ -39,3 +40,8 @@ class TopologyError(MpistratError, ValueError):
 
 class BackendUnavailable(MpistratError, RuntimeError):
     """A capability (CuPy, a GPU, NCCL, a CUDA-aware MPI) that this machine does not have."""
+
+
+class CollectiveMismatchError(MpistratError, ValueError):
+    """Ranks called a collective with different arguments, or some rank's arguments were
+    invalid; raised on every rank with a description of each rank's call."""
