@@ -35,3 +35,26 @@ from .allreduce import CollectiveMismatchError, all_reduce  # noqa: E402
 from .ops import ReduceOp  # noqa: E402
 
 __all__ += ["all_reduce", "CollectiveMismatchError", "ReduceOp"]
+
+from .communication import (  # noqa: E402
+    CollectiveCommunication,
+    CommunicationImplementation,
+    CommunicationOptions,
+)
+from .cross_device_ops import (  # noqa: E402
+    AllReduceCrossDeviceOps,
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    MultiWorkerAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from .errors import CollectiveTimeoutError  # noqa: E402
+from .values import DistributedValues, Mirrored, PerReplica  # noqa: E402
+
+__all__ += [
+    "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
+    "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "NcclAllReduce",
+    "HierarchicalCopyAllReduce", "MultiWorkerAllReduce", "CollectiveTimeoutError",
+    "DistributedValues", "PerReplica", "Mirrored",
+]

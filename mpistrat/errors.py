@@ -15,6 +15,7 @@ __all__ = [
     "TopologyError",
     "BackendUnavailable",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -45,3 +46,15 @@ class BackendUnavailable(MpistratError, RuntimeError):
 class CollectiveMismatchError(MpistratError, ValueError):
     """Ranks called a collective with different arguments, or some rank's arguments were
     invalid; raised on every rank with a description of each rank's call."""
+
+
+class CollectiveTimeoutError(MpistratError, TimeoutError):
+    """Some ranks did not reach a collective within its ``timeout_seconds``.
+
+    Attributes:
+        missing: the ranks that had not arrived when the time ran out.
+    """
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing

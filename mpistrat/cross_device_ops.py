@@ -1,0 +1,639 @@
+"""``CrossDeviceOps``: TensorFlow's gradient-reduction objects over MPI.
+
+Every op reduces over all replicas of all ranks of its communicator (TF's in-graph view,
+emulated: each rank holds its own ``G`` components and the ranks communicate). The
+public methods (``reduce``, ``batch_reduce``, ``broadcast``) validate their arguments,
+agree across ranks that every rank made the same, valid call (so a mistake on one rank
+is an error on every rank, never a hang), take TF's shortcuts, then call the
+``*_implementation`` methods that subclasses override:
+
+* :class:`ReductionToOneDevice` — sum everything on one device (the first destination,
+  rank 0's when it names no task), then broadcast;
+* :class:`AllReduceCrossDeviceOps` and its :class:`NcclAllReduce` and
+  :class:`HierarchicalCopyAllReduce` — all-reduce when the destinations are the value's
+  devices, else reduce-to-one-device;
+* :class:`MultiWorkerAllReduce` — an ``all_reduce_spec`` that routes each tensor by its
+  byte size to an algorithm, with ``num_packs`` / small-gradient packing per spec entry.
+
+Results always come back in input order (TF returned them grouped by spec entry).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import algorithms, packing
+from ._agreement import agree
+from ._mpi import world
+from .backends import get_backend
+from .backends.capabilities import probe_gpus
+from .communication import CommunicationOptions
+from .errors import BackendUnavailable, TopologyError
+from .ops import ReduceOp
+from .spec import AllReduceSpec, parse_spec
+from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device
+
+__all__ = [
+    "CrossDeviceOps",
+    "ReductionToOneDevice",
+    "AllReduceCrossDeviceOps",
+    "NcclAllReduce",
+    "HierarchicalCopyAllReduce",
+    "MultiWorkerAllReduce",
+]
+
+
+# ----------------------------------------------------------------------- arguments
+
+
+def _reduce_op(value: Any) -> ReduceOp:
+    op = ReduceOp.parse(value)
+    if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+        raise ValueError(f"`reduce_op` must be ReduceOp.SUM or ReduceOp.MEAN, got {op}")
+    return op
+
+
+def _per_replica(value: Any) -> DistributedValues:
+    """TF's conversion of a reduce input: a DistributedValues, or one array (on /cpu:0)."""
+    if isinstance(value, DistributedValues):
+        return value
+    if isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"Cannot convert `input_tensor` to a `PerReplica` object, got {value!r} but "
+            f"expected a object that is not a tuple or list; wrap per-device values in "
+            f"PerReplica([...])"
+        )
+    array = np.asarray(value) if np.isscalar(value) else value
+    get_backend(array)  # TypeError for things no backend handles
+    return PerReplica([array])
+
+
+def _destinations(destinations: Any) -> tuple[Device, ...]:
+    """The destination devices: a DistributedValues', one device name, or a list of names."""
+    if isinstance(destinations, DistributedValues):
+        return destinations.device_set
+    if isinstance(destinations, (str, Device)):
+        if isinstance(destinations, str) and not destinations.strip():
+            raise ValueError("destinations can not be empty")
+        return (parse_device(destinations),)
+    if isinstance(destinations, (list, tuple)):
+        if not destinations:
+            raise ValueError("destinations can not be empty")
+        if all(isinstance(d, (str, Device)) for d in destinations):
+            return tuple(parse_device(d) for d in destinations)
+    raise ValueError(
+        f"destinations must be one of a `DistributedValues` object, a device string, or a "
+        f"list of device strings, got {destinations!r} ({type(destinations).__name__})"
+    )
+
+
+def _describe(value: DistributedValues) -> str:
+    arrays = [np.asarray(v) if np.isscalar(v) else v for v in value.values]
+    shapes = {(tuple(a.shape), str(a.dtype)) for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"the components of {type(value).__name__} on {list(value.devices)} differ in "
+            f"shape or dtype ({sorted(shapes)}); every device must hold the same shape and "
+            f"dtype"
+        )
+    shape, dtype = shapes.pop()
+    return f"{len(arrays)}x{shape}:{dtype}"
+
+
+def _same_devices(a: Sequence[Device], b: Sequence[Device], rank: int) -> bool:
+    return {d.on(rank) for d in a} == {d.on(rank) for d in b}
+
+
+def _as_arrays(value: DistributedValues) -> list[Any]:
+    return [np.asarray(v) if np.isscalar(v) else v for v in value.values]
+
+
+# ----------------------------------------------------------------------- base class
+
+
+class CrossDeviceOps:
+    """Base class: reduce and broadcast across devices (``tf.distribute.CrossDeviceOps``).
+
+    Args:
+        comm: the communicator whose ranks take part (default ``COMM_WORLD``).
+    """
+
+    def __init__(self, comm: Any = None) -> None:
+        self._comm = comm
+
+    @property
+    def comm(self) -> Any:
+        """The communicator (``COMM_WORLD`` unless one was given)."""
+        return world() if self._comm is None else self._comm
+
+    # -- public API
+
+    def reduce(self, reduce_op: Any, per_replica_value: Any, destinations: Any,
+               options: CommunicationOptions | None = None) -> Mirrored:
+        """Reduce ``per_replica_value`` over every replica of every rank to ``destinations``.
+
+        Returns:
+            A :class:`Mirrored` on the destination devices, the same on every rank.
+        """
+        comm = self.comm
+        signature = error = None
+        try:
+            op = _reduce_op(reduce_op)
+            value = _per_replica(per_replica_value)
+            dest = _destinations(destinations)
+            options = self._options(options)
+            signature = (f"{type(self).__name__}.reduce op={op.name} value={_describe(value)} "
+                         f"match={_same_devices(value.device_set, dest, comm.Get_rank())}")
+        except (ValueError, TypeError) as exc:
+            error = exc
+        agree(comm, signature, error, f"{type(self).__name__}.reduce",
+              timeout=None if error else options.timeout_seconds)
+        if comm.Get_size() == 1 and len(value) == 1 and \
+                _same_devices(value.device_set, dest, 0):
+            return Mirrored(value.values, value.devices)  # TF's shortcut: no arithmetic
+        return self.reduce_implementation(op, value, dest, options)
+
+    def batch_reduce(self, reduce_op: Any, value_destination_pairs: Any,
+                     options: CommunicationOptions | None = None) -> list[Mirrored]:
+        """Reduce several values at once; one batched all-reduce when every pair's
+        destinations are its value's devices (and all values share devices).
+
+        Returns:
+            One :class:`Mirrored` per pair, in the order of the pairs.
+        """
+        comm = self.comm
+        signature = error = None
+        try:
+            op = _reduce_op(reduce_op)
+            pairs = self._pairs(value_destination_pairs)
+            options = self._options(options)
+            rank = comm.Get_rank()
+            match = self._all_match(pairs, rank)
+            signature = (f"{type(self).__name__}.batch_reduce op={op.name} match={match} "
+                         + ";".join(_describe(v) for v, _ in pairs))
+        except (ValueError, TypeError) as exc:
+            error = exc
+        agree(comm, signature, error, f"{type(self).__name__}.batch_reduce",
+              timeout=None if error else options.timeout_seconds)
+        if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
+            return [Mirrored(v.values, v.devices) for v, _ in pairs]  # TF's shortcut
+        return self.batch_reduce_implementation(op, pairs, options)
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
+        """Copy rank 0's ``tensor`` to every destination device on every rank.
+
+        Returns:
+            A :class:`Mirrored` on the destination devices.
+        """
+        comm = self.comm
+        signature = error = None
+        try:
+            dest = _destinations(destinations)
+            array = np.asarray(tensor) if np.isscalar(tensor) else tensor
+            backend = get_backend(array)
+            signature = f"broadcast {tuple(array.shape)}:{array.dtype} to {len(dest)}"
+        except (ValueError, TypeError) as exc:
+            error = exc
+        agree(comm, signature, error, f"{type(self).__name__}.broadcast")
+        buf = backend.flat_copy(array)
+        if comm.Get_size() > 1:
+            backend.synchronize()
+            comm.Bcast(backend.comm_view(buf), root=0)
+        result = buf.reshape(array.shape)
+        return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])
+
+    # -- hooks for subclasses
+
+    def reduce_implementation(self, op: ReduceOp, value: DistributedValues,
+                              dest: tuple[Device, ...], options: CommunicationOptions) -> Mirrored:
+        raise NotImplementedError  # pragma: no cover - every concrete op overrides it
+
+    def batch_reduce_implementation(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
+                                    options: CommunicationOptions) -> list[Mirrored]:
+        return [self.reduce_implementation(op, value, _destinations(dest), options)
+                for value, dest in pairs]
+
+    # -- helpers
+
+    @staticmethod
+    def _options(options: Any) -> CommunicationOptions:
+        if options is None:
+            return CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(f"options must be a CommunicationOptions, got {options!r}")
+        return options
+
+    @staticmethod
+    def _pairs(value_destination_pairs: Any) -> list[tuple[DistributedValues, Any]]:
+        if not isinstance(value_destination_pairs, (list, tuple)):
+            raise ValueError(
+                f"`value_destination_pairs` should be a list or tuple, got "
+                f"{type(value_destination_pairs).__name__}"
+            )
+        if not value_destination_pairs:
+            raise ValueError("`value_destination_pairs` is empty: give at least one "
+                             "(value, destinations) pair")
+        pairs = []
+        for index, pair in enumerate(value_destination_pairs):
+            if not isinstance(pair, tuple):
+                raise ValueError(f"Each element of `value_destination_pairs` should be a "
+                                 f"tuple; element {index} is a {type(pair).__name__}")
+            if len(pair) != 2:
+                raise ValueError(f"Each element of `value_destination_pairs` should be a "
+                                 f"tuple of size 2; element {index} has {len(pair)}")
+            value = _per_replica(pair[0])
+            _destinations(pair[1])
+            pairs.append((value, pair[1]))
+        return pairs
+
+    @staticmethod
+    def _all_match(pairs: list[tuple[DistributedValues, Any]], rank: int) -> bool:
+        first = pairs[0][0].device_set
+        return all(
+            _same_devices(value.device_set, _destinations(dest), rank)
+            and _same_devices(value.device_set, first, rank)
+            for value, dest in pairs
+        )
+
+
+# ------------------------------------------------------------- reduction to one device
+
+
+def _add_n(arrays: list[Any]) -> Any:
+    total = get_backend(arrays[0]).flat_copy(arrays[0]).reshape(np.shape(arrays[0]))
+    backend = get_backend(total)
+    for array in arrays[1:]:
+        backend.combine(ReduceOp.SUM, total.reshape(-1), backend.flat_copy(array))
+    return total
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Sum every replica's value on one device, then broadcast the result.
+
+    The reduce device is ``reduce_to_device`` or the first destination device; a device
+    without a task is rank 0's. Its rank receives every component (in global replica
+    order, rank-major), applies ``accumulation_fn`` (default: add them in order), divides
+    by the number of components for MEAN, and broadcasts.
+
+    Args:
+        reduce_to_device: the device to reduce on (default: the first destination).
+        accumulation_fn: ``f(list_of_arrays) -> array`` (default: an ordered sum).
+        comm: the communicator (default ``COMM_WORLD``).
+    """
+
+    def __init__(self, reduce_to_device: str | None = None,
+                 accumulation_fn: Callable[[list[Any]], Any] | None = None,
+                 comm: Any = None) -> None:
+        super().__init__(comm)
+        self.reduce_to_device = None if reduce_to_device is None else \
+            str(parse_device(reduce_to_device))
+        self.accumulation_fn = accumulation_fn or _add_n
+
+    def reduce_implementation(self, op, value, dest, options):
+        comm = self.comm
+        device = parse_device(self.reduce_to_device) if self.reduce_to_device else dest[0]
+        root = device.task if device.task is not None else 0
+        if root >= comm.Get_size():
+            raise TopologyError(
+                f"reduce device {device} names task {root}, but the communicator has "
+                f"{comm.Get_size()} ranks (tasks 0..{comm.Get_size() - 1})"
+            )
+        arrays = _as_arrays(value)
+        backend = get_backend(arrays[0])
+        shape, dtype = arrays[0].shape, arrays[0].dtype
+        local = np.concatenate([backend.flat_copy(a) for a in arrays])
+        is_root = comm.Get_rank() == root
+        gathered = np.empty(comm.Get_size() * local.size, dtype=dtype) if is_root else None
+        comm.Gather(backend.comm_view(local),
+                    backend.comm_view(gathered) if is_root else None, root=root)
+        failure = None
+        if is_root:
+            try:
+                parts = np.split(gathered, comm.Get_size() * len(arrays)) if gathered.size \
+                    else [gathered] * (comm.Get_size() * len(arrays))
+                total = np.asarray(self.accumulation_fn([p.reshape(shape) for p in parts]))
+                if total.shape != shape:
+                    raise ValueError(f"accumulation_fn returned shape {total.shape}, "
+                                     f"expected {shape}")
+                total = backend.flat_copy(total.astype(dtype, copy=False))
+                if op is ReduceOp.MEAN:
+                    total = backend.divide(total, len(parts))
+            except Exception as exc:  # reported on every rank below
+                failure = exc
+        # every rank learns whether the reduce device succeeded (no rank left waiting)
+        status = comm.bcast(None if failure is None else f"{type(failure).__name__}: "
+                            f"{failure}", root=root)
+        if failure is not None:
+            raise failure
+        if status is not None:
+            raise ValueError(f"the reduction on rank {root} ({device}) failed: {status}")
+        out_dtype = np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iub" \
+            else dtype
+        result = total if is_root else np.empty(local.size // len(arrays), dtype=out_dtype)
+        comm.Bcast(backend.comm_view(result), root=root)
+        result = result.reshape(shape)
+        return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])
+
+
+# --------------------------------------------------------------- batched all-reduce
+
+Reducer = Callable[[list[Any], int], Any]
+"""``f(components, index) -> reduced flat buffer``: reduce one buffer whose ``G`` local
+components are given, ``index`` counting the buffers of the batch (for rotations)."""
+
+
+def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
+                      groups: list[tuple[list[int], packing.PackPlan, Reducer]]) -> list[Mirrored]:
+    """All-reduce a batch: each group of tensor indices is packed by its plan, each packed
+    buffer reduced by the group's reducer, then unpacked; results in input order."""
+    replicas = len(values[0])
+    devices = values[0].devices
+    contributions = comm.Get_size() * replicas
+    components = [_as_arrays(v) for v in values]
+    results: list[Any] = [None] * len(values)
+    counter = 0
+    for indices, plan, reducer in groups:
+        packed = [plan.pack([components[i][d] for i in indices]) for d in range(replicas)]
+        reduced = []
+        for b in range(len(plan.packs) + len(plan.passthrough)):
+            parts = [(p[0] + p[1])[b] for p in packed]
+            buf = reducer(parts, counter)
+            counter += 1
+            if op is ReduceOp.MEAN and get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
+                buf = get_backend(buf).divide(buf, contributions)
+            reduced.append(buf)
+        tensors = plan.unpack(reduced[:len(plan.packs)], reduced[len(plan.packs):])
+        for i, tensor in zip(indices, tensors):
+            backend = get_backend(tensor)
+            if op is ReduceOp.MEAN and tensor.dtype.kind in "iub":
+                tensor = backend.divide(backend.flat_copy(tensor), contributions) \
+                    .reshape(tensor.shape)
+            results[i] = Mirrored([tensor] + [tensor.copy() for _ in range(replicas - 1)],
+                                  devices)
+    return results
+
+
+def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reducer:
+    """Combine the local components in device order, then run ``alg`` across ranks."""
+
+    def reduce(parts: list[Any], index: int) -> Any:
+        backend = get_backend(parts[0])
+        buf = backend.flat_copy(parts[0])
+        for part in parts[1:]:
+            view = backend.flat_view(part)
+            backend.combine(op, buf, view if view is not None else backend.flat_copy(part))
+        if comm.Get_size() > 1 and buf.size:
+            algorithms.run(alg, comm, buf, op=op, shards=shards, backend=backend,
+                           rotation=index)
+        return buf
+
+    return reduce
+
+
+def _plan_for(arrays: list[Any], num_packs: int, agg_max_bytes: int, agg_max_group: int,
+              options: CommunicationOptions) -> packing.PackPlan:
+    """The packing plan of a batch (cached: a training loop reduces the same structure)."""
+    structure = tuple((tuple(a.shape), a.dtype.str) for a in arrays)
+    return _cached_plan(structure, options.bytes_per_pack, num_packs, agg_max_bytes,
+                        agg_max_group)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(structure: tuple, bytes_per_pack: int, num_packs: int, agg_max_bytes: int,
+                 agg_max_group: int) -> packing.PackPlan:
+    specs = [(shape, np.dtype(dtype)) for shape, dtype in structure]
+    if bytes_per_pack > 0:
+        return packing.plan_by_size(specs, bytes_per_pack)
+    if num_packs > 0:
+        return packing.plan_concat_and_split(specs, num_packs)
+    if agg_max_bytes > 0 and agg_max_group > 0:
+        return packing.plan_small_tensor_aggregation(specs, agg_max_bytes, agg_max_group)
+    return packing.no_packing(specs)
+
+
+def _check_num_packs(num_packs: Any, message: str) -> int:
+    if isinstance(num_packs, bool) or not isinstance(num_packs, int):
+        raise TypeError(f"num_packs must be an int, got {num_packs!r}")
+    if num_packs < 0:
+        raise ValueError(message.format(num_packs))
+    return num_packs
+
+
+class _AllReduceBase(CrossDeviceOps):
+    """All-reduce when destinations are the values' devices, else reduce to one device."""
+
+    def reduce_implementation(self, op, value, dest, options):
+        if _same_devices(value.device_set, dest, self.comm.Get_rank()):
+            return self._batch(op, [value], options)[0]
+        return ReductionToOneDevice(comm=self._comm).reduce_implementation(op, value, dest,
+                                                                           options)
+
+    def batch_reduce_implementation(self, op, pairs, options):
+        if self._all_match(pairs, self.comm.Get_rank()):
+            return self._batch(op, [value for value, _ in pairs], options)
+        return super().batch_reduce_implementation(op, pairs, options)
+
+    def _batch(self, op: ReduceOp, values: list[DistributedValues],
+               options: CommunicationOptions) -> list[Mirrored]:
+        raise NotImplementedError  # pragma: no cover - both subclasses override it
+
+
+# ------------------------------------------------------- AllReduceCrossDeviceOps family
+
+
+def _require_gpus(what: str) -> None:
+    probe = probe_gpus()
+    if not probe.usable or probe.nccl is None:
+        raise BackendUnavailable(
+            f"{what} needs CuPy with NCCL and CUDA GPUs, and this host has none usable "
+            f"({probe.reason or 'NCCL missing'}); on CPU replicas use "
+            f"MultiWorkerAllReduce(all_reduce_spec='xring') or ReductionToOneDevice()"
+        )
+
+
+class AllReduceCrossDeviceOps(_AllReduceBase):
+    """TF's single-spec all-reduce op: ``"nccl"`` or ``"hierarchical_copy"`` over every
+    replica of every rank, the whole batch packed into ``num_packs`` packs.
+
+    Args:
+        all_reduce_alg: ``"nccl"`` (needs CuPy, NCCL and GPUs) or ``"hierarchical_copy"``.
+        num_packs: > 0 concatenates the batch (per dtype) into this many packs; 0 or
+            less: each tensor on its own (TF's meaning of a negative value here).
+        comm: the communicator (default ``COMM_WORLD``).
+    """
+
+    def __init__(self, all_reduce_alg: str = "nccl", num_packs: int = 1, comm: Any = None):
+        super().__init__(comm)
+        if all_reduce_alg not in ("nccl", "hierarchical_copy"):
+            raise ValueError(f"all_reduce_alg must be 'nccl' or 'hierarchical_copy', got "
+                             f"{all_reduce_alg!r}")
+        if all_reduce_alg == "nccl":
+            _require_gpus("AllReduceCrossDeviceOps('nccl')")
+        self.all_reduce_alg = all_reduce_alg
+        self.num_packs = num_packs
+
+    def _batch(self, op, values, options):
+        num_packs = self.num_packs if self.num_packs > 0 else 0
+        plan = _plan_for([_as_arrays(v)[0] for v in values], num_packs, 0, 0, options)
+        return _all_reduce_batch(self.comm, op, values,
+                                 [(list(range(len(values))), plan, self._reducer(op, values))])
+
+    def _reducer(self, op: ReduceOp, values: list[DistributedValues]) -> Reducer:
+        if self.all_reduce_alg == "nccl":
+            return _algorithm_reducer(self.comm, op, "nccl", 1)
+        return _hierarchical_copy_reducer(self.comm, op, len(values[0]))
+
+
+class NcclAllReduce(AllReduceCrossDeviceOps):
+    """NCCL all-reduce over every GPU of every rank (needs CuPy, NCCL and GPUs).
+
+    Raises:
+        ValueError: ``num_packs < 0`` (TF's wording).
+        BackendUnavailable: no usable GPU/NCCL on this host.
+    """
+
+    def __init__(self, num_packs: int = 1, comm: Any = None) -> None:
+        _check_num_packs(num_packs, "NCCL all-reduce requires num_packs >= 0, but {} is "
+                                    "specified")
+        super().__init__("nccl", num_packs, comm)
+
+
+class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
+    """TF's DGX-1 "hierarchical copy": the devices split into two halves, each half summed
+    on its root, the two sums added, the total copied back; roots rotate over the
+    packed tensors. Over MPI the sums run on the rank owning the first root, then the
+    total is broadcast (TF's summation order and root rotation are kept).
+
+    Requires an even number of devices in total; TF silently dropped the last device's
+    contribution for an odd count, this raises :class:`~mpistrat.errors.TopologyError`.
+
+    Raises:
+        ValueError: ``num_packs < 0`` (TF's wording).
+    """
+
+    def __init__(self, num_packs: int = 1, comm: Any = None) -> None:
+        _check_num_packs(num_packs, "HierarchicalCopy requires num_packs >= 0, but {} is "
+                                    "specified")
+        super().__init__("hierarchical_copy", num_packs, comm)
+
+
+def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reducer:
+    size = comm.Get_size()
+    devices = size * replicas
+    if devices % 2:
+        raise TopologyError(
+            f"hierarchical copy needs an even number of devices, got {devices} ({size} "
+            f"rank(s) x {replicas} device(s)); TensorFlow silently dropped the last "
+            f"device's value here; use MultiWorkerAllReduce or ReductionToOneDevice"
+        )
+    half = devices // 2
+
+    def reduce(parts: list[Any], index: int) -> Any:
+        backend = get_backend(parts[0])
+        root0 = index % devices
+        owner = root0 // replicas
+        local = np.concatenate([backend.flat_copy(p) for p in parts])
+        count = local.size // replicas
+        gathered = np.empty(devices * count, dtype=local.dtype) if comm.Get_rank() == owner \
+            else None
+        comm.Gather(backend.comm_view(local),
+                    backend.comm_view(gathered) if gathered is not None else None, root=owner)
+        if gathered is not None:
+            rows = gathered.reshape(devices, count)
+            first, second = (range(0, half), range(half, devices)) if root0 < half else \
+                (range(half, devices), range(0, half))
+            total = rows[first[0]].copy()
+            for d in first[1:]:
+                backend.combine(op, total, rows[d])
+            other = rows[second[0]].copy()
+            for d in second[1:]:
+                backend.combine(op, other, rows[d])
+            backend.combine(op, total, other)
+        else:
+            total = np.empty(count, dtype=local.dtype)
+        comm.Bcast(backend.comm_view(total), root=owner)
+        return total
+
+    return reduce
+
+
+# ------------------------------------------------------------- MultiWorkerAllReduce
+
+
+class MultiWorkerAllReduce(_AllReduceBase):
+    """TF's ``MultiWorkerAllReduce``: each tensor goes, by its byte size, to the first
+    entry of ``all_reduce_spec`` whose limit holds it; each entry packs its tensors and
+    all-reduces them with its algorithm across every rank of ``comm``.
+
+    Args:
+        worker_devices: one name per worker (``"/job:worker/task:0"`` …); default: every
+            rank of ``comm``. Its length must equal the communicator's size.
+        num_gpus_per_worker: GPUs per worker; 0 means CPU replicas (as many as each
+            value has components).
+        all_reduce_spec: any spec form (limits in bytes).
+        num_packs: > 0 concatenates each entry's tensors (per dtype) into this many packs.
+        agg_small_grads_max_bytes, agg_small_grads_max_group: with ``num_packs == 0``,
+            both > 0 pack runs of consecutive small floating tensors (≤ max_bytes each)
+            into groups of at most max_group (the documented limit, not TF's max_group+2).
+        comm: the communicator (default ``COMM_WORLD``).
+
+    Raises:
+        SpecError: an invalid spec (eagerly, at construction).
+        ValueError: negative packing options.
+    """
+
+    def __init__(self, worker_devices: Sequence[str] | None = None, num_gpus_per_worker: int = 0,
+                 all_reduce_spec: Any = ("pscpu/pscpu", 2, -1), num_packs: int = 0,
+                 agg_small_grads_max_bytes: int = 0, agg_small_grads_max_group: int = 10,
+                 comm: Any = None) -> None:
+        super().__init__(comm)
+        self.spec: AllReduceSpec = parse_spec(all_reduce_spec)
+        for name, value in (("num_gpus_per_worker", num_gpus_per_worker),
+                            ("num_packs", num_packs),
+                            ("agg_small_grads_max_bytes", agg_small_grads_max_bytes),
+                            ("agg_small_grads_max_group", agg_small_grads_max_group)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        self.worker_devices = None if worker_devices is None else tuple(worker_devices)
+        self.num_gpus_per_worker = num_gpus_per_worker
+        self.num_packs = num_packs
+        self.agg_small_grads_max_bytes = agg_small_grads_max_bytes
+        self.agg_small_grads_max_group = agg_small_grads_max_group
+
+    def _batch(self, op, values, options):
+        comm = self.comm
+        size, replicas = comm.Get_size(), len(values[0])
+        if self.worker_devices is not None and len(self.worker_devices) != size:
+            raise TopologyError(
+                f"MultiWorkerAllReduce got {len(self.worker_devices)} worker_devices but the "
+                f"communicator has {size} ranks; give one per rank or leave it out"
+            )
+        if self.num_gpus_per_worker and replicas != self.num_gpus_per_worker:
+            raise TopologyError(
+                f"num_gpus_per_worker={self.num_gpus_per_worker} but the values have "
+                f"{replicas} component(s) per rank"
+            )
+        firsts = [_as_arrays(v)[0] for v in values]
+        routed: dict[int, list[int]] = {}
+        for i, array in enumerate(firsts):
+            routed.setdefault(self.spec.index_for(array.nbytes), []).append(i)
+        nodes = None
+        groups = []
+        for entry_index in sorted(routed):
+            alg, shards, _ = self.spec[entry_index]
+            if algorithms.get(alg).hierarchical and nodes is None:
+                from .topology import get_topology
+
+                nodes = get_topology(comm).num_nodes
+            algorithms.check_fits(alg, shards, size, nodes or 1, replicas,
+                                  self.num_gpus_per_worker > 0)
+            indices = routed[entry_index]
+            plan = _plan_for([firsts[i] for i in indices], self.num_packs,
+                             self.agg_small_grads_max_bytes, self.agg_small_grads_max_group,
+                             options)
+            groups.append((indices, plan, _algorithm_reducer(comm, op, alg, shards)))
+        return _all_reduce_batch(comm, op, values, groups)

@@ -1,0 +1,660 @@
+"""Packing: gather a batch of tensors into a few flat buffers before an all-reduce.
+
+``batch_reduce`` all-reduces a batch of tensors; launching one collective per tensor
+wastes latency on small ones, so the batch is first **packed** into fewer, larger 1-D
+buffers, the packs are all-reduced, and the results are **unpacked** back into the
+original tensors. Packing is a pure, single-process operation on one device's list of
+arrays. A :class:`PackPlan` depends only on the batch's shapes and dtypes, so it is
+built once per batch structure (planners are cached) and applied to every local
+replica's list in the same way, on every rank.
+
+Planners (TensorFlow's options, ``tf-semantics.md`` section 3):
+
+* :func:`plan_concat_and_split` — ``num_packs = P > 0``: concatenate and cut into P.
+* :func:`plan_small_tensor_aggregation` — ``agg_small_grads_max_bytes / max_group``.
+* :func:`plan_by_size` — ``CommunicationOptions.bytes_per_pack`` (``pack_by_size``).
+* :func:`no_packing` — every tensor reduced on its own (TF's ``num_packs=0``).
+* :func:`plan_tf_packing` — TF's priority among the first three (section 3.1).
+
+Decisions where mpistrat differs from TensorFlow:
+
+* **A pack holds one dtype.** TF concatenated the whole batch and failed on mixed
+  dtypes; here every planner groups per dtype, in order of first appearance.
+* Small-tensor groups hold **at most** ``max_group`` tensors (TF allowed M + 2), and
+  any floating dtype is eligible (TF only took float32).
+* Layout: ``plan.pack(arrays)`` returns ``(packs, singles)`` — the packs in plan order,
+  then the tensors reduced on their own in ascending index order (TF's packed-list
+  layout). ``plan.unpack(reduced_packs, reduced_singles)`` returns the batch in its
+  original order with its original shapes.
+
+Only NumPy functions that dispatch on the array type (``np.empty_like``) and array
+methods are used, so CuPy arrays work without this module importing CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import MpistratError
+
+__all__ = [
+    "PackingError",
+    "PackingTypeError",
+    "TensorSpec",
+    "PackMember",
+    "Pack",
+    "PackPlan",
+    "tensor_specs",
+    "plan_concat_and_split",
+    "plan_small_tensor_aggregation",
+    "plan_by_size",
+    "no_packing",
+    "plan_tf_packing",
+    "resnet50_gradient_shapes",
+]
+
+_CACHE_SIZE = 256
+
+
+class PackingError(MpistratError, ValueError):
+    """A batch, plan or packing option that cannot be packed as asked."""
+
+
+class PackingTypeError(PackingError, TypeError):
+    """A packing argument of the wrong Python type."""
+
+
+class TensorSpec(NamedTuple):
+    """The shape and dtype of one tensor of a batch (all a plan depends on)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PackMember:
+    """One tensor's piece inside a pack.
+
+    Attributes:
+        index: the tensor's position in the batch.
+        shape: the tensor's shape (to restore it when unpacking).
+        offset: where the piece starts in the pack, in elements.
+        size: the piece's length in elements.
+        start: where the piece starts in the flattened tensor; 0 unless a tensor is
+            split across packs (only :func:`plan_concat_and_split` does that).
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One flat buffer to all-reduce: a dtype, a length and its members in layout order."""
+
+    dtype: np.dtype
+    size: int
+    members: tuple[PackMember, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "members", tuple(self.members))
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Batch positions of the members, in layout order."""
+        return tuple(m.index for m in self.members)
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """How a batch (by shapes and dtypes) maps to packs and tensors reduced on their own.
+
+    Plans are immutable and hashable; two plans with the same layout compare equal
+    whichever planner built them (``method`` is informative only). Constructing one
+    directly validates it: every tensor must be covered exactly once, by pieces of its
+    own dtype, or be listed in ``passthrough``.
+
+    Attributes:
+        specs: the batch's shapes and dtypes, in batch order.
+        packs: the flat buffers, in the order they are returned and reduced.
+        passthrough: indices of tensors reduced on their own, in ``singles`` order.
+        method: the planner that built the plan ("concat_and_split", "small_tensors",
+            "by_size", "none" or "custom").
+    """
+
+    specs: tuple[TensorSpec, ...]
+    packs: tuple[Pack, ...]
+    passthrough: tuple[int, ...]
+    method: str = field(default="custom", compare=False)
+    _pieces: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specs", tensor_specs(self.specs))
+        object.__setattr__(self, "packs", tuple(self.packs))
+        object.__setattr__(self, "passthrough", tuple(self.passthrough))
+        object.__setattr__(self, "_pieces", _check_plan(self.specs, self.packs, self.passthrough))
+
+    @property
+    def num_tensors(self) -> int:
+        """Number of tensors in the batch."""
+        return len(self.specs)
+
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        """Element count of each pack."""
+        return tuple(p.size for p in self.packs)
+
+    @property
+    def wire_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of what is all-reduced: the packs (1-D), then the singles (TF's layout)."""
+        return tuple((p.size,) for p in self.packs) + tuple(
+            self.specs[i].shape for i in self.passthrough)
+
+    def pack(self, arrays: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """Copy a batch into new flat packs.
+
+        Args:
+            arrays: the batch (NumPy or CuPy arrays), with the plan's shapes and dtypes.
+
+        Returns:
+            ``(packs, singles)``: ``packs`` are new 1-D C-contiguous arrays, one per
+            ``self.packs`` (they never alias the inputs, so reducing them in place is
+            safe); ``singles`` are the passthrough arrays themselves (not copied), in
+            ``self.passthrough`` order.
+
+        Raises:
+            PackingError: the batch's length, a shape or a dtype differs from the plan.
+        """
+        arrays = list(arrays)
+        self._check_batch(arrays)
+        flats: dict[int, Any] = {}
+        packs = []
+        for pack in self.packs:
+            template = arrays[pack.members[0].index] if pack.members else arrays[0]
+            buffer = np.empty_like(template, dtype=pack.dtype, shape=(pack.size,))
+            for m in pack.members:
+                flat = flats.get(m.index)
+                if flat is None:
+                    flat = flats[m.index] = arrays[m.index].reshape(-1)
+                buffer[m.offset:m.offset + m.size] = flat[m.start:m.start + m.size]
+            packs.append(buffer)
+        return packs, [arrays[i] for i in self.passthrough]
+
+    def unpack(self, reduced_packs: Sequence[Any], reduced_singles: Sequence[Any] = (),
+               *, copy: bool = False) -> list[Any]:
+        """Rebuild the batch, in its original order and shapes, from the reduced buffers.
+
+        A tensor that lies whole in one pack comes back as a reshaped view of that
+        pack (a copy with ``copy=True``); a tensor split across packs is a new array;
+        a single is the reduced single reshaped (a view where NumPy can). Results never
+        share memory with each other. The dtype is the reduced buffers' dtype, which is
+        the original one unless the reduction changed it (integer MEAN gives float64).
+
+        Args:
+            reduced_packs: one array per pack, each with that pack's element count.
+            reduced_singles: one array per passthrough tensor, in ``passthrough`` order.
+            copy: return new arrays instead of views into ``reduced_packs``.
+
+        Returns:
+            A list of ``num_tensors`` arrays in batch order.
+
+        Raises:
+            PackingError: the number of packs or singles, or a size, differs from the plan.
+        """
+        reduced_packs = list(reduced_packs)
+        reduced_singles = list(reduced_singles)
+        _check_count("reduced packs", reduced_packs, len(self.packs), "pack()")
+        _check_count("reduced singles", reduced_singles, len(self.passthrough), "pack()")
+        flats = []
+        for k, (array, pack) in enumerate(zip(reduced_packs, self.packs)):
+            if array.size != pack.size:
+                raise PackingError(
+                    f"reduced pack {k} has {array.size} elements, the plan's pack {k} has "
+                    f"{pack.size}; pass the all-reduced packs in the order pack() returned them")
+            flats.append(array.reshape(-1))
+        results: list[Any] = [None] * len(self.specs)
+        for j, (array, index) in enumerate(zip(reduced_singles, self.passthrough)):
+            spec = self.specs[index]
+            if array.size != spec.size:
+                raise PackingError(
+                    f"reduced single {j} (tensor {index}) has {array.size} elements, expected "
+                    f"{spec.size} for shape {spec.shape}; pass the singles in passthrough order")
+            out = array.reshape(spec.shape)
+            results[index] = out.copy() if copy else out
+        for index, pieces in self._pieces.items():
+            spec = self.specs[index]
+            if len(pieces) == 1 and pieces[0][1].size == spec.size:
+                k, m = pieces[0]
+                out = flats[k][m.offset:m.offset + m.size].reshape(spec.shape)
+                results[index] = out.copy() if copy else out
+                continue
+            out = np.empty_like(flats[pieces[0][0]], shape=(spec.size,))
+            for k, m in pieces:
+                out[m.start:m.start + m.size] = flats[k][m.offset:m.offset + m.size]
+            results[index] = out.reshape(spec.shape)
+        return results
+
+    def _check_batch(self, arrays: list[Any]) -> None:
+        _check_count("arrays", arrays, len(self.specs), "tensor_specs()")
+        for index, (array, spec) in enumerate(zip(arrays, self.specs)):
+            shape = getattr(array, "shape", None)
+            dtype = getattr(array, "dtype", None)
+            if shape is None or dtype is None:
+                raise PackingTypeError(
+                    f"tensor {index} is a {type(array).__name__}, not an array; pass NumPy "
+                    f"or CuPy arrays")
+            if tuple(shape) != spec.shape or np.dtype(dtype) != spec.dtype:
+                raise PackingError(
+                    f"tensor {index} has shape {tuple(shape)} and dtype {np.dtype(dtype)}, "
+                    f"the plan expects {spec.shape} and {spec.dtype}; build a plan for this "
+                    f"batch (plans are cached per batch structure)")
+
+
+def tensor_specs(items: Iterable[Any]) -> tuple[TensorSpec, ...]:
+    """Normalise a batch description to a tuple of :class:`TensorSpec`.
+
+    Args:
+        items: arrays (anything with ``.shape`` and ``.dtype``) or ``(shape, dtype)``
+            pairs, in batch order.
+
+    Returns:
+        One ``TensorSpec`` per item, with a tuple-of-int shape and a ``numpy.dtype``.
+
+    Raises:
+        PackingError: the batch is empty, or a dimension is negative.
+        PackingTypeError: an item is neither an array nor a ``(shape, dtype)`` pair.
+    """
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise PackingTypeError(
+            f"a batch must be a sequence of arrays or (shape, dtype) pairs, got {items!r}")
+    specs = tuple(_tensor_spec(i, item) for i, item in enumerate(items))
+    if not specs:
+        raise PackingError(
+            "the batch is empty (0 tensors): there is nothing to pack; pass at least one "
+            "tensor, or skip the reduction")
+    return specs
+
+
+def plan_concat_and_split(specs: Iterable[Any], num_packs: int) -> PackPlan:
+    """TensorFlow's ``num_packs = P > 0``: concatenate the batch and cut it into P packs.
+
+    Per dtype (dtypes in order of first appearance; TF had no dtype grouping and
+    failed on mixed dtypes), the tensors of that dtype are flattened and concatenated
+    in batch order into ``T`` elements, then cut into P packs: ``s = T // P``, packs
+    0..P-2 hold ``s`` elements and the last holds ``T - s*(P-1)``; when ``T < P`` the
+    first P-1 packs are empty (TF all-reduced them anyway, and so does this plan). A
+    batch with D dtypes gives D·P packs; a tensor may be split across packs.
+
+    Args:
+        specs: the batch (see :func:`tensor_specs`).
+        num_packs: P, at least 1.
+
+    Returns:
+        The plan; ``passthrough`` is empty.
+
+    Raises:
+        PackingError: ``num_packs`` is not greater than zero, or the batch is empty.
+    """
+    num_packs = _check_int("num_packs", num_packs)
+    if num_packs <= 0:
+        raise PackingError(
+            f"num_packs must be greater than zero, got {num_packs}; use num_packs >= 1, "
+            f"or no_packing() to reduce every tensor on its own")
+    return _concat_and_split(tensor_specs(specs), num_packs)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _concat_and_split(specs: tuple[TensorSpec, ...], parts: int) -> PackPlan:
+    packs = []
+    for dtype, indices in _by_dtype(specs).items():
+        total = sum(specs[i].size for i in indices)
+        step = total // parts
+        members: list[list[PackMember]] = [[] for _ in range(parts)]
+        position = 0
+        for i in indices:
+            shape, size = specs[i].shape, specs[i].size
+            k = _part_of(position, step, parts)
+            if size == 0:
+                members[k].append(PackMember(i, shape, position - k * step, 0))
+            end, pos = position + size, position
+            while pos < end:
+                k = _part_of(pos, step, parts)
+                stop = min(end, total if k == parts - 1 else (k + 1) * step)
+                members[k].append(PackMember(i, shape, pos - k * step, stop - pos, pos - position))
+                pos = stop
+            position = end
+        for k in range(parts):
+            size = total - step * (parts - 1) if k == parts - 1 else step
+            packs.append(Pack(dtype, size, tuple(members[k])))
+    return PackPlan(specs, tuple(packs), (), method="concat_and_split")
+
+
+def _part_of(position: int, step: int, parts: int) -> int:
+    return parts - 1 if step == 0 else min(position // step, parts - 1)
+
+
+def plan_small_tensor_aggregation(specs: Iterable[Any], max_bytes: int,
+                                  max_group: int) -> PackPlan:
+    """TensorFlow's ``agg_small_grads_max_bytes / agg_small_grads_max_group``.
+
+    A tensor is small when its dtype is floating (any float dtype, including
+    ``ml_dtypes`` ones such as bfloat16; TF only took float32) and its size is at most
+    ``max_bytes`` bytes. Maximal runs of consecutive small tensors of one dtype (a run
+    breaks at a dtype change) are cut, from their start, into groups of at most
+    ``max_group`` tensors; each group of two or more becomes one pack, members in batch
+    order. A group of one is not packed, as in TF. Every other tensor is a single.
+
+    TF's ``extract_ranges`` let a run grow while ``last - first <= M``, so its groups
+    held up to M + 2 tensors; this planner keeps the documented limit of M (so
+    ``max_group=1`` packs nothing).
+
+    Args:
+        specs: the batch (see :func:`tensor_specs`).
+        max_bytes: largest size, in bytes, of a small tensor (> 0).
+        max_group: most tensors in one pack (> 0).
+
+    Returns:
+        The plan: packs in batch order, then the singles in ascending index order.
+
+    Raises:
+        PackingError: an argument is not greater than zero, or the batch is empty.
+    """
+    max_bytes = _check_int("agg_small_grads_max_bytes", max_bytes)
+    max_group = _check_int("agg_small_grads_max_group", max_group)
+    if max_bytes <= 0 or max_group <= 0:
+        raise PackingError(
+            f"agg_small_grads_max_bytes and agg_small_grads_max_group should both be "
+            f"greater than zero, got {max_bytes} and {max_group}; use positive values, or "
+            f"no_packing() to reduce every tensor on its own")
+    return _small_tensors(tensor_specs(specs), max_bytes, max_group)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _small_tensors(specs: tuple[TensorSpec, ...], max_bytes: int, max_group: int) -> PackPlan:
+    runs: list[list[int]] = []
+    for i, spec in enumerate(specs):
+        if not (_is_floating(spec.dtype) and spec.nbytes <= max_bytes):
+            continue
+        run = runs[-1] if runs else None
+        if run and run[-1] == i - 1 and specs[run[-1]].dtype == spec.dtype:
+            run.append(i)
+        else:
+            runs.append([i])
+    packs, packed = [], set()
+    for run in runs:
+        for first in range(0, len(run), max_group):
+            group = run[first:first + max_group]
+            if len(group) >= 2:
+                packs.append(_whole_pack(specs, group))
+                packed.update(group)
+    singles = tuple(i for i in range(len(specs)) if i not in packed)
+    return PackPlan(specs, tuple(packs), singles, method="small_tensors")
+
+
+def plan_by_size(specs: Iterable[Any], bytes_per_pack: int) -> PackPlan:
+    """TensorFlow's ``CommunicationOptions.bytes_per_pack`` (``pack_by_size``, r2.2+).
+
+    TF reverses the batch (gradients arrive roughly last layer first) and walks it,
+    starting a new pack only when the current pack's size already **exceeds**
+    ``bytes_per_pack``, so every pack but the last is at least the target; 0 means one
+    pack. TF's test example, sizes 128, 32, 800, 4 bytes with target 200 giving packs
+    ``[[128, 32, 800], [4]]``, describes that reversed walk: the batch
+    ``[4, 800, 32, 128]`` (indices 0..3) gives pack 0 = tensors 3, 2, 1 and pack 1 =
+    tensor 0.
+
+    Mixed dtypes: a pack holds one dtype. Each dtype's tensors (taken in reversed batch
+    order, skipping the others) are packed exactly as TF packs a one-dtype batch, and
+    the packs are ordered by their first member's position in the reversed batch; for a
+    one-dtype batch this is TF's result. ``bytes_per_pack == 0`` gives one pack per
+    dtype. Members are laid out in reversed batch order, as TF concatenates them.
+
+    Args:
+        specs: the batch (see :func:`tensor_specs`).
+        bytes_per_pack: target pack size in bytes (>= 0; 0 for one pack per dtype).
+
+    Returns:
+        The plan; ``passthrough`` is empty.
+
+    Raises:
+        PackingError: ``bytes_per_pack`` is negative, or the batch is empty.
+    """
+    bytes_per_pack = _check_int("bytes_per_pack", bytes_per_pack)
+    if bytes_per_pack < 0:
+        raise PackingError(
+            f"bytes_per_pack must be >= 0, got {bytes_per_pack}; use 0 for one pack per "
+            f"dtype or a target size in bytes such as 25 * 2**20")
+    return _by_size(tensor_specs(specs), bytes_per_pack)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _by_size(specs: tuple[TensorSpec, ...], target: int) -> PackPlan:
+    groups: list[list[int]] = []
+    open_group: dict[np.dtype, tuple[list[int], int]] = {}
+    for i in reversed(range(len(specs))):
+        dtype = specs[i].dtype
+        group, nbytes = open_group.get(dtype, (None, 0))
+        if group is None or (target > 0 and nbytes > target):
+            group, nbytes = [], 0
+            groups.append(group)
+        group.append(i)
+        open_group[dtype] = (group, nbytes + specs[i].nbytes)
+    packs = tuple(_whole_pack(specs, group) for group in groups)
+    return PackPlan(specs, packs, (), method="by_size")
+
+
+def no_packing(specs: Iterable[Any]) -> PackPlan:
+    """Every tensor reduced on its own (TF's ``num_packs=0`` without small-tensor options).
+
+    Raises:
+        PackingError: the batch is empty.
+    """
+    specs = tensor_specs(specs)
+    return PackPlan(specs, (), tuple(range(len(specs))), method="none")
+
+
+def plan_tf_packing(specs: Iterable[Any], *, num_packs: int = 0,
+                    agg_small_grads_max_bytes: int = 0,
+                    agg_small_grads_max_group: int = 0) -> PackPlan:
+    """Choose a plan as TF's ``_pack_tensors`` does (``tf-semantics.md`` section 3.1).
+
+    ``num_packs > 0`` → :func:`plan_concat_and_split`; else both ``agg_*`` > 0 →
+    :func:`plan_small_tensor_aggregation`; else :func:`no_packing`. Unlike TF, a
+    negative value, or only one of the two ``agg_*`` options set, is an error rather
+    than a silent "no packing".
+
+    Raises:
+        PackingError: a negative option, one ``agg_*`` option without the other, or an
+            empty batch.
+    """
+    values = {"num_packs": num_packs, "agg_small_grads_max_bytes": agg_small_grads_max_bytes,
+              "agg_small_grads_max_group": agg_small_grads_max_group}
+    for name, value in values.items():
+        if _check_int(name, value) < 0:
+            raise PackingError(f"{name} must be >= 0, got {value}; use 0 to turn it off")
+    if num_packs > 0:
+        return plan_concat_and_split(specs, num_packs)
+    if (agg_small_grads_max_bytes > 0) != (agg_small_grads_max_group > 0):
+        raise PackingError(
+            f"agg_small_grads_max_bytes and agg_small_grads_max_group should both be greater "
+            f"than zero, got {agg_small_grads_max_bytes} and {agg_small_grads_max_group}; set "
+            f"both to enable small-tensor aggregation, or both to 0")
+    if agg_small_grads_max_bytes > 0:
+        return plan_small_tensor_aggregation(
+            specs, agg_small_grads_max_bytes, agg_small_grads_max_group)
+    return no_packing(specs)
+
+
+def resnet50_gradient_shapes() -> tuple[tuple[int, ...], ...]:
+    """The 161 trainable-variable (gradient) shapes of ResNet-50 v1, in creation order.
+
+    conv1 7x7x3x64 and its batch norm, then bottleneck stages of [3, 4, 6, 3] blocks
+    (widths 64, 128, 256, 512; outputs 4x wider): each block's first conv is preceded,
+    in the first block of a stage, by the 1x1 projection shortcut and its batch norm
+    (Keras creates the shortcut first); then 1x1, 3x3, 1x1 convs, each followed by a
+    batch norm. Convs have no bias (batch norm follows); each batch norm has a gamma and
+    a beta of shape ``(C,)``. Last the fc layer, ``(2048, 1000)`` and ``(1000,)``. That
+    is 53 kernels + 106 batch-norm vectors + 2 = 161 tensors and 25,557,032 elements.
+    Kernels are HWIO (TF's layout).
+    """
+    shapes: list[tuple[int, ...]] = []
+
+    def conv_bn(k: int, cin: int, cout: int) -> None:
+        shapes.extend([(k, k, cin, cout), (cout,), (cout,)])
+
+    conv_bn(7, 3, 64)
+    cin = 64
+    for blocks, width in zip((3, 4, 6, 3), (64, 128, 256, 512)):
+        cout = 4 * width
+        for block in range(blocks):
+            if block == 0:
+                conv_bn(1, cin, cout)
+            conv_bn(1, cin, width)
+            conv_bn(3, width, width)
+            conv_bn(1, width, cout)
+            cin = cout
+    shapes.extend([(2048, 1000), (1000,)])
+    return tuple(shapes)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _tensor_spec(index: int, item: Any) -> TensorSpec:
+    if hasattr(item, "shape") and hasattr(item, "dtype"):
+        shape, dtype = item.shape, item.dtype
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        shape, dtype = item
+    else:
+        raise PackingTypeError(
+            f"tensor {index} is {item!r}; expected an array or a (shape, dtype) pair")
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise PackingTypeError(
+            f"tensor {index} has shape {shape!r}; expected a sequence of ints such as "
+            f"(3, 3) or () for a scalar") from None
+    if any(d < 0 for d in dims):
+        raise PackingError(f"tensor {index} has shape {dims} with a negative dimension")
+    if dtype is None:
+        raise PackingTypeError(f"tensor {index} has dtype None; give a dtype such as 'float32'")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise PackingTypeError(
+            f"tensor {index} has dtype {dtype!r}, which NumPy does not understand; give a "
+            f"dtype such as 'float32' or numpy.float16") from None
+    return TensorSpec(dims, dtype)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise PackingTypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise PackingTypeError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _check_count(what: str, items: list, expected: int, source: str) -> None:
+    if len(items) != expected:
+        raise PackingError(
+            f"got {len(items)} {what}, the plan expects {expected}; pass exactly what "
+            f"{source} describes for this plan")
+
+
+def _is_floating(dtype: np.dtype) -> bool:
+    """Real floating dtypes, including ml_dtypes' (bfloat16 and float8 are kind 'V')."""
+    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("bfloat", "float")))
+
+
+def _by_dtype(specs: tuple[TensorSpec, ...]) -> dict[np.dtype, list[int]]:
+    groups: dict[np.dtype, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(spec.dtype, []).append(i)
+    return groups
+
+
+def _whole_pack(specs: tuple[TensorSpec, ...], indices: list[int]) -> Pack:
+    members, offset = [], 0
+    for i in indices:
+        members.append(PackMember(i, specs[i].shape, offset, specs[i].size))
+        offset += specs[i].size
+    return Pack(specs[indices[0]].dtype, offset, tuple(members))
+
+
+def _check_plan(specs: tuple[TensorSpec, ...], packs: tuple[Pack, ...],
+                passthrough: tuple[int, ...]) -> dict[int, list[tuple[int, PackMember]]]:
+    """Validate a plan; return each packed tensor's pieces ``(pack, member)`` by start."""
+    n = len(specs)
+    pieces: dict[int, list[tuple[int, PackMember]]] = {}
+    for k, pack in enumerate(packs):
+        if not isinstance(pack, Pack):
+            raise PackingTypeError(f"pack {k} is {pack!r}; expected a Pack")
+        used = 0
+        for m in pack.members:
+            if not 0 <= m.index < n:
+                raise PackingError(f"pack {k} names tensor {m.index}; the batch has {n}")
+            spec = specs[m.index]
+            if spec.dtype != pack.dtype or m.shape != spec.shape:
+                raise PackingError(
+                    f"pack {k} ({pack.dtype}) holds tensor {m.index} as {m.shape}, but the "
+                    f"tensor is {spec.shape} {spec.dtype}; a pack holds one dtype")
+            if m.offset != used or m.size < 0 or not 0 <= m.start <= spec.size - m.size:
+                raise PackingError(
+                    f"pack {k}: member {m} overlaps, leaves a gap or runs past its tensor; "
+                    f"members must tile the pack in layout order")
+            used += m.size
+            pieces.setdefault(m.index, []).append((k, m))
+        if used != pack.size:
+            raise PackingError(f"pack {k} has size {pack.size} but its members hold {used}")
+    for i in passthrough:
+        if not 0 <= i < n or i in pieces:
+            raise PackingError(
+                f"passthrough index {i} is out of range or also packed; the batch has {n} "
+                f"tensors and each goes to exactly one place")
+    if len(set(passthrough)) != len(passthrough):
+        raise PackingError(f"passthrough {passthrough} lists a tensor twice")
+    single = set(passthrough)
+    for i in range(n):
+        if i in pieces:
+            own = sorted(pieces[i], key=lambda p: p[1].start)
+            pieces[i] = own
+            starts = [m.start for _, m in own]
+            ends = [m.start + m.size for _, m in own]
+            size = specs[i].size
+            tiles = starts[0] == 0 and ends[-1] == size and starts[1:] == ends[:-1]
+            if not tiles or (size > 0 and 0 in (m.size for _, m in own)) or (
+                    size == 0 and len(own) != 1):
+                raise PackingError(f"tensor {i} is not covered exactly once by its pieces")
+        elif i not in single:
+            raise PackingError(f"tensor {i} is in no pack and not in passthrough")
+    return pieces
