@@ -42,7 +42,9 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
         code = int.from_bytes(digest, "little") >> 2  # fits in int64, and so does -code
     flags = np.array([1 if error is not None else 0, code, -code], dtype=np.int64)
     if timeout is None:
-        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        # Non-blocking even without a timeout: blocking and non-blocking collectives do
+        # not match each other in MPI, and ranks may disagree on the timeout.
+        comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
     else:
         _allreduce_within(comm, flags, timeout, what)
     failed, high, negated_low = (int(x) for x in flags)

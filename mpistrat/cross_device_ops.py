@@ -147,7 +147,8 @@ class CrossDeviceOps:
             dest = _destinations(destinations)
             options = self._options(options)
             signature = (f"{type(self).__name__}.reduce op={op.name} value={_describe(value)} "
-                         f"match={_same_devices(value.device_set, dest, comm.Get_rank())}")
+                         f"match={_same_devices(value.device_set, dest, comm.Get_rank())} "
+                         f"options={options}")
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.reduce",
@@ -174,7 +175,7 @@ class CrossDeviceOps:
             rank = comm.Get_rank()
             match = self._all_match(pairs, rank)
             signature = (f"{type(self).__name__}.batch_reduce op={op.name} match={match} "
-                         + ";".join(_describe(v) for v, _ in pairs))
+                         f"options={options} " + ";".join(_describe(v) for v, _ in pairs))
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.batch_reduce",
