@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from ._mpi import mpi
-from ._commcache import comm_cache
 from .errors import CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["agree"]
@@ -33,30 +32,41 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
         what: the collective's name for messages (``"all_reduce"``).
         hint: what every rank must pass identically, for the mismatch message.
         timeout: seconds to wait for the other ranks; past it, raise
-            :class:`CollectiveTimeoutError` naming the ranks that have not arrived.
+            :class:`CollectiveTimeoutError` naming the ranks that have not arrived. Part
+            of the agreed call: ranks that pass different timeouts get a mismatch error.
     """
     MPI = mpi()
     code = 0
     if signature is not None:
-        digest = hashlib.blake2b(signature.encode(), digest_size=8).digest()
+        text = f"{signature} timeout={timeout}"
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         code = int.from_bytes(digest, "little") >> 2  # fits in int64, and so does -code
     flags = np.array([1 if error is not None else 0, code, -code], dtype=np.int64)
+    notes = None
     if timeout is None:
         # Non-blocking even without a timeout: blocking and non-blocking collectives do
         # not match each other in MPI, and ranks may disagree on the timeout.
         comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
     else:
-        _allreduce_within(comm, flags, timeout, what)
+        notes = _allreduce_within(comm, flags, timeout, what)
     failed, high, negated_low = (int(x) for x in flags)
     if not failed and high == -negated_low:
+        if notes is not None:  # every rank agreed on this timeout, so every rank sent one
+            notes.finish(range(comm.Get_size()))
         return
     mine = f"{type(error).__name__}: {error}" if error is not None else signature
-    everyone = comm.allgather((error is not None, mine))
-    detail = "; ".join(f"rank {rank}: {text}" for rank, (_, text) in enumerate(everyone))
+    everyone = comm.allgather((error is not None, mine, timeout is not None))
+    timed = [rank for rank, (_, _, has_timeout) in enumerate(everyone) if has_timeout]
+    if notes is not None:
+        notes.finish(timed)
+    else:  # take the arrival notes the timed ranks sent us, so none is left behind
+        for source in timed:
+            comm.Recv(np.zeros(1, dtype=np.int64), source, tag=_ARRIVAL_TAG)
+    detail = "; ".join(f"rank {rank}: {text}" for rank, (_, text, _) in enumerate(everyone))
     if error is not None:
         raise error
     if failed:
-        bad = [rank for rank, (erred, _) in enumerate(everyone) if erred]
+        bad = [rank for rank, (erred, _, _) in enumerate(everyone) if erred]
         raise CollectiveMismatchError(
             f"{what} failed on rank(s) {bad} before communicating ({detail}); fix the "
             f"arguments there: every rank must pass a valid, identical call"
@@ -70,36 +80,50 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
 _ARRIVAL_TAG = 0x5A7  # point-to-point tag of the arrival notes of timed agreements
 
 
-class _Sequence:
-    __slots__ = ("value",)
+class _Notes:
+    """The arrival notes of one timed agreement: one sent to, one expected from, each rank."""
 
-    def __init__(self) -> None:
-        self.value = 0
+    def __init__(self, comm: Any) -> None:
+        rank = comm.Get_rank()
+        self.others = [r for r in range(comm.Get_size()) if r != rank]
+        self._note = np.ones(1, dtype=np.int64)
+        self._inbox = [np.zeros(1, dtype=np.int64) for _ in self.others]
+        self.receives = [comm.Irecv(buf, source, tag=_ARRIVAL_TAG)
+                         for buf, source in zip(self._inbox, self.others)]
+        self.sends = [comm.Isend(self._note, dest, tag=_ARRIVAL_TAG) for dest in self.others]
+
+    def missing(self) -> list[int]:
+        """The ranks whose note has not come."""
+        return [source for source, r in zip(self.others, self.receives) if not r.Test()]
+
+    def finish(self, senders: Any) -> None:
+        """Complete the exchange: wait for the notes of ``senders``, cancel the others."""
+        MPI = mpi()
+        senders = set(senders)
+        for source, receive in zip(self.others, self.receives):
+            if source not in senders and not receive.Test():
+                receive.Cancel()
+            receive.Wait()
+        MPI.Request.Waitall(self.sends)  # every rank takes the notes sent to it
 
 
-def _allreduce_within(comm: Any, flags: np.ndarray, timeout: float, what: str) -> None:
+def _allreduce_within(comm: Any, flags: np.ndarray, timeout: float, what: str) -> _Notes:
     """The agreement Allreduce, given up after ``timeout`` seconds.
 
-    Each arriving rank also sends a one-byte arrival note to every other rank, so that on
+    Each arriving rank also sends a one-word arrival note to every other rank, so that on
     a timeout a rank can name the ranks it never heard from. After a timeout the
     communicator still has a collective in flight and must not be used again: end the
     job (``mpistrat run`` aborts it) or create a new communicator.
     """
     MPI = mpi()
     rank, size = comm.Get_rank(), comm.Get_size()
-    sequence = comm_cache(comm).setdefault("timed_agreements", _Sequence())
-    sequence.value += 1
-    note = np.array([sequence.value], dtype=np.int64)
-    others = [r for r in range(size) if r != rank]
-    notes_in = [np.zeros(1, dtype=np.int64) for _ in others]
-    receives = [comm.Irecv(buf, source, tag=_ARRIVAL_TAG) for buf, source in zip(notes_in, others)]
-    sends = [comm.Isend(note, dest, tag=_ARRIVAL_TAG) for dest in others]
+    notes = _Notes(comm)
     request = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
     deadline = time.monotonic() + timeout
     pause = 1e-5
     while not request.Test():
         if time.monotonic() >= deadline:
-            missing = [source for source, r in zip(others, receives) if not r.Test()]
+            missing = notes.missing()
             raise CollectiveTimeoutError(
                 f"{what} timed out after {timeout:g} s on rank {rank} of {size}: rank(s) "
                 f"{missing} did not arrive; they are stuck elsewhere or have taken another "
@@ -109,5 +133,4 @@ def _allreduce_within(comm: Any, flags: np.ndarray, timeout: float, what: str) -
             )
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-    MPI.Request.Waitall(receives)
-    MPI.Request.Waitall(sends)
+    return notes

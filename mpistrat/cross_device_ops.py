@@ -104,8 +104,17 @@ def _describe(value: DistributedValues) -> str:
     return f"{len(arrays)}x{shape}:{dtype}"
 
 
-def _same_devices(a: Sequence[Device], b: Sequence[Device], rank: int) -> bool:
-    return {d.on(rank) for d in a} == {d.on(rank) for d in b}
+def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -> bool:
+    """Are the destinations the value's devices (TF's condition for an all-reduce)?
+
+    Each rank's value lives on every rank's local devices, so a destination that names a
+    task is one rank's device, never the value's devices when there are several ranks;
+    the answer is the same on every rank.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size > 1 and any(d.task is not None for d in dest):
+        return False
+    return {d.on(rank) for d in values} == {d.on(rank) for d in dest}
 
 
 def _as_arrays(value: DistributedValues) -> list[Any]:
@@ -141,20 +150,20 @@ class CrossDeviceOps:
         """
         comm = self.comm
         signature = error = None
+        timeout = self._timeout(options)
         try:
+            options = self._options(options)
             op = _reduce_op(reduce_op)
             value = _per_replica(per_replica_value)
             dest = _destinations(destinations)
-            options = self._options(options)
             signature = (f"{type(self).__name__}.reduce op={op.name} value={_describe(value)} "
-                         f"match={_same_devices(value.device_set, dest, comm.Get_rank())} "
+                         f"match={_same_devices(value.device_set, dest, comm)} "
                          f"options={options}")
         except (ValueError, TypeError) as exc:
             error = exc
-        agree(comm, signature, error, f"{type(self).__name__}.reduce",
-              timeout=None if error else options.timeout_seconds)
+        agree(comm, signature, error, f"{type(self).__name__}.reduce", timeout=timeout)
         if comm.Get_size() == 1 and len(value) == 1 and \
-                _same_devices(value.device_set, dest, 0):
+                _same_devices(value.device_set, dest, comm):
             return Mirrored(value.values, value.devices)  # TF's shortcut: no arithmetic
         return self.reduce_implementation(op, value, dest, options)
 
@@ -168,18 +177,17 @@ class CrossDeviceOps:
         """
         comm = self.comm
         signature = error = None
+        timeout = self._timeout(options)
         try:
+            options = self._options(options)
             op = _reduce_op(reduce_op)
             pairs = self._pairs(value_destination_pairs)
-            options = self._options(options)
-            rank = comm.Get_rank()
-            match = self._all_match(pairs, rank)
+            match = self._all_match(pairs, comm)
             signature = (f"{type(self).__name__}.batch_reduce op={op.name} match={match} "
                          f"options={options} " + ";".join(_describe(v) for v, _ in pairs))
         except (ValueError, TypeError) as exc:
             error = exc
-        agree(comm, signature, error, f"{type(self).__name__}.batch_reduce",
-              timeout=None if error else options.timeout_seconds)
+        agree(comm, signature, error, f"{type(self).__name__}.batch_reduce", timeout=timeout)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
             return [Mirrored(v.values, v.devices) for v, _ in pairs]  # TF's shortcut
         return self.batch_reduce_implementation(op, pairs, options)
@@ -221,6 +229,12 @@ class CrossDeviceOps:
     # -- helpers
 
     @staticmethod
+    def _timeout(options: Any) -> float | None:
+        """The agreement's timeout, known even when other arguments are bad (so a rank
+        with a bad argument still takes part in the timed agreement)."""
+        return options.timeout_seconds if isinstance(options, CommunicationOptions) else None
+
+    @staticmethod
     def _options(options: Any) -> CommunicationOptions:
         if options is None:
             return CommunicationOptions()
@@ -252,11 +266,11 @@ class CrossDeviceOps:
         return pairs
 
     @staticmethod
-    def _all_match(pairs: list[tuple[DistributedValues, Any]], rank: int) -> bool:
+    def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Any) -> bool:
         first = pairs[0][0].device_set
         return all(
-            _same_devices(value.device_set, _destinations(dest), rank)
-            and _same_devices(value.device_set, first, rank)
+            _same_devices(value.device_set, _destinations(dest), comm)
+            and _same_devices(value.device_set, first, comm)
             for value, dest in pairs
         )
 
@@ -428,13 +442,13 @@ class _AllReduceBase(CrossDeviceOps):
     """All-reduce when destinations are the values' devices, else reduce to one device."""
 
     def reduce_implementation(self, op, value, dest, options):
-        if _same_devices(value.device_set, dest, self.comm.Get_rank()):
+        if _same_devices(value.device_set, dest, self.comm):
             return self._batch(op, [value], options)[0]
         return ReductionToOneDevice(comm=self._comm).reduce_implementation(op, value, dest,
                                                                            options)
 
     def batch_reduce_implementation(self, op, pairs, options):
-        if self._all_match(pairs, self.comm.Get_rank()):
+        if self._all_match(pairs, self.comm):
             return self._batch(op, [value for value, _ in pairs], options)
         return super().batch_reduce_implementation(op, pairs, options)
 
