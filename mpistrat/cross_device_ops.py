@@ -111,6 +111,8 @@ def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -
     task is one rank's device, never the value's devices when there are several ranks;
     the answer is the same on every rank.
     """
+    if values is dest or values == dest:  # the common case: destinations = the value
+        return comm.Get_size() == 1 or all(d.task is None for d in dest)
     rank, size = comm.Get_rank(), comm.Get_size()
     if size > 1 and any(d.task is not None for d in dest):
         return False
@@ -356,9 +358,10 @@ class ReductionToOneDevice(CrossDeviceOps):
 
 # --------------------------------------------------------------- batched all-reduce
 
-Reducer = Callable[[list[Any], int], Any]
-"""``f(components, index) -> reduced flat buffer``: reduce one buffer whose ``G`` local
-components are given, ``index`` counting the buffers of the batch (for rotations)."""
+Reducer = Callable[[list[Any], int, bool], Any]
+"""``f(components, index, owned) -> reduced flat buffer``: reduce one buffer whose ``G``
+local components are given, ``index`` counting the buffers of the batch (for rotations);
+``owned``: the first component is a fresh pack the reducer may reduce into in place."""
 
 
 def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
@@ -372,11 +375,15 @@ def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
     results: list[Any] = [None] * len(values)
     counter = 0
     for indices, plan, reducer in groups:
-        packed = [plan.pack([components[i][d] for i in indices]) for d in range(replicas)]
+        backend = get_backend(components[indices[0]][0])
+        # packs come from recycled memory: device 0's packs become the results, and a
+        # training loop that has dropped last step's results reuses their warm pages
+        packed = [plan.pack([components[i][d] for i in indices], allocate=backend.recycled)
+                  for d in range(replicas)]
         reduced = []
         for b in range(len(plan.packs) + len(plan.passthrough)):
             parts = [(p[0] + p[1])[b] for p in packed]
-            buf = reducer(parts, counter)
+            buf = reducer(parts, counter, b < len(plan.packs))
             counter += 1
             if op is ReduceOp.MEAN and get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
                 buf = get_backend(buf).divide(buf, contributions)
@@ -395,9 +402,13 @@ def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
 def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reducer:
     """Combine the local components in device order, then run ``alg`` across ranks."""
 
-    def reduce(parts: list[Any], index: int) -> Any:
+    def reduce(parts: list[Any], index: int, owned: bool) -> Any:
         backend = get_backend(parts[0])
-        buf = backend.flat_copy(parts[0])
+        if owned:
+            buf = parts[0].reshape(-1)
+        else:  # an input: reduce a copy, in recycled memory (it becomes the result)
+            buf = backend.recycled(parts[0].size, parts[0].dtype)
+            backend.copy(buf.reshape(parts[0].shape), parts[0])
         for part in parts[1:]:
             view = backend.flat_view(part)
             backend.combine(op, buf, view if view is not None else backend.flat_copy(part))
@@ -547,7 +558,7 @@ def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reduce
         )
     half = devices // 2
 
-    def reduce(parts: list[Any], index: int) -> Any:
+    def reduce(parts: list[Any], index: int, owned: bool) -> Any:
         backend = get_backend(parts[0])
         root0 = index % devices
         owner = root0 // replicas

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -178,11 +178,14 @@ class PackPlan:
         return tuple((p.size,) for p in self.packs) + tuple(
             self.specs[i].shape for i in self.passthrough)
 
-    def pack(self, arrays: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    def pack(self, arrays: Sequence[Any],
+             allocate: Callable[[int, Any], Any] | None = None) -> tuple[list[Any], list[Any]]:
         """Copy a batch into new flat packs.
 
         Args:
             arrays: the batch (NumPy or CuPy arrays), with the plan's shapes and dtypes.
+            allocate: ``f(size, dtype) -> 1-D array`` giving each pack's buffer (e.g. a
+                backend's recycling pool); default: a new array.
 
         Returns:
             ``(packs, singles)``: ``packs`` are new 1-D C-contiguous arrays, one per
@@ -198,8 +201,11 @@ class PackPlan:
         flats: dict[int, Any] = {}
         packs = []
         for pack in self.packs:
-            template = arrays[pack.members[0].index] if pack.members else arrays[0]
-            buffer = np.empty_like(template, dtype=pack.dtype, shape=(pack.size,))
+            if allocate is not None:
+                buffer = allocate(pack.size, pack.dtype)
+            else:
+                template = arrays[pack.members[0].index] if pack.members else arrays[0]
+                buffer = np.empty_like(template, dtype=pack.dtype, shape=(pack.size,))
             for m in pack.members:
                 flat = flats.get(m.index)
                 if flat is None:

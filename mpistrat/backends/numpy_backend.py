@@ -8,6 +8,7 @@ allocated), so the hot path of a collective allocates nothing and takes no page 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ class NumpyBackend:
 
     def __init__(self) -> None:
         self._pool: dict[str, np.ndarray] = {}
+        self._recycle: dict[tuple[int, str], list[np.ndarray]] = {}
 
     @staticmethod
     def owns(array: Any) -> bool:
@@ -57,6 +59,25 @@ class NumpyBackend:
             self._pool[tag] = pool
         return pool[:nbytes].view(dtype)
 
+    def recycled(self, count: int, dtype: Any) -> np.ndarray:
+        """A new-to-the-caller 1-D array of ``count`` elements, reusing the memory of an
+        earlier one once nothing references it any more (no views of it alive).
+
+        Results that are views into packs keep their pack alive; once a training step
+        drops them, the next step reuses the (already faulted-in) memory instead of a
+        fresh allocation. Relies on CPython reference counts.
+        """
+        dtype = np.dtype(dtype)
+        pool = self._recycle.setdefault((count, dtype.str), [])
+        for buffer in pool:
+            # references: the pool's list, this loop variable, getrefcount's argument
+            if sys.getrefcount(buffer) == 3:
+                return buffer
+        buffer = np.empty(count, dtype=dtype)
+        if len(pool) < 4:
+            pool.append(buffer)
+        return buffer
+
     @staticmethod
     def combine(op: ReduceOp, dst: np.ndarray, src: np.ndarray) -> None:
         """``dst = op(dst, src)`` element-wise, in place (MEAN combines as SUM)."""
@@ -84,5 +105,6 @@ class NumpyBackend:
         """Host arrays are always ready."""
 
     def release(self) -> None:
-        """Drop the scratch pool."""
+        """Drop the scratch and recycling pools."""
         self._pool.clear()
+        self._recycle.clear()
