@@ -31,7 +31,7 @@ from ._agreement import agree
 from ._mpi import world
 from .backends import get_backend
 from .backends.capabilities import probe_gpus
-from .communication import CommunicationOptions
+from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
 from .spec import AllReduceSpec, parse_spec
@@ -164,6 +164,7 @@ class CrossDeviceOps:
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.reduce", timeout=timeout)
+        self._check_implementation(options)
         if comm.Get_size() == 1 and len(value) == 1 and \
                 _same_devices(value.device_set, dest, comm):
             return Mirrored(value.values, value.devices)  # TF's shortcut: no arithmetic
@@ -190,6 +191,7 @@ class CrossDeviceOps:
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.batch_reduce", timeout=timeout)
+        self._check_implementation(options)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
             return [Mirrored(v.values, v.devices) for v, _ in pairs]  # TF's shortcut
         return self.batch_reduce_implementation(op, pairs, options)
@@ -229,6 +231,17 @@ class CrossDeviceOps:
                 for value, dest in pairs]
 
     # -- helpers
+
+    @staticmethod
+    def _check_implementation(options: CommunicationOptions) -> None:
+        """NCCL asked for on host values is an error (on every rank: the options were
+        agreed); RING and AUTO let the op use its own host algorithms."""
+        if options.implementation is CommunicationImplementation.NCCL:
+            raise BackendUnavailable(
+                "CommunicationOptions(implementation=NCCL) needs GPU values (CuPy arrays "
+                "on CUDA devices) and NCCL; these values are host (NumPy) arrays: use "
+                "RING or AUTO"
+            )
 
     @staticmethod
     def _timeout(options: Any) -> float | None:

@@ -967,3 +967,17 @@ def _complete_pending_requests(tb) -> None:
                 if isinstance(request, MPI.Request):
                     request.Wait()
         tb = tb.tb_next
+
+
+def test_nccl_implementation_on_host_values_raises_everywhere(world):
+    v = per_replica(world.Get_rank(), 1, (3,), F32)
+    nccl = CommunicationOptions(implementation="nccl")
+    for call in (lambda: ReductionToOneDevice(comm=world).reduce("sum", v, v, options=nccl),
+                 lambda: MultiWorkerAllReduce(all_reduce_spec="xring", comm=world)
+                 .batch_reduce("sum", [(v, v)], options=nccl)):
+        with pytest.raises(mpistrat.BackendUnavailable, match="implementation=NCCL"):
+            call()
+    ring = CommunicationOptions(implementation="ring")
+    out = MultiWorkerAllReduce(all_reduce_spec="xring", comm=world).batch_reduce(
+        "sum", [(v, v)], options=ring)
+    assert out[0].values[0].shape == (3,)
