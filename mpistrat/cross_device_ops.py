@@ -20,6 +20,7 @@ Results always come back in input order (TF returned them grouped by spec entry)
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,7 +127,7 @@ def _as_arrays(value: DistributedValues) -> list[Any]:
 # ----------------------------------------------------------------------- base class
 
 
-class CrossDeviceOps:
+class CrossDeviceOps(abc.ABC):
     """Base class: reduce and broadcast across devices (``tf.distribute.CrossDeviceOps``).
 
     Args:
@@ -221,9 +222,10 @@ class CrossDeviceOps:
 
     # -- hooks for subclasses
 
+    @abc.abstractmethod
     def reduce_implementation(self, op: ReduceOp, value: DistributedValues,
                               dest: tuple[Device, ...], options: CommunicationOptions) -> Mirrored:
-        raise NotImplementedError  # pragma: no cover - every concrete op overrides it
+        """Reduce one validated, agreed value to ``dest`` (every concrete op defines it)."""
 
     def batch_reduce_implementation(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
                                     options: CommunicationOptions) -> list[Mirrored]:
@@ -476,9 +478,10 @@ class _AllReduceBase(CrossDeviceOps):
             return self._batch(op, [value for value, _ in pairs], options)
         return super().batch_reduce_implementation(op, pairs, options)
 
+    @abc.abstractmethod
     def _batch(self, op: ReduceOp, values: list[DistributedValues],
                options: CommunicationOptions) -> list[Mirrored]:
-        raise NotImplementedError  # pragma: no cover - both subclasses override it
+        """All-reduce values whose destinations are their own devices, in input order."""
 
 
 # ------------------------------------------------------- AllReduceCrossDeviceOps family
