@@ -801,13 +801,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_or_abort(main) -> None:
+    """Run ``main()`` and exit with its status; an uncaught exception on any rank prints its
+    traceback and aborts the whole job (one failing rank would leave the others waiting in
+    a collective)."""
     try:
         status = main()
     except SystemExit:
         raise
     except BaseException:
-        # one failing rank would leave the others waiting in a collective: abort the job
         traceback.print_exc()
         sys.stderr.flush()
         from mpi4py import MPI
@@ -815,3 +817,7 @@ if __name__ == "__main__":
         MPI.COMM_WORLD.Abort(1)
         raise
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    run_or_abort(main)

@@ -53,7 +53,6 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce_sweep import (  # noqa: E402  (small shared helpers)
+    run_or_abort,
     _bytes, _nonnegative_int, _positive_int, fill_pattern, format_size)
 
 DEFAULT_SPEC = "rechd"
@@ -742,16 +742,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except SystemExit:
-        raise
-    except BaseException:
-        # one failing rank would leave the others waiting in a collective: abort the job
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
-        raise
-    sys.exit(status)
+    run_or_abort(main)
