@@ -558,17 +558,7 @@ def metadata(comm: Any, args: argparse.Namespace, entries: list[Entry],
     info = collect_info(comm, gpus=False)
     if comm.Get_rank() != 0:
         return {}
-    repo = Path(__file__).resolve().parent.parent
-    git = {}
-    try:
-        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo,
-                                       capture_output=True, text=True,
-                                       timeout=10).stdout.strip() or None
-        git["dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=repo,
-                                           capture_output=True, text=True,
-                                           timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
+    git = git_state(Path(__file__).resolve().parent.parent)
     hosts = sorted({r["host"] for r in info["ranks"]})
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -799,6 +789,21 @@ def main(argv: list[str] | None = None) -> int:
             write_markdown(args.markdown, meta, rows, targets, seconds)
     comm.Free()
     return 0
+
+
+def git_state(repo: Path) -> dict[str, Any]:
+    """The checkout's commit and whether it has uncommitted changes (for run metadata)."""
+    git: dict[str, Any] = {}
+    try:
+        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo,
+                                       capture_output=True, text=True,
+                                       timeout=10).stdout.strip() or None
+        git["dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=repo,
+                                           capture_output=True, text=True,
+                                           timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return git
 
 
 def run_or_abort(main) -> None:

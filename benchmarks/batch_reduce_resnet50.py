@@ -50,7 +50,6 @@ import os
 import platform
 import shlex
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,6 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce_sweep import (  # noqa: E402  (small shared helpers)
+    git_state,
     run_or_abort,
     _bytes, _nonnegative_int, _positive_int, fill_pattern, format_size)
 
@@ -518,20 +518,6 @@ def targets_text(targets: list[dict[str, Any]], markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _git(repo: Path) -> dict[str, Any]:
-    git: dict[str, Any] = {}
-    try:
-        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo,
-                                       capture_output=True, text=True,
-                                       timeout=10).stdout.strip() or None
-        git["dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=repo,
-                                           capture_output=True, text=True,
-                                           timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return git
-
-
 def metadata(comm: Any, args: argparse.Namespace, methods: list[Method], tensors: int,
              total: int, flat_entry: Any) -> dict[str, Any]:
     """Collective: every rank calls it; the result is meaningful on rank 0."""
@@ -557,7 +543,7 @@ def metadata(comm: Any, args: argparse.Namespace, methods: list[Method], tensors
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
         "mpistrat": mpistrat.__version__,
-        "git": _git(Path(__file__).resolve().parent.parent),
+        "git": git_state(Path(__file__).resolve().parent.parent),
         "argv": sys.argv,
         "options": {
             "spec": args.spec_text,

@@ -195,7 +195,7 @@ class CrossDeviceOps(abc.ABC):
         self._check_implementation(options)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
             return [Mirrored(v.values, v.devices) for v, _ in pairs]  # TF's shortcut
-        return self.batch_reduce_implementation(op, pairs, options)
+        return self.batch_reduce_implementation(op, pairs, options, match=match)
 
     def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
         """Copy rank 0's ``tensor`` to every destination device on every rank.
@@ -228,7 +228,10 @@ class CrossDeviceOps(abc.ABC):
         """Reduce one validated, agreed value to ``dest`` (every concrete op defines it)."""
 
     def batch_reduce_implementation(self, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
-                                    options: CommunicationOptions) -> list[Mirrored]:
+                                    options: CommunicationOptions,
+                                    match: bool | None = None) -> list[Mirrored]:
+        """Reduce validated, agreed pairs; ``match`` is whether every pair's destinations
+        are its value's devices (computed by ``batch_reduce`` already)."""
         return [self.reduce_implementation(op, value, _destinations(dest), options)
                 for value, dest in pairs]
 
@@ -296,11 +299,26 @@ class CrossDeviceOps(abc.ABC):
 
 
 def _add_n(arrays: list[Any]) -> Any:
-    total = get_backend(arrays[0]).flat_copy(arrays[0]).reshape(np.shape(arrays[0]))
-    backend = get_backend(total)
+    backend = get_backend(arrays[0])
+    total = backend.flat_copy(arrays[0])
     for array in arrays[1:]:
-        backend.combine(ReduceOp.SUM, total.reshape(-1), backend.flat_copy(array))
-    return total
+        view = backend.flat_view(array)
+        backend.combine(ReduceOp.SUM, total, view if view is not None else backend.flat_copy(array))
+    return total.reshape(np.shape(arrays[0]))
+
+
+def _gather_rows(comm: Any, parts: list[Any], root: int) -> Any:
+    """Every rank's components gathered on ``root`` as rows (global replica order,
+    rank-major), an array of shape ``(size * G, elements)``; None on the other ranks."""
+    backend = get_backend(parts[0])
+    local = np.concatenate([np.reshape(p, -1) for p in parts])
+    rows = None
+    if comm.Get_rank() == root:
+        rows = np.empty((comm.Get_size() * len(parts), local.size // len(parts)),
+                        dtype=local.dtype)
+    comm.Gather(backend.comm_view(local),
+                backend.comm_view(rows.reshape(-1)) if rows is not None else None, root=root)
+    return rows
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -337,23 +355,18 @@ class ReductionToOneDevice(CrossDeviceOps):
         arrays = _as_arrays(value)
         backend = get_backend(arrays[0])
         shape, dtype = arrays[0].shape, arrays[0].dtype
-        local = np.concatenate([backend.flat_copy(a) for a in arrays])
-        is_root = comm.Get_rank() == root
-        gathered = np.empty(comm.Get_size() * local.size, dtype=dtype) if is_root else None
-        comm.Gather(backend.comm_view(local),
-                    backend.comm_view(gathered) if is_root else None, root=root)
+        rows = _gather_rows(comm, arrays, root)
+        is_root = rows is not None
         failure = None
         if is_root:
             try:
-                parts = np.split(gathered, comm.Get_size() * len(arrays)) if gathered.size \
-                    else [gathered] * (comm.Get_size() * len(arrays))
-                total = np.asarray(self.accumulation_fn([p.reshape(shape) for p in parts]))
+                total = np.asarray(self.accumulation_fn([row.reshape(shape) for row in rows]))
                 if total.shape != shape:
                     raise ValueError(f"accumulation_fn returned shape {total.shape}, "
                                      f"expected {shape}")
                 total = backend.flat_copy(total.astype(dtype, copy=False))
                 if op is ReduceOp.MEAN:
-                    total = backend.divide(total, len(parts))
+                    total = backend.divide(total, len(rows))
             except Exception as exc:  # reported on every rank below
                 failure = exc
         # every rank learns whether the reduce device succeeded (no rank left waiting)
@@ -365,7 +378,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             raise ValueError(f"the reduction on rank {root} ({device}) failed: {status}")
         out_dtype = np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iub" \
             else dtype
-        result = total if is_root else np.empty(local.size // len(arrays), dtype=out_dtype)
+        result = total if is_root else np.empty(arrays[0].size, dtype=out_dtype)
         comm.Bcast(backend.comm_view(result), root=root)
         result = result.reshape(shape)
         return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])
@@ -473,8 +486,8 @@ class _AllReduceBase(CrossDeviceOps):
         return ReductionToOneDevice(comm=self._comm).reduce_implementation(op, value, dest,
                                                                            options)
 
-    def batch_reduce_implementation(self, op, pairs, options):
-        if self._all_match(pairs, self.comm):
+    def batch_reduce_implementation(self, op, pairs, options, match=None):
+        if match if match is not None else self._all_match(pairs, self.comm):
             return self._batch(op, [value for value, _ in pairs], options)
         return super().batch_reduce_implementation(op, pairs, options)
 
@@ -578,14 +591,8 @@ def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reduce
         backend = get_backend(parts[0])
         root0 = index % devices
         owner = root0 // replicas
-        local = np.concatenate([backend.flat_copy(p) for p in parts])
-        count = local.size // replicas
-        gathered = np.empty(devices * count, dtype=local.dtype) if comm.Get_rank() == owner \
-            else None
-        comm.Gather(backend.comm_view(local),
-                    backend.comm_view(gathered) if gathered is not None else None, root=owner)
-        if gathered is not None:
-            rows = gathered.reshape(devices, count)
+        rows = _gather_rows(comm, parts, owner)
+        if rows is not None:
             first, second = (range(0, half), range(half, devices)) if root0 < half else \
                 (range(half, devices), range(0, half))
             total = rows[first[0]].copy()
@@ -596,7 +603,7 @@ def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reduce
                 backend.combine(op, other, rows[d])
             backend.combine(op, total, other)
         else:
-            total = np.empty(count, dtype=local.dtype)
+            total = np.empty(parts[0].size, dtype=parts[0].dtype)
         comm.Bcast(backend.comm_view(total), root=owner)
         return total
 

@@ -61,3 +61,18 @@ def finish(comm, problems: list[str], digests: list[tuple[str, str]]) -> None:
                             f"{comm.size}: {differ[:3] or 'different number of results'}")
             break
     assert not problems, "\n".join(problems[:20])
+
+
+def spy_algorithms(monkeypatch) -> list[str]:
+    """Record the name of every algorithm ``mpistrat.algorithms.run`` runs (still runs it)."""
+    import mpistrat
+
+    seen: list[str] = []
+    real = mpistrat.algorithms.run
+
+    def spy(name, *args, **kwargs):
+        seen.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(mpistrat.algorithms, "run", spy)
+    return seen

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from _checks import _dtype, _eps, digest, finish, problem
+from _checks import _dtype, _eps, digest, finish, problem, spy_algorithms
 
 import mpistrat
 from mpistrat import CollectiveMismatchError, ReduceOp, all_reduce
@@ -535,14 +535,7 @@ def test_invalid_ranks_per_node_raises_naming_it(comm, ranks_per_node):
 
 def test_spec_routes_each_tensor_by_its_byte_size(comm, monkeypatch):
     """The first entry whose limit >= the tensor's bytes (one replica's) reduces it."""
-    seen: list[str] = []
-    real = mpistrat.algorithms.run
-
-    def spy(name, *args, **kwargs):
-        seen.append(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(mpistrat.algorithms, "run", spy)
+    seen = spy_algorithms(monkeypatch)
     spec = "native:1:1024,rechd:1:4096,pscpu:1:-1"
     n = comm.size
     problems: list[str] = []

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _checks import digest, finish, problem
+from _checks import digest, finish, problem, spy_algorithms
 
 import mpistrat
 from mpistrat import (
@@ -490,25 +490,13 @@ PACKINGS = [
 ]
 
 
-def _spy_algorithms(monkeypatch) -> list[str]:
-    seen: list[str] = []
-    real = mpistrat.algorithms.run
-
-    def spy(name, *args, **kwargs):
-        seen.append(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(mpistrat.algorithms, "run", spy)
-    return seen
-
-
 @pytest.mark.parametrize("packing", PACKINGS, ids=[p.id for p in PACKINGS])
 def test_batch_reduce_packing_mixed_dtypes_keeps_order(world, packing, monkeypatch):
     """A batch of interleaved small and large float32/float64/int32/float16 tensors, every
     packing setting: results in input order, each with its input's shape, its dtype
     (float64 for a MEAN of int32) and exact values; a two-entry spec runs both entries."""
     n, rank = world.Get_size(), world.Get_rank()
-    seen = _spy_algorithms(monkeypatch)
+    seen = spy_algorithms(monkeypatch)
     ops = packing.make(world)
     problems: list[str] = []
     digests: list[tuple[str, str]] = []
