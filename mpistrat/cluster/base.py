@@ -165,11 +165,13 @@ class ClusterResolver(ABC):
     @property
     def worker_index(self) -> int:
         """This task's worker id: 0 for the chief, then the workers in order."""
+        self.validate()
         return id_in_cluster(self.cluster_spec(), self.task_type, self.task_id)
 
     @property
     def is_chief(self) -> bool:
         """True on the task that checkpoints and writes summaries."""
+        self.validate()
         return is_chief(self.cluster_spec(), self.task_type, self.task_id)
 
 

@@ -41,7 +41,7 @@ _TASK_HINT = 'e.g. "task": {"type": "worker", "index": 0}'
 
 
 def validate_cluster_spec(cluster_spec: ClusterLike, task_type: str | None,
-                          task_id: int | None, source: str = "the cluster") -> None:
+                          task_id: int | None, source: str = "the cluster spec") -> None:
     """Check that ``(task_type, task_id)`` is a valid task of ``cluster_spec``.
 
     An empty cluster is local mode and always valid (the task, if any, is ignored).
@@ -59,46 +59,46 @@ def validate_cluster_spec(cluster_spec: ClusterLike, task_type: str | None,
         return
     if task_type is None or task_id is None:
         raise TopologyError(
-            f"{source} has a cluster ({spec.as_dict()}) but no task (task_type="
+            f"a cluster is given ({spec.as_dict()}, from {source}) but no task (task_type="
             f"{task_type!r}, task_id={task_id!r}): when a cluster is given, task_type and "
             f"task_id must be given too; fix: say which task this process is "
             f"({_TASK_HINT} in TF_CONFIG, or the resolver's task_type/task_id)"
         )
     if task_type not in TASK_TYPES:
         raise TopologyError(
-            f"unrecognized task_type {task_type!r} in {source}; valid task types are "
+            f"unrecognized task_type {task_type!r} (from {source}); valid task types are "
             f"'chief', 'worker', 'evaluator' and 'ps'"
         )
     if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
         raise TopologyError(
-            f"task_id must be an integer >= 0, got {task_id!r} (task {task_type!r} in "
+            f"task_id must be an integer >= 0, got {task_id!r} (task {task_type!r}, from "
             f"{source})"
         )
     if task_type not in spec.jobs and task_type != "evaluator":
         raise TopologyError(
-            f"task_type {task_type!r} not found in {source}'s cluster, whose jobs are "
+            f"task_type {task_type!r} not found in the cluster (from {source}), whose jobs are "
             f"{spec.jobs}; fix: add a {task_type!r} job to the cluster or use one of its jobs"
         )
     for job in ("chief", "evaluator"):
         if job in spec.jobs and spec.num_tasks(job) > 1:
             raise TopologyError(
-                f"there must be at most one {job!r} task, but {source}'s cluster has "
+                f"there must be at most one {job!r} task, but the cluster (from {source}) has "
                 f"{spec.num_tasks(job)}: {spec.job_tasks(job)}; fix: keep one {job} and "
                 f"list the others under 'worker'"
             )
     for job in ("chief", "worker"):
         if job in spec.jobs and spec.task_indices(job) != list(range(spec.num_tasks(job))):
             raise TopologyError(
-                f"job {job!r} in {source}'s cluster has task indices "
+                f"job {job!r} of the cluster (from {source}) has task indices "
                 f"{spec.task_indices(job)}; workers need indices 0..n-1; fix: list the "
                 f"{job} addresses as a plain list"
             )
     if task_type in spec.jobs and task_id >= spec.num_tasks(task_type):
         count = spec.num_tasks(task_type)
         raise TopologyError(
-            f"task_id {task_id} exceeds the maximum id of {task_type!r}: {source}'s cluster "
-            f"has {count} {task_type} task(s), ids 0..{count - 1}; fix: use an index below "
-            f"{count} or add the task's address to the {task_type!r} job"
+            f"task_id {task_id} exceeds the maximum id of {task_type!r}: the cluster (from "
+            f"{source}) has {count} {task_type} task(s), ids 0..{count - 1}; fix: use an "
+            f"index below {count} or add the task's address to the {task_type!r} job"
         )
 
 

@@ -348,24 +348,19 @@ class SlurmClusterResolver(ClusterResolver):
         """The CUDA device numbers of this task's GPUs in this process, as it is now.
 
         ``0..n-1`` when ``CUDA_VISIBLE_DEVICES`` lists exactly them (Slurm bound them, or
-        ``auto_set_gpu`` set it); otherwise their positions in what the process sees.
+        ``auto_set_gpu`` set it); otherwise their positions among the node's GPUs the
+        process sees, ``local_rank * n`` onwards.
         """
         step = self.step
         if self._gpus_set or step.gpus_bound:
             return tuple(range(step.gpus_per_task))
-        return tuple(_ordinal(entry) for entry in step.gpu_ids)
+        start = step.local_rank * step.gpus_per_task
+        return tuple(range(start, start + step.gpus_per_task))
 
     def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
                          config_proxy: Any = None) -> dict[str, int]:
         """``{"GPU": gpus_per_task}``: every task of a step has the same GPU count."""
         return {"GPU": self.step.gpus_per_task}
-
-
-def _ordinal(entry: str) -> int:
-    if not entry.isdigit():
-        raise TopologyError(f"GPU {entry!r} is not a device number; with UUIDs in "
-                            f"{CUDA_VISIBLE_DEVICES} leave auto_set_gpu=True")
-    return int(entry)
 
 
 def _allocate(step: SlurmStep, jobs: dict[str, int] | None,

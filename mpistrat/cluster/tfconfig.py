@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import TopologyError
 from .base import ClusterResolver, coerce_task_id
-from .cluster_spec import ClusterSpec, format_master_url
+from .cluster_spec import ClusterSpec
 
 __all__ = ["TF_CONFIG", "TFConfig", "parse_tf_config", "TFConfigClusterResolver"]
 
