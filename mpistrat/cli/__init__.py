@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .bench import bench
 from .info import info
 from .validate import validate
 
@@ -32,6 +33,7 @@ def cli() -> None:
 
 cli.add_command(validate)
 cli.add_command(info)
+cli.add_command(bench)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -1,0 +1,325 @@
+"""``--batch``: a whole gradient batch through ``MultiWorkerAllReduce.batch_reduce``,
+beside the MPI library's per-tensor and flat all-reduce.
+
+The batch is a list of shapes (``resnet50``: ResNet-50 v1's 161 gradients, 97.5 MiB in
+float32; or a JSON file), each tensor its own array, ``G`` of them per rank. Methods,
+timed in the same run, round-robin with a rotating start:
+
+* ``per-tensor native``: one ``MPI_Allreduce`` per tensor (the reference result);
+* ``flat native``: one ``MPI_Allreduce`` of a flat buffer of the batch's total size;
+* ``flat SPEC``: the spec's algorithm for that total size, called directly on the flat
+  buffer (the all-reduce alone: no packing, no API);
+* ``flat SPEC (batch_reduce)``: ``batch_reduce`` of that one flat tensor (adds the
+  API's cost: checks, the agreement, one copy);
+* ``batch_reduce num_packs=P`` per ``num_packs`` value, ``batch_reduce agg B/M`` (small
+  tensors aggregated) and ``batch_reduce no packing`` (one all-reduce per tensor).
+
+Inputs are small integers (exact sums); in-place methods get their input back before
+each iteration, outside the timed region; with G > 1 adding up the local replicas is
+part of every method's timed work, as it is inside ``batch_reduce``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..spec import AllReduceSpec, format_bytes
+from .check import fill_pattern
+from .config import BatchConfig
+from .report import format_ratio
+from .results import Point
+
+__all__ = ["load_shapes", "Method", "build_methods", "BatchBench", "batch_table"]
+
+
+def load_shapes(source: str) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """The batch named by ``--batch``: ``resnet50``, or a JSON file holding a list of
+    shapes (``[[64, 3, 7, 7], [64], ...]``) or ``{"shapes": [...]}``.
+
+    Raises:
+        ValueError: an unknown name, an unreadable file or malformed shapes.
+    """
+    if source.strip().lower() == "resnet50":
+        from ..packing import resnet50_gradient_shapes
+
+        return "resnet50", tuple(tuple(s) for s in resnet50_gradient_shapes())
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"--batch {source!r}: expected 'resnet50' or a JSON file of shapes "
+                         f"(e.g. [[64, 3, 7, 7], [64]]), and no such file exists")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--batch {source!r}: cannot read it as JSON ({exc})") from None
+    shapes = data.get("shapes") if isinstance(data, dict) else data
+    if not isinstance(shapes, list) or not shapes:
+        raise ValueError(f"--batch {source!r}: expected a non-empty list of shapes or "
+                         f"{{\"shapes\": [...]}}, got {type(shapes).__name__}")
+    out = []
+    for i, shape in enumerate(shapes):
+        if (not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                           for d in shape)):
+            raise ValueError(f"--batch {source!r}: shape {i} is {shape!r}; expected a list "
+                             f"of integers >= 0")
+        out.append(tuple(shape))
+    return path.name, tuple(out)
+
+
+@dataclass
+class Method:
+    """One way of reducing the batch (a row of the table)."""
+
+    label: str
+    kind: str  # per-tensor | flat-native | flat-spec | flat-batch | batch
+    calls: int
+    plan: str
+    ops: Any = None
+    num_packs: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "kind": self.kind, "calls": self.calls,
+                "plan": self.plan, "num_packs": self.num_packs}
+
+
+def _name(alg: str, shards: int) -> str:
+    return alg if shards == 1 else f"{alg}#{shards}"
+
+
+def _plan(spec: AllReduceSpec, shapes: Sequence[tuple[int, ...]], dtype: np.dtype,
+          num_packs: int, agg_bytes: int, agg_group: int) -> tuple[int, str]:
+    """What MultiWorkerAllReduce does with the batch: (all-reduce calls, description)."""
+    from ..packing import plan_tf_packing
+
+    specs = [(s, dtype) for s in shapes]
+    routed: dict[int, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        routed.setdefault(spec.index_for(nbytes), []).append(i)
+    calls, parts = 0, []
+    for entry in sorted(routed):
+        plan = plan_tf_packing([specs[i] for i in routed[entry]], num_packs=num_packs,
+                               agg_small_grads_max_bytes=agg_bytes,
+                               agg_small_grads_max_group=agg_group if agg_bytes else 0)
+        calls += len(plan.packs) + len(plan.passthrough)
+        alg, shards, _ = spec[entry]
+        parts.append(f"{_name(alg, shards)}: {len(routed[entry])} tensors -> "
+                     f"{len(plan.packs)} pack(s) + {len(plan.passthrough)} single(s)")
+    return calls, "; ".join(parts)
+
+
+def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[Method]:
+    """The rows of a batch run, in table order."""
+    from ..cross_device_ops import MultiWorkerAllReduce
+
+    shapes, dtype, n = config.shapes, config.np_dtype, len(config.shapes)
+    total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * dtype.itemsize
+    flat_alg, flat_shards, _ = spec.route(total)
+    label = str(spec)
+
+    def ops(**kwargs: int) -> Any:
+        return MultiWorkerAllReduce(all_reduce_spec=spec, comm=comm, **kwargs)
+
+    methods = [
+        Method("per-tensor native", "per-tensor", n, f"{n} x MPI_Allreduce"),
+        Method("flat native", "flat-native", 1, "1 x MPI_Allreduce"),
+        Method(f"flat {label}", "flat-spec", 1,
+               f"algorithms.run({_name(flat_alg, flat_shards)!r}) on the flat buffer"),
+        Method(f"flat {label} (batch_reduce)", "flat-batch", 1,
+               "batch_reduce of one flat tensor, num_packs=0", ops(num_packs=0)),
+    ]
+    for packs in config.num_packs:
+        calls, plan = _plan(spec, shapes, dtype, packs, 0, 0)
+        methods.append(Method(f"batch_reduce num_packs={packs}", "batch", calls, plan,
+                              ops(num_packs=packs), packs))
+    if config.agg_bytes:
+        calls, plan = _plan(spec, shapes, dtype, 0, config.agg_bytes, config.agg_group)
+        methods.append(Method(
+            f"batch_reduce agg {format_bytes(config.agg_bytes).replace(' ', '')}"
+            f"/{config.agg_group}", "batch", calls, plan,
+            ops(num_packs=0, agg_small_grads_max_bytes=config.agg_bytes,
+                agg_small_grads_max_group=config.agg_group)))
+    calls, plan = _plan(spec, shapes, dtype, 0, 0, 0)
+    methods.append(Method("batch_reduce no packing", "batch", calls, plan, ops(num_packs=0)))
+    return methods
+
+
+class BatchBench:
+    """The batch's buffers and one call of each method (collective: every rank builds one)."""
+
+    def __init__(self, comm: Any, config: BatchConfig, spec: AllReduceSpec,
+                 methods: list[Method]) -> None:
+        from .. import algorithms
+        from .._mpi import mpi
+        from ..backends import get_backend
+        from ..ops import ReduceOp
+        from ..values import PerReplica
+
+        self.comm, self.MPI, self.methods, self.config = comm, mpi(), methods, config
+        self.run, self.SUM = algorithms.run, ReduceOp.SUM
+        self.G = G = config.local_replicas
+        dtype, rank = config.np_dtype, comm.Get_rank()
+        self.shapes = config.shapes
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.total = int(self.offsets[-1])
+        self.flat_in = []
+        for d in range(G):
+            flat = np.empty(self.total, dtype=dtype)
+            fill_pattern(flat, rank * G + d)
+            self.flat_in.append(flat)
+        self.inputs = [[self.flat_in[d][o:o + n].reshape(s).copy()
+                        for o, n, s in zip(self.offsets[:-1], self.sizes, self.shapes)]
+                       for d in range(G)]
+        self.work = [np.empty(s, dtype=dtype) for s in self.shapes]
+        self.flat = np.empty(self.total, dtype=dtype)
+        self.backend = get_backend(self.flat)
+        self.pairs = [(v, v) for v in (PerReplica([self.inputs[d][i] for d in range(G)])
+                                       for i in range(len(self.shapes)))]
+        flat_value = PerReplica(list(self.flat_in))
+        self.flat_pairs = [(flat_value, flat_value)]
+        self.flat_alg, self.flat_shards, _ = spec.route(self.total * dtype.itemsize)
+        self.ref: np.ndarray | None = None
+
+    # -- untimed preparation, then the timed call
+
+    def _prepare(self, m: Method) -> None:
+        if self.G > 1:
+            return  # the methods add the G components up themselves (timed)
+        if m.kind == "per-tensor":
+            for w, x in zip(self.work, self.inputs[0]):
+                np.copyto(w, x)
+        elif m.kind in ("flat-native", "flat-spec"):
+            np.copyto(self.flat, self.flat_in[0])
+
+    def _local_sum(self, out: np.ndarray, parts: list[np.ndarray]) -> None:
+        np.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            np.add(out, part, out=out)
+
+    def _call(self, m: Method, rotation: int) -> Any:
+        comm, MPI = self.comm, self.MPI
+        if m.kind == "per-tensor":
+            for i, w in enumerate(self.work):
+                if self.G > 1:
+                    self._local_sum(w, [self.inputs[d][i] for d in range(self.G)])
+                comm.Allreduce(MPI.IN_PLACE, w)
+            return None
+        if m.kind in ("flat-native", "flat-spec"):
+            if self.G > 1:
+                self._local_sum(self.flat, self.flat_in)
+            if m.kind == "flat-native":
+                comm.Allreduce(MPI.IN_PLACE, self.flat)
+            else:
+                self.run(self.flat_alg, comm, self.flat, op=self.SUM, shards=self.flat_shards,
+                         backend=self.backend, rotation=rotation)
+            return None
+        return m.ops.batch_reduce("sum", self.flat_pairs if m.kind == "flat-batch"
+                                  else self.pairs)
+
+    def timed(self, k: int, rotation: int, check: bool) -> tuple[float, int]:
+        """One iteration of method ``k``: (seconds, wrong elements or 0 when unchecked)."""
+        m = self.methods[k]
+        self._prepare(m)
+        self.comm.Barrier()
+        t0 = self.MPI.Wtime()
+        result = self._call(m, rotation)
+        t = self.MPI.Wtime() - t0
+        wrong = self._wrong(m, result) if check else 0
+        del result  # freed outside the timed region
+        return t, wrong
+
+    # -- correctness
+
+    def check_all(self) -> list[int]:
+        """One call of every method compared with per-tensor native's results (which are
+        themselves compared with one flat MPI_Allreduce); this rank's wrong counts."""
+        order = sorted(range(len(self.methods)),
+                       key=lambda e: self.methods[e].kind != "per-tensor")
+        wrong = [0] * len(self.methods)
+        for e in order:
+            m = self.methods[e]
+            self._prepare(m)
+            result = self._call(m, 0)
+            if m.kind == "per-tensor":
+                self.ref = np.concatenate([w.reshape(-1) for w in self.work])
+                flat = self.flat_in[0].copy()
+                for part in self.flat_in[1:]:
+                    flat += part
+                self.comm.Allreduce(self.MPI.IN_PLACE, flat)
+                wrong[e] = int(np.count_nonzero(self.ref != flat))
+            else:
+                wrong[e] = self._wrong(m, result)
+        return wrong
+
+    def _wrong(self, m: Method, result: Any) -> int:
+        ref = self.ref
+        assert ref is not None, "check_all() runs first"
+        if m.kind == "per-tensor":
+            return sum(int(np.count_nonzero(w.reshape(-1) != ref[o:o + n]))
+                       for w, o, n in zip(self.work, self.offsets[:-1], self.sizes))
+        if m.kind in ("flat-native", "flat-spec"):
+            return int(np.count_nonzero(self.flat != ref))
+        if m.kind == "flat-batch":
+            spans, shapes = [(0, self.total)], [(self.total,)]
+        else:
+            spans, shapes = list(zip(self.offsets[:-1].tolist(), self.sizes)), self.shapes
+        if not isinstance(result, list) or len(result) != len(spans):
+            return self.total * self.G
+        wrong = 0
+        for (o, n), shape, mirrored in zip(spans, shapes, result):
+            values = list(getattr(mirrored, "values", ()))
+            if len(values) != self.G:
+                wrong += n * self.G
+                continue
+            for v in values:
+                v = np.asarray(v)
+                if v.shape != tuple(shape) or v.dtype != ref.dtype:
+                    wrong += n
+                else:
+                    wrong += int(np.count_nonzero(v.reshape(-1) != ref[o:o + n]))
+        return wrong
+
+    def inputs_modified(self) -> int:
+        """Input elements ``batch_reduce`` changed (it must leave its inputs alone)."""
+        modified = 0
+        for d in range(self.G):
+            for i, x in enumerate(self.inputs[d]):
+                o, n = int(self.offsets[i]), self.sizes[i]
+                modified += int(np.count_nonzero(x.reshape(-1) != self.flat_in[d][o:o + n]))
+        return modified
+
+
+def batch_table(points: Sequence[Point], methods: Sequence[Method],
+                markdown: bool = False) -> str:
+    """The batch's table: one row per method with its time ratios to per-tensor native
+    and to the flat spec all-reduce."""
+    per_tensor = next(p for p, m in zip(points, methods) if m.kind == "per-tensor")
+    flat_spec = next(p for p, m in zip(points, methods) if m.kind == "flat-spec")
+    heads = ["method", "calls", "iters", "time(ms)", "min(ms)", "max(ms)", "algbw(GB/s)",
+             "time/per-tensor", "time/flat spec", "#wrong"]
+    rows = []
+    for p, m in zip(points, methods):
+        rows.append([
+            m.label, str(m.calls), str(len(p.samples)), f"{p.median * 1e3:.2f}",
+            f"{p.min * 1e3:.2f}", f"{p.max * 1e3:.2f}", f"{p.algbw:.3g}",
+            format_ratio(p.median / per_tensor.median if per_tensor.median > 0 else None),
+            format_ratio(p.median / flat_spec.median if flat_spec.median > 0 else None),
+            str(p.wrong)])
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |",
+                 "|:---|" + "|".join("---:" for _ in heads[1:]) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(heads)]
+
+    def line(cells: Sequence[str], prefix: str = " ") -> str:
+        return (prefix + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
+
+    return "\n".join([line(heads, "#")] + [line(r) for r in rows])
