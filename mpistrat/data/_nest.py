@@ -13,10 +13,6 @@ from typing import Any
 __all__ = ["map_structure", "flatten", "describe"]
 
 
-def _is_namedtuple(value: Any) -> bool:
-    return isinstance(value, tuple) and hasattr(type(value), "_fields")
-
-
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
     """Apply ``fn`` to the leaves at each position of ``structures`` (all of the same shape).
 
@@ -24,27 +20,32 @@ def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
         ValueError: the structures differ (type, length or dict keys); the message shows them.
     """
     first = structures[0]
+    if not isinstance(first, _CONTAINERS):
+        if len(structures) > 1 and any(isinstance(s, _CONTAINERS) for s in structures):
+            raise _mismatch(structures)
+        return fn(*structures)
     if isinstance(first, dict):
         for other in structures[1:]:
-            if not isinstance(other, dict) or set(other) != set(first):
+            if not isinstance(other, dict) or other.keys() != first.keys():
                 raise _mismatch(structures)
         items = [(key, map_structure(fn, *(s[key] for s in structures))) for key in first]
         try:
             return type(first)(items)
         except TypeError:  # dict subclasses whose constructor takes other arguments
             return dict(items)
-    if isinstance(first, (tuple, list)):
-        for other in structures[1:]:
-            if type(other) is not type(first) or len(other) != len(first):
-                raise _mismatch(structures)
-        children = [map_structure(fn, *parts) for parts in zip(*structures)]
-        if _is_namedtuple(first):
-            return type(first)(*children)
-        return type(first)(children)
     for other in structures[1:]:
-        if isinstance(other, (tuple, list, dict)):
+        if type(other) is not type(first) or len(other) != len(first):
             raise _mismatch(structures)
-    return fn(*structures)
+    if len(structures) == 1:
+        children = [map_structure(fn, child) for child in first]
+    else:
+        children = [map_structure(fn, *parts) for parts in zip(*structures)]
+    if isinstance(first, tuple) and hasattr(type(first), "_fields"):
+        return type(first)(*children)
+    return type(first)(children)
+
+
+_CONTAINERS = (tuple, list, dict)
 
 
 def flatten(structure: Any) -> list[Any]:

@@ -51,6 +51,8 @@ def _spec_of(element: Any) -> Any:
 def _leaf(value: Any) -> Any:
     """An element's leaf: arrays (anything with shape and dtype) as they are, the rest
     (Python numbers, strings) through ``np.asarray``."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return value
     return np.asarray(value)
@@ -660,15 +662,18 @@ class _Batch(_Step):
 
 
 def _stack(leaves: tuple[Any, ...]) -> np.ndarray:
-    first = np.shape(leaves[0])
-    for i, leaf in enumerate(leaves):
-        if np.shape(leaf) != first:
-            raise ValueError(
-                f"cannot batch elements with different shapes: element 0 of the batch has "
-                f"shape {first} and element {i} has shape {np.shape(leaf)}; make them equal "
-                f"in map() (pad or crop) before batch()"
-            )
-    return np.stack(leaves)
+    try:
+        return np.stack(leaves)
+    except ValueError:
+        first = np.shape(leaves[0])
+        for i, leaf in enumerate(leaves):
+            if np.shape(leaf) != first:
+                raise ValueError(
+                    f"cannot batch elements with different shapes: element 0 of the batch "
+                    f"has shape {first} and element {i} has shape {np.shape(leaf)}; make "
+                    f"them equal in map() (pad or crop) before batch()"
+                ) from None
+        raise
 
 
 def _chain(dataset: Dataset) -> Iterator[Dataset]:
