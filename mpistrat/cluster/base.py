@@ -68,7 +68,7 @@ class ClusterResolver(ABC):
     _rpc_layer: str | None = None
     _environment: str = ""
     #: Where the cluster comes from, for messages.
-    source: str = "the cluster"
+    source: str = "the cluster spec"
 
     @abstractmethod
     def cluster_spec(self) -> ClusterSpec:
