@@ -206,9 +206,14 @@ class Dataset(abc.ABC):
             seed = _index(seed, "shuffle seed", -(2**63))
         return _Shuffle(self, buffer_size, seed, bool(reshuffle_each_iteration))
 
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
+    def batch(self, batch_size: int, drop_remainder: bool = False,
+              num_parallel_calls: int | None = None, deterministic: bool | None = None
+              ) -> Dataset:
         """Stack ``batch_size`` consecutive elements into one (a new first dimension);
-        the last batch is smaller unless ``drop_remainder``."""
+        the last batch is smaller unless ``drop_remainder``. ``num_parallel_calls`` and
+        ``deterministic`` are accepted for TF scripts (batches are made in order)."""
+        if num_parallel_calls is not None:
+            _index(num_parallel_calls, "num_parallel_calls", AUTOTUNE)
         return _Batch(self, _index(batch_size, "batch_size", 1), bool(drop_remainder))
 
     def repeat(self, count: int | None = None) -> Dataset:

@@ -107,7 +107,7 @@ class _DistributedInput(abc.ABC):
         if not isinstance(options, InputOptions):
             raise TypeError(f"options must be an InputOptions, got {type(options).__name__}")
         if shuffle_seed is not None:
-            shuffle_seed = _count(shuffle_seed % 2**64, "shuffle_seed", 0)
+            shuffle_seed = _count(shuffle_seed, "shuffle_seed", -(2**63)) % 2**64
         self._wrap = wrap
         self._agree_any = agree_any
         self._options = options

@@ -99,17 +99,31 @@ def _policy(value: Any) -> AutoShardPolicy:
 
 
 class Options:
-    """A dataset's options (``tf.data.Options``): ``experimental_distribute``.
+    """A dataset's options (``tf.data.Options``): ``experimental_distribute`` and
+    ``experimental_deterministic``.
 
     Attach them with ``dataset.with_options(options)``; read them with
     ``dataset.options()``. Unknown attributes raise ``AttributeError``, so a misspelt
     option is never silently ignored.
     """
 
-    __slots__ = ("_distribute",)
+    __slots__ = ("_distribute", "_deterministic")
 
     def __init__(self) -> None:
         self._distribute = DistributeOptions()
+        self._deterministic: bool | None = None
+
+    @property
+    def experimental_deterministic(self) -> bool:
+        """Accepted for TF scripts (default True). Pipelines here always produce
+        elements in order, so False changes nothing."""
+        return True if self._deterministic is None else self._deterministic
+
+    @experimental_deterministic.setter
+    def experimental_deterministic(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"experimental_deterministic must be a bool, got {value!r}")
+        self._deterministic = value
 
     @property
     def experimental_distribute(self) -> DistributeOptions:
@@ -132,18 +146,22 @@ class Options:
             raise TypeError(f"can only merge Options, got {type(options).__name__}")
         out = Options()
         out._distribute = self._distribute._merged(options._distribute)
+        out._deterministic = (options._deterministic if options._deterministic is not None
+                              else self._deterministic)
         return out
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Options):
             return NotImplemented
-        return self._distribute == other._distribute
+        return (self._distribute, self._deterministic) == (other._distribute,
+                                                           other._deterministic)
 
     def __hash__(self) -> int:
-        return hash(self._distribute)
+        return hash((self._distribute, self._deterministic))
 
     def __repr__(self) -> str:
-        return f"Options(experimental_distribute={self._distribute!r})"
+        return (f"Options(experimental_distribute={self._distribute!r}, "
+                f"experimental_deterministic={self.experimental_deterministic})")
 
 
 class InputReplicationMode(enum.Enum):

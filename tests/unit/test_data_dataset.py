@@ -125,6 +125,8 @@ def test_batch_stacks_and_keeps_or_drops_the_remainder():
     spec = Dataset.from_tensor_slices(np.zeros((5, 2), np.float32)).batch(2).element_spec
     assert spec == ArraySpec((None, 2), np.dtype(np.float32))
     assert Dataset.range(5).batch(2, True).element_spec == ArraySpec((2,), np.dtype(np.int64))
+    assert values(Dataset.range(3).batch(2, num_parallel_calls=-1, deterministic=False)) == [
+        [0, 1], [2]]
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         Dataset.range(3).batch(0)
 

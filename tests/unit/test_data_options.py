@@ -56,6 +56,13 @@ def test_with_options_merges_and_newer_set_options_win():
     kept = ds.with_options(Options()).batch(2).prefetch(1)
     assert kept.options().experimental_distribute.auto_shard_policy is AutoShardPolicy.OFF
     assert kept.with_options(data).options() == data
+    loose = Options()
+    loose.experimental_deterministic = False
+    merged = kept.with_options(loose).options()
+    assert merged.experimental_deterministic is False
+    assert merged.experimental_distribute.auto_shard_policy is AutoShardPolicy.OFF
+    with pytest.raises(TypeError, match="experimental_deterministic must be a bool"):
+        loose.experimental_deterministic = 0
     assert Dataset.range(4).options() == Options()
     # options() is a copy: changing it does not change the dataset
     ds.options().experimental_distribute.auto_shard_policy = AutoShardPolicy.FILE
