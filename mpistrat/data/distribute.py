@@ -24,18 +24,8 @@ from typing import Any
 import numpy as np
 
 from ._nest import map_structure
-from .dataset import (
-    UNKNOWN_CARDINALITY,
-    ArraySpec,
-    Dataset,
-    _arrays,
-    _Batch,
-    _chain,
-    _Files,
-    _Iterable,
-    _Run,
-    _Shuffle,
-)
+from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
+from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext
 from .options import AutoShardPolicy, AutoShardWarning, InputOptions, InputReplicationMode
 from .rebatch import (
