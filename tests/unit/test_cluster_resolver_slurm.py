@@ -265,3 +265,42 @@ def test_gpus_per_node_argument_wins_over_the_variable():
 def test_bad_arguments_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SlurmClusterResolver(env=step_env(0), **kwargs)
+
+
+# --- environments recorded from Slurm 22.05.8 (one node named localhost) ----------------
+
+SRUN_N2_TASK1 = {  # srun -n 2 ..., task 1
+    "SLURMD_NODENAME": "localhost", "SLURM_JOB_NODELIST": "localhost",
+    "SLURM_JOB_NUM_NODES": "1", "SLURM_LOCALID": "1", "SLURM_NNODES": "1",
+    "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_TASKS_PER_NODE": "2",
+}
+
+MPIEXEC_IN_SBATCH_N2_RANK1 = {  # sbatch -n 2 with mpiexec -n 2 (Hydra starts one srun task)
+    "SLURMD_NODENAME": "localhost", "SLURM_DISTRIBUTION": "cyclic",
+    "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLURM_LOCALID": "0",
+    "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost",
+    "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1",
+    "SLURM_TASKS_PER_NODE": "1",
+}
+
+
+def test_recorded_srun_task():
+    resolver = SlurmClusterResolver(env=dict(SRUN_N2_TASK1))
+    assert resolver.cluster_spec() == {"worker": ["localhost:8888", "localhost:8889"]}
+    assert (resolver.task_id, resolver.local_rank, resolver.master()) == (
+        1, 1, "grpc://localhost:8889")
+
+
+def test_recorded_mpiexec_rank_sees_the_launcher_step_not_the_ranks():
+    from mpistrat.cluster import match_world
+
+    resolver = SlurmClusterResolver(env=dict(MPIEXEC_IN_SBATCH_N2_RANK1))
+    assert (resolver.num_workers, resolver.task_id) == (1, 0)
+    with pytest.raises(TopologyError, match="the MPI communicator has 2 ranks and this is "
+                                            "rank 1; fix: .*under mpirun inside an allocation"):
+        match_world(resolver, 1, 2)
