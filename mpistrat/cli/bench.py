@@ -17,7 +17,7 @@ _BATCH_ONLY = ("num_packs", "agg_small_grads")
 _SWEEP_ONLY = ("algorithms", "shards", "minbytes", "maxbytes", "stepfactor", "stepbytes",
                "op", "time_per_point", "min_iters", "max_iters", "gpus_per_rank",
                "ranks_per_node", "compare")
-_MEASURING = _BATCH_ONLY + _SWEEP_ONLY + (
+_MEASURING = _BATCH_ONLY + tuple(n for n in _SWEEP_ONLY if n != "ranks_per_node") + (
     "specs", "dtype", "warmup", "iters", "check", "local_replicas", "batch", "transport",
     "mpi_env", "plugin", "np_", "mpiexec")
 

@@ -1,0 +1,196 @@
+"""``mpistrat bench`` options, entry selection and launch helpers (pure: no MPI)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from mpistrat.bench import launch
+from mpistrat.bench.config import (
+    BenchConfig,
+    parse_agg,
+    parse_byte_count,
+    parse_int_list,
+    parse_shards_list,
+    resolve_dtype,
+    sizes,
+)
+from mpistrat.bench.entries import select_entries
+from mpistrat.errors import UnknownAlgorithmError
+from mpistrat.layout import Layout
+
+# ------------------------------------------------------------------ sizes and values
+
+
+def test_sizes_by_factor_like_nccl_tests():
+    assert sizes(4, 1024, stepfactor=4) == [4, 16, 64, 256, 1024]
+    assert sizes(8, 100, stepfactor=2) == [8, 16, 32, 64]
+
+
+def test_sizes_by_step_bytes():
+    assert sizes(1000, 4000, stepbytes=1000) == [1000, 2000, 3000, 4000]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"minbytes": 8, "maxbytes": 4, "stepfactor": 2}, "below --minbytes"),
+    ({"minbytes": 4, "maxbytes": 8}, "exactly one of --stepfactor"),
+    ({"minbytes": 4, "maxbytes": 8, "stepfactor": 2, "stepbytes": 4}, "exactly one"),
+    ({"minbytes": 4, "maxbytes": 8, "stepfactor": 1}, "at least 2"),
+])
+def test_sizes_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sizes(**kwargs)
+
+
+def test_byte_counts_take_binary_suffixes():
+    assert parse_byte_count("32K", "-b") == 32 * 1024
+    assert parse_byte_count("256M", "-e") == 256 << 20
+    for bad in ("0", "-1", "1.5K", "lots"):
+        with pytest.raises(ValueError, match="-b must be a byte count"):
+            parse_byte_count(bad, "-b")
+
+
+def test_lists():
+    assert parse_int_list("1, 2,4,2", "--num-packs") == (1, 2, 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_int_list("0,1", "--num-packs")
+    with pytest.raises(ValueError, match="integers"):
+        parse_int_list("one", "--num-packs")
+    assert parse_shards_list("1,all,2,ALL") == (1, None, 2)
+    with pytest.raises(ValueError, match="at least one"):
+        parse_shards_list(" , ")
+
+
+def test_agg_small_grads():
+    assert parse_agg("64K:16") == (65536, 16)
+    assert parse_agg("0") == (0, 0)
+    for bad in ("64K", "64K:0", "x:2", "64K:y"):
+        with pytest.raises(ValueError, match="BYTES:GROUP|byte count"):
+            parse_agg(bad)
+
+
+def test_dtypes():
+    assert resolve_dtype("float") == np.float32
+    assert resolve_dtype("int64") == np.int64
+    assert resolve_dtype("bfloat16").name == "bfloat16"
+    with pytest.raises(ValueError, match="unknown dtype 'floaty'"):
+        resolve_dtype("floaty")
+    with pytest.raises(ValueError, match="not numeric"):
+        resolve_dtype("bool")
+
+
+def test_config_sizes_round_to_whole_elements():
+    config = BenchConfig(minbytes=2, maxbytes=64, stepfactor=2, dtype="float64")
+    assert config.sizes() == [8, 16, 32, 64]  # 2 and 4 B hold no float64
+    with pytest.raises(ValueError, match="holds one float64 element"):
+        BenchConfig(minbytes=2, maxbytes=4, stepfactor=2, dtype="float64")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"op": "mean", "dtype": "int32"}, "mean of integer dtype"),
+    ({"op": "max", "dtype": "complex64"}, "not defined for complex"),
+    ({"min_iters": 10, "max_iters": 5}, "--min-iters"),
+    ({"local_replicas": 2, "gpus_per_rank": 1}, "exclude each other"),
+    ({"compare": ("horovod",)}, "--compare knows 'torch'"),
+    ({"compare": ("torch",), "local_replicas": 2}, "one buffer per rank"),
+    ({"op": "avg"}, "unknown reduce op"),
+])
+def test_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**kwargs)
+
+
+# ------------------------------------------------------------------ entries
+
+
+def labels(entries):
+    return [e.label for e in entries]
+
+
+def test_default_entries_on_two_ranks_one_node():
+    entries, notes = select_entries(Layout(2, 1, False, 1))
+    assert labels(entries) == ["native", "xring", "xring#2", "rechd", "pscpu", "pscpu#2",
+                               "pscpu/pscpu"]
+    assert any("GPU algorithms not measured" in n and "nccl" in n for n in notes)
+    assert any("pscpu/pscpu" in n and "one node" in n for n in notes)
+
+
+def test_default_entries_on_four_ranks_two_nodes_use_every_gather_rank():
+    entries, _ = select_entries(Layout(4, 1, False, 2))
+    assert "pscpu#4" in labels(entries)
+    assert "pscpu/pscpu#2" in labels(entries)  # 'all' = the 2 node leaders
+
+
+def test_named_algorithms_with_shards():
+    entries, notes = select_entries(Layout(3), ["xring", "pscpu", "rechd"], [1, 4, None])
+    assert labels(entries) == ["native", "xring", "xring#4", "pscpu", "pscpu#3", "rechd"]
+    assert any("pscpu#4 skipped" in n for n in notes)
+
+
+def test_explicit_shards_are_kept_and_checked():
+    entries, _ = select_entries(Layout(2), ["xring#3", "native"])
+    assert labels(entries) == ["native", "xring#3"]
+    with pytest.raises(ValueError, match="shards=5 but its gather pool"):
+        select_entries(Layout(2), ["pscpu#5"])
+
+
+def test_unknown_and_gpu_algorithms_are_errors():
+    with pytest.raises(UnknownAlgorithmError, match="did you mean 'xring'"):
+        select_entries(Layout(2), ["xrng"])
+    with pytest.raises(ValueError, match="needs GPUs"):
+        select_entries(Layout(2), ["nccl"])
+    with pytest.raises(ValueError, match="spec with 2 entries"):
+        select_entries(Layout(2), ["xring:1K:rechd"])
+    with pytest.raises(ValueError, match="empty"):
+        select_entries(Layout(2), [])
+
+
+def test_specs_and_peers_are_entries():
+    entries, _ = select_entries(Layout(2), None, specs=["rechd:1K:xring#2"],
+                                compare=["torch"])
+    assert labels(entries) == ["native", "spec:rechd:1K:xring#2", "torch-gloo"]
+    spec = entries[1]
+    assert spec.route(1024) == ("rechd", 1) and spec.route(1025) == ("xring", 2)
+    assert not spec.recommendable and entries[0].recommendable
+    with pytest.raises(ValueError, match="not an mpistrat algorithm"):
+        entries[2].route(8)
+
+
+def test_ignored_shards_are_normalised():
+    entries, notes = select_entries(Layout(2), ["rechd#2"])
+    assert labels(entries) == ["native", "rechd"]
+    assert any("rechd ignores shards" in n for n in notes)
+
+
+# ------------------------------------------------------------------ launch helpers
+
+
+def test_relaunch_command_drops_launch_options():
+    args = ["--np", "2", "-b", "4", "--mpiexec=/x/mpiexec", "-np", "3", "--np=2", "-n", "5"]
+    assert launch.relaunch_command(args, python="py") == [
+        "py", "-m", "mpistrat", "bench", "-b", "4", "-n", "5"]
+
+
+def test_transport_and_env():
+    assert launch.transport_env("auto") == {}
+    assert launch.transport_env("net")["MPIR_CVAR_NOLOCAL"] == "1"
+    with pytest.raises(ValueError, match="--transport must be one of"):
+        launch.transport_env("ib")
+    assert launch.parse_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        launch.parse_env(["novalue"])
+
+
+def test_apply_env_before_mpi_only(monkeypatch):
+    environ: dict[str, str] = {}
+    monkeypatch.setitem(__import__("sys").modules, "mpi4py.MPI",
+                        types.SimpleNamespace(Is_initialized=lambda: False))
+    launch.apply_env({"MPIR_CVAR_NOLOCAL": "1"}, environ)
+    assert environ == {"MPIR_CVAR_NOLOCAL": "1"}
+    monkeypatch.setitem(__import__("sys").modules, "mpi4py.MPI",
+                        types.SimpleNamespace(Is_initialized=lambda: True))
+    with pytest.raises(RuntimeError, match="already initialised"):
+        launch.apply_env({"MPIR_CVAR_NOLOCAL": "1"}, environ)
+    launch.apply_env({}, environ)  # nothing to set: fine at any time
