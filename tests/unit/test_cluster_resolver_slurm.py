@@ -10,6 +10,7 @@ from mpistrat.cluster import (
     SlurmClusterResolver,
     expand_hostlist,
     expand_tasks_per_node,
+    match_world,
     read_slurm_step,
 )
 from mpistrat.errors import TopologyError
@@ -297,8 +298,6 @@ def test_recorded_srun_task():
 
 
 def test_recorded_mpiexec_rank_sees_the_launcher_step_not_the_ranks():
-    from mpistrat.cluster import match_world
-
     resolver = SlurmClusterResolver(env=dict(MPIEXEC_IN_SBATCH_N2_RANK1))
     assert (resolver.num_workers, resolver.task_id) == (1, 0)
     with pytest.raises(TopologyError, match="the MPI communicator has 2 ranks and this is "
