@@ -14,6 +14,7 @@ bad environment on one rank becomes an error on every rank instead of a hang.
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -41,8 +42,8 @@ def coerce_task_id(value: Any, what: str = "task_id") -> int | None:
     if value is None:
         return None
     number: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
     elif isinstance(value, str) and value.strip().isdigit():

@@ -94,7 +94,7 @@ def check_against_world(resolver: ClusterResolver, comm: Any = None) -> None:
             :func:`match_world`); every other rank raises a ``CollectiveMismatchError``
             (also a ValueError) naming them, so no rank is left waiting.
     """
-    _checked(resolver, world() if comm is None else comm)
+    _checked(resolver, world() if comm is None else comm, "check_against_world")
 
 
 def resolve_cluster(cluster_resolver: ClusterResolver | None = None,
@@ -112,7 +112,7 @@ def resolve_cluster(cluster_resolver: ClusterResolver | None = None,
     """
     comm = world() if comm is None else comm
     resolver = MPIClusterResolver(comm) if cluster_resolver is None else cluster_resolver
-    info = _checked(resolver, comm)
+    info = _checked(resolver, comm, "resolve_cluster")
     if isinstance(resolver, MPIClusterResolver):
         info = replace(info, hostnames=resolver.hostnames())
     return info
@@ -123,7 +123,7 @@ def should_checkpoint(resolver: ClusterResolver | ClusterInfo) -> bool:
     return bool(resolver.is_chief)
 
 
-def _checked(resolver: Any, comm: Any) -> ClusterInfo:
+def _checked(resolver: Any, comm: Any, what: str) -> ClusterInfo:
     info, signature, error = None, None, None
     try:
         if not isinstance(resolver, ClusterResolver):
@@ -137,7 +137,7 @@ def _checked(resolver: Any, comm: Any) -> ClusterInfo:
         signature = _signature(resolver, info)
     except Exception as exc:  # any failure on one rank must fail every rank
         error = exc
-    agree(comm, signature, error, "resolve_cluster",
+    agree(comm, signature, error, what,
           "the same kind of resolver describing the same cluster (e.g. the same TF_CONFIG "
           '"cluster" on every rank)')
     assert info is not None  # agree raised otherwise

@@ -3,6 +3,7 @@ collective_leader), from plain dicts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mpistrat.cluster import (
@@ -188,6 +189,11 @@ def test_task_id_setter_rejects_non_indices(value):
     resolver = SimpleClusterResolver(WORKERS_3)
     with pytest.raises(ValueError, match="task_id must be a non-negative integer"):
         resolver.task_id = value
+
+
+def test_task_id_setter_takes_any_integer_type():
+    assert SimpleClusterResolver(WORKERS_3, task_id=np.int64(2)).task_id == 2
+    assert SimpleClusterResolver(WORKERS_3, task_id=" 1 ").task_id == 1
 
 
 def test_task_type_setter_turns_values_into_strings():
