@@ -224,7 +224,7 @@ def bench(ctx: click.Context, **p: Any) -> None:
     Run it under MPI (mpiexec -n N mpistrat bench ...) or let it start the ranks (--np N).
     Rank 0 prints, per size and algorithm: time (µs; median over iterations of the slowest
     rank, with min and max), algbw and busbw (GB/s; busbw = algbw x 2(n-1)/n), #wrong and
-    the speedup over native.
+    the speedup over native. Wrong results make the exit status 1.
     """
     from ..bench.launch import apply_env, parse_env, transport_env
 
@@ -266,10 +266,14 @@ def bench(ctx: click.Context, **p: Any) -> None:
         if p["batch"]:
             from ..bench.batchrun import run_batch
 
-            run_batch(config, outputs, mpi_env=env)
+            result = run_batch(config, outputs, mpi_env=env)
+            points = result["points"] if result else []
         else:
             from ..bench.runner import run_sweep
 
-            run_sweep(config, outputs, mpi_env=env)
+            result = run_sweep(config, outputs, mpi_env=env)
+            points = result.points if result else []
     except (ValueError, TypeError, MpistratError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
+    if any(point.wrong for point in points):
+        ctx.exit(1)  # as nccl-tests: wrong results fail the run (rank 0's status)

@@ -1,0 +1,206 @@
+"""``mpistrat bench`` under ``mpiexec -n 2`` and ``-n 3``: tiny sizes, few iterations.
+
+The ``--check`` test registers a deliberately wrong algorithm from a plugin module that
+this file writes into a temporary folder (``--plugin``); nothing test-only ships in the
+package's registry.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from mpistrat import parse_spec
+from mpistrat.bench.recommend import read_spec_file
+from mpistrat.cli import cli
+
+pytestmark = pytest.mark.launch
+
+TINY = ["-n", "2", "-w", "1", "-q"]
+
+CORRUPT_PLUGIN = textwrap.dedent('''
+    """Test only: 'corrupt' = native, then one element off by one on rank 0."""
+    from mpistrat import algorithms
+    from mpistrat.algorithms import native
+    from mpistrat.algorithms.hierarchical import Implementation
+
+
+    def _corrupt(comm, buf, *, op, shards=1, backend, rotation=0):
+        native.all_reduce(comm, buf, op=op, backend=backend)
+        if comm.Get_rank() == 0 and buf.size:
+            buf[buf.size // 2] += 1
+
+
+    algorithms.register(algorithms.AlgorithmInfo(
+        "corrupt", "test only: native, then one element wrong on rank 0",
+        algorithms.Shards.IGNORED, from_tf=False))
+    algorithms._FLAT["corrupt"] = Implementation(_corrupt)
+''')
+
+
+@pytest.fixture
+def bench(mpirun, mpistrat_cmd):
+    def run(n, *args, env=None):
+        return mpirun(n, [*mpistrat_cmd, "bench", *args], env=env)
+
+    return run
+
+
+def _json(path):
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("n, extra, participants", [
+    (2, [], 2),
+    (3, ["--local-replicas", "2", "-o", "mean"], 6),
+])
+def test_sweep_writes_every_field(bench, tmp_path, n, extra, participants):
+    out_json, out_csv = tmp_path / "s.json", tmp_path / "s.csv"
+    result = bench(n, "--algorithms", "xring,rechd,pscpu", "--shards", "1,all",
+                   "-b", "4", "-e", "1K", "-f", "16", *TINY, *extra,
+                   "--json", str(out_json), "--csv", str(out_csv))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("# mpistrat bench") for line in lines) == 1  # rank 0 only
+    assert sum(line.startswith("#       size") for line in lines) == 1
+    doc = _json(out_json)
+    meta = doc["meta"]
+    for key in ("mpi_library", "mpi_vendor", "ranks", "nodes", "ranks_per_node", "hosts",
+                "hostnames_by_rank", "date", "mpistrat", "mpi4py", "numpy", "python",
+                "options", "argv", "method"):
+        assert key in meta, key
+    assert meta["ranks"] == n and len(meta["hostnames_by_rank"]) == n
+    assert sum(meta["ranks_per_node"]) == n and meta["options"]["dtype"] == "float32"
+    assert doc["complete"] is True and doc["recommendation"] and doc["cost_model"]
+    labels = ["native", "xring", "rechd", "pscpu", f"pscpu#{n}"]  # "all": shuffles only
+    assert meta["options"]["entries"] == labels
+    results = doc["results"]
+    assert [(r["nbytes"], r["label"]) for r in results] == [
+        (size, label) for size in (4, 64, 1024) for label in labels]
+    for r in results:
+        assert r["participants"] == participants and r["wrong"] == 0
+        assert len(r["samples"]) == r["iters"] == 2 and r["warmup"] == 1
+        assert len(r["per_rank_median"]) == n
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (participants - 1)
+                                                / participants)
+    with open(out_csv) as fh:
+        rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    assert len(rows) == 2 * len(results)
+
+
+def test_check_catches_a_wrong_algorithm(bench, tmp_path):
+    (tmp_path / "bench_corrupt_plugin.py").write_text(CORRUPT_PLUGIN)
+    out_json = tmp_path / "c.json"
+    result = bench(2, "--plugin", "bench_corrupt_plugin", "--algorithms", "corrupt,rechd",
+                   "-c", "-b", "64", "-e", "1K", "-f", "16", "-n", "3", "-w", "1", "-q",
+                   "--recommend", "--json", str(out_json),
+                   env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1, result.stdout + result.stderr  # wrong results fail
+    assert "WRONG RESULTS" in result.stdout
+    records = {(r["nbytes"], r["label"]): r for r in _json(out_json)["results"]}
+    for size in (64, 1024):
+        corrupt = records[(size, "corrupt")]
+        assert corrupt["wrong"] == 1  # one element, on one rank, in every iteration
+        assert corrupt["checked"] == 1 + 1 + 3 and corrupt["wrong_iterations"] == 5
+        assert records[(size, "rechd")]["wrong"] == records[(size, "native")]["wrong"] == 0
+    spec = result.stdout.split("spec: ")[1].split()[0]
+    assert "corrupt" not in spec
+
+
+def test_recommended_spec_parses_routes_and_runs(bench, tmp_path):
+    saved, out_json = tmp_path / "allreduce.spec", tmp_path / "r.json"
+    result = bench(2, "--algorithms", "rechd,xring", "-b", "4", "-e", "4K", "-f", "32",
+                   *TINY, "--save", str(saved), "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    spec = read_spec_file(saved)
+    printed = [ln for ln in result.stdout.splitlines() if ln.startswith("spec: ")]
+    assert printed == [f"spec: {spec}"]
+    assert parse_spec(str(spec)) == spec
+    for row in _json(out_json)["recommendation"]["ranges"]:
+        for size in row["sizes"]:
+            entry = spec.route(size)
+            assert (entry.alg, entry.shards) == (row["alg"], row["shards"])
+    validate = CliRunner().invoke(cli, ["validate", str(spec), "--workers", "2"])
+    assert validate.exit_code == 0, validate.output
+
+    measured = tmp_path / "m.json"
+    result = bench(2, "--spec", f"@{saved}", "--algorithms", "native", "-b", "4", "-e", "4K",
+                   "-f", "32", *TINY, "--json", str(measured))
+    assert result.returncode == 0, result.stderr
+    rows = [r for r in _json(measured)["results"] if r["kind"] == "spec"]
+    assert [r["label"] for r in rows] == [f"spec:{spec}"] * 3
+    for r in rows:
+        assert (r["alg"], r["shards"]) == tuple(spec.route(r["nbytes"]))[:2]
+
+
+def test_batch_mode(bench, tmp_path):
+    shapes, out_json = tmp_path / "shapes.json", tmp_path / "b.json"
+    shapes.write_text("[[16, 3, 3, 3], [16], [16], [64, 16], [64], [10]]")
+    result = bench(2, "--batch", str(shapes), "--num-packs", "1,2", "--agg-small-grads",
+                   "256:4", "-c", *TINY, "--json", str(out_json))
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = _json(out_json)
+    labels = [r["label"] for r in doc["results"]]
+    assert labels == ["per-tensor native", "flat native", "flat rechd",
+                      "flat rechd (batch_reduce)", "batch_reduce num_packs=1",
+                      "batch_reduce num_packs=2", "batch_reduce agg 256B/4",
+                      "batch_reduce no packing"]
+    assert all(r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 for r in doc["results"])
+    assert doc["inputs_modified"] == 0 and doc["meta"]["options"]["tensors"] == 6
+    assert "time/per-tensor" in result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed")
+def test_self_launch_and_plot(tmp_path, mpistrat_cmd):
+    png = tmp_path / "sweep.png"
+    result = subprocess.run(
+        [*mpistrat_cmd, "bench", "--np", "2", "--algorithms", "rechd", "-b", "4", "-e", "64",
+         *TINY, "--plot", str(png)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 rank(s)" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layout_errors_are_printed_once(bench):
+    result = bench(2, "--algorithms", "pscpu#5", "-b", "4", "-e", "4", *TINY)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert output.count("shards=5 but its gather pool") == 1, output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None,
+                    reason="PyTorch is installed: the missing-torch error cannot happen")
+def test_compare_torch_without_torch_says_how_to_install(bench):
+    result = bench(2, "--compare", "torch", "-b", "4", "-e", "4", *TINY)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert output.count("--compare torch needs PyTorch") == 1, output
+    assert "pip install torch" in output
+
+
+def test_transport_net_goes_through_the_network_module(bench, tmp_path, launcher):
+    out_json = tmp_path / "t.json"
+    result = bench(2, "--transport", "net", "--algorithms", "rechd,pscpu/pscpu", "-b", "4",
+                   "-e", "64", *TINY, "--json", str(out_json))
+    assert result.returncode == 0, result.stdout + result.stderr
+    meta = _json(out_json)["meta"]
+    assert meta["mpi_env"]["MPIR_CVAR_NOLOCAL"] == "1"
+    assert "# env: MPIR_CVAR_NOLOCAL=1" in result.stdout
+    if launcher.flavour == "mpich":
+        assert meta["nodes"] == 2  # without shared memory every rank is its own node
+
+
+def test_main_module_runs_bench_help():
+    result = subprocess.run([sys.executable, "-m", "mpistrat", "bench", "--help"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0 and "--recommend" in result.stdout
