@@ -274,6 +274,7 @@ def bench(ctx: click.Context, **p: Any) -> None:
             result = run_sweep(config, outputs, mpi_env=env)
             points = result.points if result else []
     except (ValueError, TypeError, MpistratError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
+        # raised on every rank alike before anything was measured (see bench.runner)
+        raise click.UsageError(str(exc)) from None
     if any(point.wrong for point in points):
         ctx.exit(1)  # as nccl-tests: wrong results fail the run (rank 0's status)

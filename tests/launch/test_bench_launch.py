@@ -173,7 +173,7 @@ def test_self_launch_and_plot(tmp_path, mpistrat_cmd):
 
 def test_layout_errors_are_printed_once(bench):
     result = bench(2, "--algorithms", "pscpu#5", "-b", "4", "-e", "4", *TINY)
-    assert result.returncode != 0
+    assert result.returncode == 2
     output = result.stdout + result.stderr
     assert output.count("shards=5 but its gather pool") == 1, output
 
@@ -182,7 +182,7 @@ def test_layout_errors_are_printed_once(bench):
                     reason="PyTorch is installed: the missing-torch error cannot happen")
 def test_compare_torch_without_torch_says_how_to_install(bench):
     result = bench(2, "--compare", "torch", "-b", "4", "-e", "4", *TINY)
-    assert result.returncode != 0
+    assert result.returncode == 2
     output = result.stdout + result.stderr
     assert output.count("--compare torch needs PyTorch") == 1, output
     assert "pip install torch" in output
