@@ -170,7 +170,8 @@ def prepare_sweep(config: BenchConfig, comm: Any, outputs: Outputs | None = None
         from .peers import TorchGloo, require_torch
 
         collective_check(comm, lambda: require_torch(comm, config.np_dtype))
-        peer = TorchGloo(comm)
+        with abort_on_error(comm):  # a rank failing to join would leave the others waiting
+            peer = TorchGloo(comm)
         notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
                      f"group over the MPI world")
     return SweepPlan(comm, config, entries, sizes, layout, notes, peer)

@@ -2,7 +2,9 @@
 
 The ``--check`` test registers a deliberately wrong algorithm from a plugin module that
 this file writes into a temporary folder (``--plugin``); nothing test-only ships in the
-package's registry.
+package's registry. ``--compare torch`` runs against a stand-in ``torch`` package (also
+written here, reducing through mpi4py) when PyTorch is not installed, which checks the
+glue (process group from the MPI world, op mapping, MEAN) but not gloo itself.
 """
 
 from __future__ import annotations
@@ -186,6 +188,76 @@ def test_compare_torch_without_torch_says_how_to_install(bench):
     output = result.stdout + result.stderr
     assert output.count("--compare torch needs PyTorch") == 1, output
     assert "pip install torch" in output
+
+
+FAKE_TORCH = {
+    "torch/__init__.py": textwrap.dedent('''
+        """Stand-in for PyTorch (test only): tensors are NumPy arrays."""
+        __version__ = "0.0-stand-in"
+
+
+        class _Tensor:
+            def __init__(self, array):
+                self.array = array
+
+            def div_(self, value):
+                self.array /= value
+
+
+        def from_numpy(array):
+            return _Tensor(array)
+    '''),
+    "torch/distributed.py": textwrap.dedent('''
+        """Stand-in for torch.distributed over mpi4py (test only); records its init."""
+        import enum
+        import os
+
+        from mpi4py import MPI
+
+
+        class ReduceOp(enum.Enum):
+            SUM = "sum"
+            MIN = "min"
+            MAX = "max"
+
+
+        _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+        calls = []
+
+
+        def init_process_group(backend, init_method, rank, world_size):
+            assert backend == "gloo" and init_method.startswith("tcp://")
+            assert (rank, world_size) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
+            calls.append(init_method)
+            with open(os.environ["FAKE_TORCH_LOG"] + f".{rank}", "w") as fh:
+                fh.write(init_method)
+
+
+        def all_reduce(tensor, op):
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, tensor.array, op=_OPS[op.value])
+
+
+        def destroy_process_group():
+            calls.clear()
+    '''),
+}
+
+
+def test_compare_torch_runs_the_peer_from_the_mpi_world(bench, tmp_path):
+    for name, text in FAKE_TORCH.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    out_json, log = tmp_path / "p.json", tmp_path / "init"
+    result = bench(2, "--compare", "torch", "--algorithms", "rechd", "-o", "mean", "-c",
+                   "-b", "4", "-e", "64", *TINY, "--json", str(out_json), "--recommend",
+                   env={"PYTHONPATH": str(tmp_path), "FAKE_TORCH_LOG": str(log)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [r for r in _json(out_json)["results"] if r["label"] == "torch-gloo"]
+    assert len(rows) == 3 and all(r["wrong"] == 0 and r["kind"] == "torch" for r in rows)
+    addresses = {(tmp_path / f"init.{r}").read_text() for r in range(2)}
+    assert len(addresses) == 1  # every rank joined the address rank 0 broadcast
+    assert "torch.distributed 0.0-stand-in" in result.stdout
+    assert "torch" not in result.stdout.split("spec: ")[1]
 
 
 def test_transport_net_goes_through_the_network_module(bench, tmp_path, launcher):
