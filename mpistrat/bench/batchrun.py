@@ -23,7 +23,7 @@ from .config import BatchConfig
 from .progress import Progress
 from .recommend import resolve_spec
 from .results import Point
-from .runner import Outputs, abort_on_error, collective_check
+from .runner import Outputs, abort_on_error, collective_check, command_line
 
 __all__ = ["run_batch"]
 
@@ -154,6 +154,6 @@ def _report(config: BatchConfig, spec: Any, meta: dict[str, Any], points: list[P
             f"### mpistrat bench --batch {config.name}: {size} rank(s) x {G} "
             f"replica(s), spec `{spec}`", "",
             f"- {meta['mpi_library']}; mpistrat {meta['mpistrat']}; {meta['date']}",
-            f"- command: `{' '.join(meta['argv'])}`", "",
+            f"- command: `{command_line(meta)}`", "",
             batch_table(points, methods, markdown=True), "",
             *[f"- {m.label}: {m.plan}" for m in methods], ""]))

@@ -16,6 +16,8 @@ Only rank 0 prints and writes files.
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
 import sys
 import time
 import traceback
@@ -34,7 +36,7 @@ from .report import Table, describe_run, format_ratio, summary_lines
 from .results import Point, baseline_of, group_by_size
 
 __all__ = ["Outputs", "SweepPlan", "SweepResult", "prepare_sweep", "run_sweep", "analyse",
-           "analyse_file", "collective_check", "abort_on_error"]
+           "analyse_file", "collective_check", "abort_on_error", "best_lines", "command_line"]
 
 
 @dataclass(frozen=True)
@@ -258,12 +260,21 @@ def _markdown(result: SweepResult, table: Table) -> str:
     lines = [f"### mpistrat bench: {meta.get('ranks')} rank(s), "
              f"{meta.get('options', {}).get('dtype')} {meta.get('options', {}).get('op')}",
              "", *[f"- {line[2:]}" for line in describe_run(meta)],
-             f"- date: {meta.get('date')}; command: `{' '.join(meta.get('argv', []))}`", "",
+             f"- date: {meta.get('date')}; command: `{command_line(meta)}`", "",
              table.markdown(result.points), ""]
-    lines += [ln for ln in summary_lines(result.points) + best_lines(result.points)]
+    lines += [f"- {ln[2:]}" for ln in summary_lines(result.points) + best_lines(result.points)]
     if result.recommendation:
         lines += ["", "```", *result.recommendation.lines(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def command_line(meta: Mapping[str, Any]) -> str:
+    """The run's command as a user would type it (``mpiexec -n N mpistrat bench ...``)."""
+    argv = list(meta.get("argv") or [])
+    args = " ".join(shlex.quote(a) for a in argv[1:])
+    if argv and (argv[0].endswith("__main__.py") or os.path.basename(argv[0]) == "mpistrat"):
+        return f"mpiexec -n {meta.get('ranks', '?')} mpistrat {args}"
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def _write_outputs(result: SweepResult, outputs: Outputs, complete: bool) -> None:
