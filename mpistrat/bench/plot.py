@@ -1,15 +1,17 @@
 """``--plot FILE.png``: bus bandwidth and latency against size, one line per entry.
 
 Two panels on log-log axes, as people read collective benchmarks: busbw (GB/s) on the
-left, where large sizes matter, and the median time (µs) with its min-max band on the
-right, where small sizes matter. matplotlib is optional (``pip install matplotlib``);
-it is drawn without pyplot (no display, no global state).
+left, where large sizes matter, and the median time (µs) on the right, where small sizes
+matter, with a band from the 25th to the 75th percentile of the samples (min and max are
+in the table: single outliers would hide the lines). matplotlib is optional
+(``pip install matplotlib``); it is drawn without pyplot (no display, no global state).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +28,13 @@ def require_matplotlib() -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise BackendUnavailable(f"--plot needs matplotlib, which is not installed: "
                                  f"{INSTALL_HINT}")
+
+
+def _quartiles(samples: Sequence[float]) -> tuple[float, float]:
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q1, _q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q1, q3
 
 
 def _size_ticks(axis: Any, sizes: Sequence[int]) -> None:
@@ -69,8 +78,10 @@ def plot(points: Sequence[Point], path: str | os.PathLike,
         wrong = [p for p in group if not p.correct]
         bw_axis.plot(x, [max(p.busbw, 1e-6) for p in group], **style)
         line = time_axis.plot(x, [p.median * 1e6 for p in group], **style)[0]
-        time_axis.fill_between(x, [p.min * 1e6 for p in group], [p.max * 1e6 for p in group],
-                               color=line.get_color(), alpha=0.12, linewidth=0)
+        quartiles = [_quartiles(p.samples) for p in group]
+        time_axis.fill_between(x, [q[0] * 1e6 for q in quartiles],
+                               [q[1] * 1e6 for q in quartiles],
+                               color=line.get_color(), alpha=0.15, linewidth=0)
         if wrong:
             time_axis.plot([p.nbytes for p in wrong], [p.median * 1e6 for p in wrong], "x",
                            color="red", markersize=9)
@@ -82,7 +93,7 @@ def plot(points: Sequence[Point], path: str | os.PathLike,
         _size_ticks(axis, sizes)
     bw_axis.set_ylabel("busbw (GB/s) = bytes / time x 2(n-1)/n")
     bw_axis.set_title("bus bandwidth (higher is better)")
-    time_axis.set_ylabel("time (us): median, band = min..max")
+    time_axis.set_ylabel("time (us): median, band = 25th..75th percentile")
     time_axis.set_title("latency (lower is better); red x = wrong results")
     time_axis.legend(fontsize="small", loc="upper left")
     if meta:
