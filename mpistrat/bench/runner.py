@@ -213,7 +213,8 @@ def analyse(meta: Mapping[str, Any], points: Sequence[Point], outputs: Outputs,
     except ValueError as exc:
         if outputs.recommend or outputs.save:
             raise
-        print(f"# no recommendation: {exc}", file=out)
+        if any(p.kind == "algorithm" for p in points):
+            print(f"# no recommendation: {exc}", file=out)
     if outputs.recommend or outputs.save:
         for line in result.recommendation.lines():  # type: ignore[union-attr]
             print(line, file=out)
@@ -309,7 +310,7 @@ def analyse_file(path: str, outputs: Outputs, out: TextIO | None = None) -> Swee
     meta, points, document = files.read_json(path)
     if not points:
         raise ValueError(f"{path} holds no results")
-    for line in describe_run(meta) if "options" in meta else []:
+    for line in describe_run(meta) if "size_range" in meta.get("options", {}) else []:
         print(line, file=out)
     table = Table(p.label for p in points)
     print(table.header(), file=out)

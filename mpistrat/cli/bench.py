@@ -58,7 +58,8 @@ class BenchCommand(click.Command):
 
 def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
     source = click.core.ParameterSource.COMMANDLINE
-    return ["--" + name.rstrip("_").replace("_", "-") for name in names
+    flags = {"specs": "--spec", "np_": "--np"}
+    return [flags.get(name, "--" + name.replace("_", "-")) for name in names
             if ctx.get_parameter_source(name) is source]
 
 
@@ -231,14 +232,14 @@ def bench(ctx: click.Context, **p: Any) -> None:
     if p["from_json"]:
         given = _given(ctx, _MEASURING)
         if given:
-            raise click.UsageError(f"--from-json analyses a saved run; {', '.join(given)} "
-                                   f"only apply when measuring")
+            raise click.UsageError(f"--from-json analyses a saved run; leave out "
+                                   f"{', '.join(given)} (used only when measuring)")
     if p["batch"]:
         given = _given(ctx, _SWEEP_ONLY)
         if given:
-            raise click.UsageError(f"{', '.join(given)} do(es) not apply to --batch")
+            raise click.UsageError(f"--batch does not use {', '.join(given)}; leave it out")
     elif _given(ctx, _BATCH_ONLY):
-        raise click.UsageError(f"{', '.join(_given(ctx, _BATCH_ONLY))} only apply with --batch")
+        raise click.UsageError(f"{', '.join(_given(ctx, _BATCH_ONLY))}: used only with --batch")
     if p["save"]:
         p["recommend"] = True
     try:
