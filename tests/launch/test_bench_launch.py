@@ -173,11 +173,17 @@ def test_self_launch_and_plot(tmp_path, mpistrat_cmd):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_layout_errors_are_printed_once(bench):
-    result = bench(2, "--algorithms", "pscpu#5", "-b", "4", "-e", "4", *TINY)
+@pytest.mark.parametrize("args, message", [
+    (["--algorithms", "pscpu#5"], "shards=5 but its gather pool"),
+    pytest.param(["--gpus-per-rank", "1"], "needs 1 CUDA device(s) per rank",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                                          reason="CuPy is installed")),
+])
+def test_errors_found_after_mpi_starts_are_printed_once(bench, args, message):
+    result = bench(2, *args, "-b", "4", "-e", "4", *TINY)
     assert result.returncode == 2
     output = result.stdout + result.stderr
-    assert output.count("shards=5 but its gather pool") == 1, output
+    assert output.count(message) == 1, output
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None,
