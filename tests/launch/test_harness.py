@@ -61,3 +61,33 @@ def test_passing_run(tmp_path):
     ), "-n", "1", "-n", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.rstrip().splitlines()[-1] == "mpitest: 7 passed, 0 failed, 1 skipped"
+
+
+def test_terminating_the_harness_kills_its_job(tmp_path):
+    """A harness stopped from outside (CI cancel, ``timeout``) leaves no rank running."""
+    marker = tmp_path / "pids"
+    marker.mkdir()
+    shutil.copy(ROOT / "tests" / "mpi" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_case.py").write_text(
+        "import os, time, pathlib\n"
+        "def test_sleeps(world):\n"
+        f"    pathlib.Path({str(marker)!r}, str(os.getpid())).touch()\n"
+        "    time.sleep(600)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "bin" / "mpitest"), "--tests", str(tmp_path), "-n", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(list(marker.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.name) for p in marker.iterdir()]
+    assert len(pids) == 2, "the ranks did not start"
+    process.terminate()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+        time.sleep(0.1)
+    assert not alive, f"ranks {alive} outlived the terminated harness"
