@@ -2,7 +2,9 @@
 
 Every algorithm is a function over a communicator and a contiguous 1-D buffer that it
 reduces in place: ``f(comm, buf, *, op, shards, backend, rotation)``; see each module's
-docstring for its steps, the bytes it moves and its preconditions.
+docstring for its steps, the bytes it moves and its preconditions. ``xring``, ``rechd``
+and ``native`` also reduce out of place from a :class:`Source` (tensors where they lie)
+into ``buf``; :func:`run` copies the source first for the others.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ from ..ops import ReduceOp
 from . import halving_doubling, native, ring, shuffle
 from .hierarchical import Implementation, hierarchical
 from .registry import AlgorithmInfo, Pool, Shards, get, names, register
+from .source import Source
 
 __all__ = [
     "AlgorithmInfo", "Shards", "Pool", "get", "names", "register",
-    "Implementation", "implementation", "run", "compose", "check_fits",
+    "Implementation", "implementation", "run", "compose", "check_fits", "Source",
 ]
 
 _FLAT: dict[str, Implementation] = {
-    "xring": Implementation(ring.all_reduce),
-    "rechd": Implementation(halving_doubling.all_reduce),
+    "xring": Implementation(ring.all_reduce, out_of_place=True),
+    "rechd": Implementation(halving_doubling.all_reduce, out_of_place=True),
     "pscpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root),
-    "native": Implementation(native.all_reduce),
+    "native": Implementation(native.all_reduce, out_of_place=True),
 }
 
 
@@ -68,8 +71,11 @@ def check_fits(name: str, shards: int, workers: int, nodes: int,
 
 
 def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
-        rotation: int = 0, ranks_per_node: int | None = None) -> None:
-    """Reduce ``buf`` in place over ``comm`` with the algorithm called ``name``.
+        rotation: int = 0, ranks_per_node: int | None = None,
+        source: Source | None = None) -> None:
+    """Reduce ``buf`` in place over ``comm`` with the algorithm called ``name`` — or, with
+    a ``source``, reduce the source into ``buf`` (every rank's source must have the same
+    segment sizes; ``buf`` is the source's size and dtype).
 
     The algorithm's topology preconditions (e.g. shards no more than the gather ranks
     of its stage) are checked first, on every rank alike, so a bad call raises
@@ -81,9 +87,18 @@ def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backen
 
         topology = get_topology(comm, ranks_per_node)
         check_fits(name, shards, topology.size, topology.num_nodes)
+        if source is not None:
+            source.copy_into(buf, backend=backend)
         compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
                                         rotation=rotation, ranks_per_node=ranks_per_node)
     else:
         check_fits(name, shards, comm.Get_size(), 1)
-        implementation(name).all_reduce(comm, buf, op=op, shards=shards, backend=backend,
-                                        rotation=rotation)
+        flat = implementation(name)
+        if source is None:
+            flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation)
+        elif flat.out_of_place:
+            flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation,
+                            source=source)
+        else:
+            source.copy_into(buf, backend=backend)
+            flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation)

@@ -16,6 +16,11 @@ Steps (``n`` ranks, ``p`` the largest power of two <= ``n``, ``rem = n - p``):
      reverse, exchanging the owned ranges, until everyone holds everything.
 3. fold out: each odd rank of step 1 sends the result to the even rank below it.
 
+Out of place (``source`` given, see :mod:`.source`): the first exchange reads the
+source directly — step 1's even ranks send it, odd ranks receive their partner's data into
+``buf`` and add their own; otherwise the first halving step sends the given-away half from
+the source and receives the kept half into ``buf``. Short buffers copy the source first.
+
 Every element is reduced by one rank per step and then copied, so all ranks end bitwise
 identical. Bytes sent per rank (halving-doubling, ``n = p``): ``2 (p - 1) / p`` of the
 buffer, in ``2 log2 p`` messages: fewer, larger messages than the ring. TensorFlow's
@@ -30,6 +35,7 @@ from typing import Any
 from .._mpi import mpi
 from ..ops import ReduceOp
 from ._chunks import even_bounds
+from .source import Source
 
 __all__ = ["all_reduce", "SHORT_BYTES"]
 
@@ -38,10 +44,13 @@ _TAG = 3
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
-               rotation: int = 0) -> None:
-    """Recursive halving-doubling all-reduce of ``buf`` in place (``shards`` ignored)."""
+               rotation: int = 0, source: Source | None = None) -> None:
+    """Recursive halving-doubling all-reduce (``shards`` ignored): of ``buf`` in place, or
+    of ``source`` into ``buf`` when a source is given."""
     n = comm.Get_size()
     if n == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
         return
     MPI = mpi()
     rank = comm.Get_rank()
@@ -53,8 +62,15 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     # 1. fold the extra ranks in
     if rank < 2 * rem:
         if rank % 2 == 0:
-            comm.Send([raw, MPI.BYTE], rank + 1, tag=_TAG)
+            if source is not None:
+                MPI.Request.Waitall(source.isend(comm, 0, buf.size, rank + 1, _TAG, backend))
+            else:
+                comm.Send([raw, MPI.BYTE], rank + 1, tag=_TAG)
             new_rank = -1
+        elif source is not None:
+            MPI.Request.Waitall(source.irecv(comm, buf, 0, buf.size, rank - 1, _TAG, backend))
+            source.combine_into(op, buf, 0, buf.size, backend)
+            new_rank = rank // 2
         else:
             scratch = backend.scratch("rechd", buf.size, buf.dtype)
             comm.Recv([backend.comm_view(scratch), MPI.BYTE], rank - 1, tag=_TAG)
@@ -69,6 +85,8 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     # 2. reduce among p ranks
     if new_rank >= 0 and p > 1:
         if buf.nbytes <= SHORT_BYTES or buf.size < p:
+            if source is not None and rank >= 2 * rem:  # (folded-in ranks hold it in buf)
+                source.copy_into(buf, backend=backend)
             scratch = backend.scratch("rechd", buf.size, buf.dtype)
             scratch_raw = backend.comm_view(scratch)
             mask = 1
@@ -85,6 +103,9 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             lo, hi = 0, p
             history = []
             mask = 1
+            # out of place, the first exchange is cut into the Source's messages on both
+            # sides, also for a rank whose data already sits in buf (it folded in)
+            layout, pending = source, source is not None and rank >= 2 * rem
             while mask < p:
                 partner = real(new_rank ^ mask)
                 mid = (lo + hi) // 2
@@ -94,9 +115,21 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
                     keep, give = (lo, mid), (mid, hi)
                 k0, k1 = bounds[keep[0]], bounds[keep[1]]
                 g0, g1 = bounds[give[0]], bounds[give[1]]
-                comm.Sendrecv([raw[g0 * size:g1 * size], MPI.BYTE], partner, _TAG,
-                              [scratch_raw[:(k1 - k0) * size], MPI.BYTE], partner, _TAG)
-                backend.combine(op, buf[k0:k1], scratch[:k1 - k0])
+                if pending:  # first step, out of place: the kept half arrives in buf
+                    requests = layout.irecv(comm, buf, k0, k1, partner, _TAG, backend)
+                    requests += layout.isend(comm, g0, g1, partner, _TAG, backend)
+                    MPI.Request.Waitall(requests)
+                    layout.combine_into(op, buf, k0, k1, backend)
+                elif layout is not None:  # first step, our data folded into buf
+                    requests = layout.irecv(comm, scratch, k0, k1, partner, _TAG, backend, at=0)
+                    requests += layout.isend(comm, g0, g1, partner, _TAG, backend, data=buf)
+                    MPI.Request.Waitall(requests)
+                    backend.combine(op, buf[k0:k1], scratch[:k1 - k0])
+                else:
+                    comm.Sendrecv([raw[g0 * size:g1 * size], MPI.BYTE], partner, _TAG,
+                                  [scratch_raw[:(k1 - k0) * size], MPI.BYTE], partner, _TAG)
+                    backend.combine(op, buf[k0:k1], scratch[:k1 - k0])
+                layout = pending = None
                 history.append((partner, keep, give))
                 lo, hi = keep
                 mask <<= 1

@@ -32,10 +32,13 @@ class Implementation:
         reduce_to_root: ``f(comm, buf, *, op, backend, root)`` leaving the reduction on
             ``root`` only, when the algorithm has a cheaper form for that (used as the
             intra-node stage of hierarchical algorithms).
+        out_of_place: ``all_reduce`` also takes ``source=`` (a :class:`.source.Source`)
+            and reduces it into ``buf`` without first copying it there.
     """
 
     all_reduce: Callable[..., None]
     reduce_to_root: Callable[..., None] | None = None
+    out_of_place: bool = False
 
 
 def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,

@@ -15,6 +15,7 @@ import numpy as np
 
 from .._mpi import mpi
 from ..ops import ReduceOp
+from .source import Source
 
 __all__ = ["all_reduce"]
 
@@ -42,9 +43,17 @@ def _typed(buf: np.ndarray, op: ReduceOp) -> tuple[Any, Any]:
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
-               rotation: int = 0) -> None:
-    """Reduce ``buf`` across ``comm`` in place with ``MPI_Allreduce`` (``shards`` ignored)."""
+               rotation: int = 0, source: Source | None = None) -> None:
+    """Reduce ``buf`` across ``comm`` with ``MPI_Allreduce`` (``shards`` ignored): in place,
+    or from a one-segment ``source`` as the send buffer (a scattered source is copied into
+    ``buf`` first)."""
+    if source is not None and (comm.Get_size() == 1 or buf.size == 0 or not source.contiguous):
+        source.copy_into(buf, backend=backend)
+        source = None
     if comm.Get_size() == 1 or buf.size == 0:
         return
     spec, mpi_op = _typed(buf, op)
-    comm.Allreduce(mpi().IN_PLACE, spec, op=mpi_op)
+    if source is not None:
+        comm.Allreduce(_typed(source.segments[0], op)[0], spec, op=mpi_op)
+    else:
+        comm.Allreduce(mpi().IN_PLACE, spec, op=mpi_op)

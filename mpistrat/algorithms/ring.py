@@ -12,6 +12,10 @@ chunk is being added the others' chunks are on the wire.
 * all-gather, steps ``t = 0 .. n-2``: send segment ``(r + 1 - t) mod n`` to the right,
   receive segment ``(r - t) mod n`` from the left straight into the buffer (no copy).
 
+Out of place (``source`` given, see :mod:`.source`): a rank's first send of each
+pipeline goes out straight from the source, every reduce-scatter receive lands in ``buf``
+(no scratch slot) and the rank's own source piece is added there; nothing is copied.
+
 Every segment is reduced exactly once and then copied, so all ranks end bitwise
 identical. Bytes sent per rank: ``2 (n - 1) / n`` of the buffer. Works for any length
 (chunks may be empty) and any ``n``. Preconditions: contiguous 1-D buffer, ``S >= 1``.
@@ -24,15 +28,19 @@ from typing import Any
 from .._mpi import mpi
 from ..ops import ReduceOp
 from ._chunks import even_bounds
+from .source import Source
 
 __all__ = ["all_reduce"]
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
-               rotation: int = 0) -> None:
-    """Ring all-reduce of ``buf`` in place over ``comm`` (``rotation`` is unused)."""
+               rotation: int = 0, source: Source | None = None) -> None:
+    """Ring all-reduce over ``comm`` (``rotation`` is unused): of ``buf`` in place, or of
+    ``source`` into ``buf`` when a source is given."""
     n = comm.Get_size()
     if n == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
         return
     MPI = mpi()
     pipelines = shards
@@ -40,9 +48,10 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     right, left = (rank + 1) % n, (rank - 1) % n
     bounds = even_bounds(buf.size, n * pipelines)
     widest = max(bounds[i + 1] - bounds[i] for i in range(n * pipelines))
-    slots = backend.scratch("xring", widest * pipelines, buf.dtype)
+    slots = None if source is not None else \
+        backend.scratch("xring", widest * pipelines, buf.dtype)
     raw = backend.comm_view(buf)
-    slots_raw = backend.comm_view(slots)
+    slots_raw = None if slots is None else backend.comm_view(slots)
     size = buf.itemsize
     last = 2 * (n - 1)  # steps per pipeline
 
@@ -51,7 +60,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
         return bounds[index], bounds[index + 1]
 
     sends: list[list[Any]] = [[] for _ in range(pipelines)]
-    recvs: list[Any] = [MPI.REQUEST_NULL] * pipelines
+    recvs: list[list[Any]] = [[] for _ in range(pipelines)]
     step = [0] * pipelines
     pending: list[tuple[int, int]] = [(0, 0)] * pipelines
 
@@ -66,15 +75,21 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             t -= n - 1
             send_seg, recv_seg = (rank + 1 - t) % n, (rank - t) % n
         lo, hi = chunk(send_seg, s)
-        sends[s].append(comm.Isend([raw[lo * size:hi * size], MPI.BYTE], right, tag=s))
+        if source is not None and step[s] == 0:  # our own piece, straight from the source
+            sends[s].extend(source.isend(comm, lo, hi, right, s, backend))
+        else:
+            sends[s].append(comm.Isend([raw[lo * size:hi * size], MPI.BYTE], right, tag=s))
         lo, hi = chunk(recv_seg, s)
         pending[s] = (lo, hi)
-        if step[s] < n - 1:
+        if source is not None and step[s] == 0:  # the left neighbour sends from its source
+            recvs[s] = source.irecv(comm, buf, lo, hi, left, s, backend)
+            return
+        if step[s] < n - 1 and slots_raw is not None:
             offset = s * widest * size
             target = slots_raw[offset:offset + (hi - lo) * size]
         else:
             target = raw[lo * size:hi * size]
-        recvs[s] = comm.Irecv([target, MPI.BYTE], left, tag=s)
+        recvs[s] = [comm.Irecv([target, MPI.BYTE], left, tag=s)]
 
     for s in range(pipelines):
         post(s)
@@ -83,10 +98,14 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     # costs a scheduler time slice per call).
     for _ in range(last):
         for s in range(pipelines):
-            recvs[s].Wait()
+            for request in recvs[s]:
+                request.Wait()
             lo, hi = pending[s]
             if step[s] < n - 1:
-                backend.combine(op, buf[lo:hi], slots[s * widest:s * widest + hi - lo])
+                if source is not None:  # received into buf: add our own piece
+                    source.combine_into(op, buf, lo, hi, backend)
+                else:
+                    backend.combine(op, buf[lo:hi], slots[s * widest:s * widest + hi - lo])
             step[s] += 1
             if step[s] < last:
                 post(s)

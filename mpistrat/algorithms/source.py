@@ -1,0 +1,169 @@
+"""The input of an out-of-place all-reduce: one logical 1-D buffer made of segments.
+
+``batch_reduce`` packs many tensors into one buffer so that one all-reduce moves them.
+Copying 100 MB of gradients into a pack costs about as much as the all-reduce itself on
+one node, so algorithms that support it (``rechd``, ``xring``, ``native`` on one segment)
+take the tensors where they are, as a :class:`Source`, and write the result into a
+separate output buffer: the first step of the algorithm reads the segments directly —
+the part a rank sends goes out from the tensors, the part it keeps is received straight
+into the output and the rank's own contribution is added there (``out = src + out``:
+two reads and one write, as an in-place reduction). The copy into the pack disappears.
+
+Messages: a piece of a large segment is sent as its own message, straight from the
+tensor; consecutive pieces of small segments (under ``coalesce_bytes``) are copied into a
+staging buffer and sent as one message, so a batch of many biases and norms costs a few
+messages, not hundreds. Both sides of an exchange compute the same message boundaries
+from the segment sizes, so every rank's Source must have the same segment sizes (the
+cross-device ops agree on the batch's shapes before any data moves).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .._mpi import mpi
+from ..ops import ReduceOp
+
+__all__ = ["Source", "COALESCE_BYTES"]
+
+COALESCE_BYTES = 256 * 1024  # segments below this are staged and sent together
+
+
+class Source:
+    """Segments (contiguous 1-D arrays of one dtype) read as one buffer, in order.
+
+    Args:
+        segments: the pieces; empty ones are dropped.
+        coalesce_bytes: segments smaller than this are sent together through a staging
+            buffer.
+    """
+
+    __slots__ = ("segments", "offsets", "size", "dtype", "_small", "_stage_at", "_stage_size")
+
+    def __init__(self, segments: Sequence[Any], coalesce_bytes: int = COALESCE_BYTES) -> None:
+        self.segments = [s for s in segments if s.size]
+        if not self.segments and segments:
+            self.segments = [segments[0]]
+        dtypes = {s.dtype for s in self.segments}
+        if len(dtypes) > 1:
+            raise ValueError(f"a Source's segments must share one dtype, got {sorted(map(str, dtypes))}")
+        offsets = [0]
+        for s in self.segments:
+            offsets.append(offsets[-1] + s.size)
+        self.offsets = offsets
+        self.size = offsets[-1]
+        self.dtype = self.segments[0].dtype if self.segments else None
+        small = [len(self.segments) > 1 and s.nbytes < coalesce_bytes for s in self.segments]
+        self._small = small
+        self._stage_at: list[int] = []
+        total = 0
+        for index, segment in enumerate(self.segments):
+            self._stage_at.append(total)
+            if small[index]:
+                total += segment.size
+        self._stage_size = total
+
+    @classmethod
+    def of(cls, array: Any) -> Source:
+        """A Source over one contiguous 1-D array."""
+        return cls([array])
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the Source is one segment (one array)."""
+        return len(self.segments) == 1
+
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(segment index, start, stop, position)`` of each piece of ``[lo, hi)``:
+        elements ``start:stop`` of that segment sit at ``position`` of the logical buffer."""
+        if lo >= hi:
+            return
+        index = bisect.bisect_right(self.offsets, lo) - 1
+        offsets = self.offsets
+        while lo < hi:
+            base = offsets[index]
+            stop = min(hi, offsets[index + 1])
+            if stop > lo:
+                yield index, lo - base, stop - base, lo
+            lo = stop
+            index += 1
+
+    def messages(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """How ``[lo, hi)`` travels: ``(start, stop, staged)`` per message, in order."""
+        if self.contiguous or lo >= hi:
+            return [(lo, hi, False)] if hi > lo else []
+        out: list[tuple[int, int, bool]] = []
+        run = None
+        for index, start, stop, position in self.pieces(lo, hi):
+            end = position + stop - start
+            if self._small[index]:
+                run = (run[0], end) if run is not None else (position, end)
+                continue
+            if run is not None:
+                out.append((run[0], run[1], True))
+                run = None
+            out.append((position, end, False))
+        if run is not None:
+            out.append((run[0], run[1], True))
+        return out
+
+    def isend(self, comm: Any, lo: int, hi: int, dest: int, tag: int, backend: Any,
+              data: Any = None) -> list[Any]:
+        """Start sending elements ``[lo, hi)`` to ``dest``; the requests to wait on.
+
+        With ``data`` (a contiguous buffer indexed like the Source), send ``data[lo:hi]``
+        instead, cut into the same messages, so a rank whose contribution already sits in
+        its output can exchange with a peer that still sends from its Source. Staged
+        pieces are copied into a scratch buffer that stays valid until the next call of
+        any algorithm on this backend, so wait before returning from one.
+        """
+        MPI = mpi()
+        requests = []
+        stage = None
+        for start, stop, staged in self.messages(lo, hi):
+            if data is not None:
+                view = backend.comm_view(data[start:stop])
+                requests.append(comm.Isend([view, MPI.BYTE], dest, tag=tag))
+                continue
+            if not staged:
+                index, a, b, _ = next(self.pieces(start, stop))
+                view = backend.comm_view(self.segments[index][a:b])
+                requests.append(comm.Isend([view, MPI.BYTE], dest, tag=tag))
+                continue
+            if stage is None:
+                stage = backend.scratch("source-stage", self._stage_size, self.dtype)
+            first = None
+            for index, a, b, _ in self.pieces(start, stop):
+                at = self._stage_at[index] + a
+                first = at if first is None else first
+                backend.copy(stage[at:at + b - a], self.segments[index][a:b])
+            view = backend.comm_view(stage[first:first + stop - start])
+            requests.append(comm.Isend([view, MPI.BYTE], dest, tag=tag))
+        return requests
+
+    def irecv(self, comm: Any, out: Any, lo: int, hi: int, source: int, tag: int,
+              backend: Any, at: int | None = None) -> list[Any]:
+        """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`) into
+        ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
+        MPI = mpi()
+        shift = (lo if at is None else at) - lo
+        raw = backend.comm_view(out)
+        size = out.itemsize
+        return [comm.Irecv([raw[(a + shift) * size:(b + shift) * size], MPI.BYTE], source, tag=tag)
+                for a, b, _ in self.messages(lo, hi)]
+
+    def combine_into(self, op: ReduceOp, out: Any, lo: int, hi: int, backend: Any) -> None:
+        """``out[lo:hi] = op(out[lo:hi], self[lo:hi])`` (``out`` indexed like the Source)."""
+        for index, a, b, position in self.pieces(lo, hi):
+            backend.combine(op, out[position:position + b - a], self.segments[index][a:b])
+
+    def copy_into(self, out: Any, lo: int = 0, hi: int | None = None, *, backend: Any) -> None:
+        """``out[lo:hi] = self[lo:hi]``."""
+        hi = self.size if hi is None else hi
+        for index, a, b, position in self.pieces(lo, hi):
+            backend.copy(out[position:position + b - a], self.segments[index][a:b])
+
+    def __repr__(self) -> str:
+        return f"Source({len(self.segments)} segment(s), {self.size} x {self.dtype})"
