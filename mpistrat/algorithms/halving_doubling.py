@@ -16,6 +16,10 @@ Steps (``n`` ranks, ``p`` the largest power of two <= ``n``, ``rem = n - p``):
      reverse, exchanging the owned ranges, until everyone holds everything.
 3. fold out: each odd rank of step 1 sends the result to the even rank below it.
 
+The last halving step travels in pieces of at most ``PIPELINE_BYTES``, and each piece
+goes back to the partner (that step's doubling) as soon as it is reduced, so the
+all-gather overlaps the last additions instead of waiting for all of them.
+
 Out of place (``source`` given, see :mod:`.source`): the first exchange reads the
 source directly — step 1's even ranks send it, odd ranks receive their partner's data into
 ``buf`` and add their own; otherwise the first halving step sends the given-away half from
@@ -40,7 +44,8 @@ from .source import Source
 __all__ = ["all_reduce", "SHORT_BYTES"]
 
 SHORT_BYTES = 2048  # recursive doubling at or below this many bytes (MPICH's classic cut)
-_TAG = 3
+PIPELINE_BYTES = 4 << 20  # the last halving step and its doubling move pieces of this size
+_TAG, _TAG_BACK = 3, 4
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
@@ -68,8 +73,8 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
                 comm.Send([raw, MPI.BYTE], rank + 1, tag=_TAG)
             new_rank = -1
         elif source is not None:
-            MPI.Request.Waitall(source.irecv(comm, buf, 0, buf.size, rank - 1, _TAG, backend))
-            source.combine_into(op, buf, 0, buf.size, backend)
+            receives = source.irecv(comm, buf, 0, buf.size, rank - 1, _TAG, backend)
+            source.receive_and_combine(op, receives, buf, 0, buf.size, backend)
             new_rank = rank // 2
         else:
             scratch = backend.scratch("rechd", buf.size, buf.dtype)
@@ -115,22 +120,19 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
                     keep, give = (lo, mid), (mid, hi)
                 k0, k1 = bounds[keep[0]], bounds[keep[1]]
                 g0, g1 = bounds[give[0]], bounds[give[1]]
-                if pending:  # first step, out of place: the kept half arrives in buf
-                    requests = layout.irecv(comm, buf, k0, k1, partner, _TAG, backend)
-                    requests += layout.isend(comm, g0, g1, partner, _TAG, backend)
-                    MPI.Request.Waitall(requests)
-                    layout.combine_into(op, buf, k0, k1, backend)
-                elif layout is not None:  # first step, our data folded into buf
-                    requests = layout.irecv(comm, scratch, k0, k1, partner, _TAG, backend, at=0)
-                    requests += layout.isend(comm, g0, g1, partner, _TAG, backend, data=buf)
-                    MPI.Request.Waitall(requests)
-                    backend.combine(op, buf[k0:k1], scratch[:k1 - k0])
-                else:
+                # the last step pipelines its doubling when it reads buf; out of place the
+                # Source's many messages make that slower (measured), so it does not
+                last = 2 * mask == p and layout is None
+                if layout is None and not last:
                     comm.Sendrecv([raw[g0 * size:g1 * size], MPI.BYTE], partner, _TAG,
                                   [scratch_raw[:(k1 - k0) * size], MPI.BYTE], partner, _TAG)
                     backend.combine(op, buf[k0:k1], scratch[:k1 - k0])
+                else:
+                    _exchange(comm, buf, scratch, partner, (k0, k1), (g0, g1), op=op,
+                              backend=backend, layout=layout, pending=pending, last=last)
                 layout = pending = None
-                history.append((partner, keep, give))
+                if not last:  # the last step's doubling ran inside _exchange
+                    history.append((partner, keep, give))
                 lo, hi = keep
                 mask <<= 1
             for partner, keep, give in reversed(history):
@@ -145,3 +147,88 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             comm.Recv([raw, MPI.BYTE], rank + 1, tag=_TAG)
         else:
             comm.Send([raw, MPI.BYTE], rank - 1, tag=_TAG)
+
+
+def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
+    """``[lo, hi)`` cut into near-equal messages of at most :data:`PIPELINE_BYTES`."""
+    count = max(1, -(-(hi - lo) * itemsize // PIPELINE_BYTES))
+    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return [(a, b, False) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _exchange(comm: Any, buf: Any, scratch: Any, partner: int, keep: tuple[int, int],
+              give: tuple[int, int], *, op: ReduceOp, backend: Any, layout: Source | None,
+              pending: bool, last: bool) -> None:
+    """One halving step in messages: send ``give``, receive and add ``keep``.
+
+    The messages are the Source's (``layout``: the first step out of place) or even
+    pieces. ``pending``: this rank's data is still in the Source (the kept range arrives
+    straight in ``buf``); otherwise it is in ``buf`` (received into ``scratch``). With
+    ``last``, the step's doubling runs here too, piece by piece: each kept piece goes
+    back to the partner as soon as it is reduced, while later pieces are still arriving.
+    """
+    MPI = mpi()
+    (k0, k1), (g0, g1) = keep, give
+    raw = backend.comm_view(buf)
+    size = buf.itemsize
+    if layout is not None:
+        kept, given = layout.messages(k0, k1), layout.messages(g0, g1)
+        receives = layout.irecv(comm, buf if pending else scratch, k0, k1, partner, _TAG,
+                                backend, at=None if pending else 0)
+        sends = layout.isend(comm, g0, g1, partner, _TAG, backend,
+                             data=None if pending else buf)
+    else:
+        kept, given = _pieces(k0, k1, size), _pieces(g0, g1, size)
+        scratch_raw = backend.comm_view(scratch)
+        receives = [comm.Irecv([scratch_raw[(a - k0) * size:(b - k0) * size], MPI.BYTE],
+                               partner, tag=_TAG) for a, b, _ in kept]
+        sends = [comm.Isend([raw[a * size:b * size], MPI.BYTE], partner, tag=_TAG)
+                 for a, b, _ in given]
+    # the doubling: our reduced pieces go back, the partner's arrive in the range we gave
+    # away; both cut by merging the step's messages up to PIPELINE_BYTES
+    back_cuts = _merged(kept, size) if last else []
+    arrive_cuts = _merged(given, size) if last else []
+    back: list[Any] = []
+    arriving: list[Any] = []
+
+    def receive_back(a: int, b: int) -> None:
+        arriving.append(comm.Irecv([raw[a * size:b * size], MPI.BYTE], partner, tag=_TAG_BACK))
+
+    # (the messages each arriving piece covers end at ends[i]; sends[:done] are complete)
+    ends = [sum(1 for a, _, _ in given if a < stop) for _, stop in arrive_cuts]
+    done = 0
+    if last and pending:  # our sends read the Source, never buf: receive at once
+        for a, b in arrive_cuts:
+            receive_back(a, b)
+    for request, (a, b, _) in zip(receives, kept):
+        request.Wait()
+        if pending:
+            layout.combine_into(op, buf, a, b, backend)
+        else:
+            backend.combine(op, buf[a:b], scratch[a - k0:b - k0])
+        if last and back_cuts[len(back)][1] == b:  # a whole back piece is reduced
+            start, stop = back_cuts[len(back)]
+            back.append(comm.Isend([raw[start * size:stop * size], MPI.BYTE], partner,
+                                   tag=_TAG_BACK))
+        if len(arriving) < len(arrive_cuts):  # a piece of buf we sent may be received
+            while done < len(sends) and sends[done].Test():  # into once its sends are done
+                done += 1
+            while len(arriving) < len(arrive_cuts) and ends[len(arriving)] <= done:
+                receive_back(*arrive_cuts[len(arriving)])
+    MPI.Request.Waitall(sends)
+    if last:
+        for a, b in arrive_cuts[len(arriving):]:
+            receive_back(a, b)
+        MPI.Request.Waitall(back + arriving)
+
+
+def _merged(messages: list[tuple[int, int, bool]], itemsize: int) -> list[tuple[int, int]]:
+    """Consecutive messages merged while the piece stays within ``PIPELINE_BYTES`` (a
+    larger message is a piece alone); both partners cut the same pieces."""
+    out: list[tuple[int, int]] = []
+    for a, b, _ in messages:
+        if out and (b - out[-1][0]) * itemsize <= PIPELINE_BYTES:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out

@@ -98,13 +98,15 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     # costs a scheduler time slice per call).
     for _ in range(last):
         for s in range(pipelines):
-            for request in recvs[s]:
-                request.Wait()
             lo, hi = pending[s]
-            if step[s] < n - 1:
-                if source is not None:  # received into buf: add our own piece
+            if source is not None and step[s] == 0:  # received into buf: add our own piece
+                source.receive_and_combine(op, recvs[s], buf, lo, hi, backend)
+            else:
+                for request in recvs[s]:
+                    request.Wait()
+                if step[s] < n - 1 and source is not None:
                     source.combine_into(op, buf, lo, hi, backend)
-                else:
+                elif step[s] < n - 1:
                     backend.combine(op, buf[lo:hi], slots[s * widest:s * widest + hi - lo])
             step[s] += 1
             if step[s] < last:

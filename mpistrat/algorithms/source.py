@@ -28,7 +28,7 @@ from ..ops import ReduceOp
 
 __all__ = ["Source", "COALESCE_BYTES"]
 
-COALESCE_BYTES = 256 * 1024  # segments below this are staged and sent together
+COALESCE_BYTES = 1 << 20  # segments below this are staged and sent together
 
 
 class Source:
@@ -153,6 +153,14 @@ class Source:
         size = out.itemsize
         return [comm.Irecv([raw[(a + shift) * size:(b + shift) * size], MPI.BYTE], source, tag=tag)
                 for a, b, _ in self.messages(lo, hi)]
+
+    def receive_and_combine(self, op: ReduceOp, requests: list[Any], out: Any, lo: int,
+                            hi: int, backend: Any) -> None:
+        """Wait for the messages of :meth:`irecv` ``[lo, hi)`` into ``out`` in order, adding
+        this Source's piece to each as it lands (while it is still in cache)."""
+        for request, (a, b, _) in zip(requests, self.messages(lo, hi)):
+            request.Wait()
+            self.combine_into(op, out, a, b, backend)
 
     def combine_into(self, op: ReduceOp, out: Any, lo: int, hi: int, backend: Any) -> None:
         """``out[lo:hi] = op(out[lo:hi], self[lo:hi])`` (``out`` indexed like the Source)."""

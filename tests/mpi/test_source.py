@@ -75,3 +75,23 @@ def test_source_messages_split():
     assert source.messages(25, 1035) == [(25, 30, True), (30, 1030, False), (1030, 1035, True)]
     assert source.messages(100, 100) == []
     assert Source.of(np.zeros(50, np.float32)).messages(10, 20) == [(10, 20, False)]
+
+
+@pytest.mark.parametrize("layout", ["mixed", "large-only", "short"])
+def test_rechd_in_pieces(comm, layout, monkeypatch):
+    """rechd's last halving step in many pieces, each sent back as soon as it is reduced:
+    in place and out of place equal the exact integer sum."""
+    from mpistrat.algorithms import halving_doubling
+
+    monkeypatch.setattr(halving_doubling, "PIPELINE_BYTES", 4000)
+    segments = _segments(LAYOUTS[layout], comm.Get_rank(), np.dtype("int64"))
+    backend = get_backend(segments[0])
+    flat = np.concatenate(segments)
+    expected = np.sum(comm.allgather(flat), axis=0)
+    algorithms.run("rechd", comm, flat, op=ReduceOp.SUM, backend=backend)
+    out = np.full(flat.size, 99, dtype=np.int64)
+    algorithms.run("rechd", comm, out, op=ReduceOp.SUM, backend=backend,
+                   source=Source(segments, coalesce_bytes=2048))
+    problems = [f"{label} differs from the sum" for label, got in
+                (("in place", flat), ("out of place", out)) if not np.array_equal(got, expected)]
+    finish(comm, problems, [(layout, digest(out))])
