@@ -93,8 +93,8 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
 
 
 def _describe(value: DistributedValues) -> str:
-    arrays = [np.asarray(v) if np.isscalar(v) else v for v in value.values]
-    shapes = {(tuple(a.shape), str(a.dtype)) for a in arrays}
+    arrays = _as_arrays(value)
+    shapes = {(tuple(a.shape), a.dtype.str) for a in arrays}
     if len(shapes) != 1:
         raise ValueError(
             f"the components of {type(value).__name__} on {list(value.devices)} differ in "
@@ -121,7 +121,8 @@ def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -
 
 
 def _as_arrays(value: DistributedValues) -> list[Any]:
-    return [np.asarray(v) if np.isscalar(v) else v for v in value.values]
+    return [v if hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, np.generic)
+            else np.asarray(v) for v in value.values]
 
 
 # ----------------------------------------------------------------------- base class
@@ -386,32 +387,32 @@ class ReductionToOneDevice(CrossDeviceOps):
 
 # --------------------------------------------------------------- batched all-reduce
 
-Reducer = Callable[[list[Any], int, bool], Any]
-"""``f(components, index, owned) -> reduced flat buffer``: reduce one buffer whose ``G``
-local components are given, ``index`` counting the buffers of the batch (for rotations);
-``owned``: the first component is a fresh pack the reducer may reduce into in place."""
+Reducer = Callable[[list[Any], int], Any]
+"""``reduce(sources, index) -> buffer``: all-reduce one pack or tensor given as one
+:class:`~mpistrat.algorithms.Source` per local device (inputs, never modified) into a new
+1-D buffer; ``index`` counts the all-reduces of the call (for rotating roots)."""
 
 
 def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
                       groups: list[tuple[list[int], packing.PackPlan, Reducer]]) -> list[Mirrored]:
-    """All-reduce a batch: each group of tensor indices is packed by its plan, each packed
-    buffer reduced by the group's reducer, then unpacked; results in input order."""
+    """All-reduce a batch: each group of tensor indices is reduced pack by pack (the packs
+    read straight from the tensors, see :mod:`mpistrat.algorithms.source`) into new
+    buffers, which are then cut into the results; results in input order."""
     replicas = len(values[0])
-    devices = values[0].devices
+    devices = values[0].device_set
     contributions = comm.Get_size() * replicas
     components = [_as_arrays(v) for v in values]
     results: list[Any] = [None] * len(values)
     counter = 0
     for indices, plan, reducer in groups:
-        backend = get_backend(components[indices[0]][0])
-        # packs come from recycled memory: device 0's packs become the results, and a
-        # training loop that has dropped last step's results reuses their warm pages
-        packed = [plan.pack([components[i][d] for i in indices], allocate=backend.recycled)
-                  for d in range(replicas)]
+        per_device = [[components[i][d] for i in indices] for d in range(replicas)]
+        packs = [plan.segments(batch) for batch in per_device]
+        wire = [[algorithms.Source(p[b]) for p in packs] for b in range(len(plan.packs))]
+        for i in plan.passthrough:
+            wire.append([algorithms.Source.of(_flat(batch[i])) for batch in per_device])
         reduced = []
-        for b in range(len(plan.packs) + len(plan.passthrough)):
-            parts = [(p[0] + p[1])[b] for p in packed]
-            buf = reducer(parts, counter, b < len(plan.packs))
+        for sources in wire:
+            buf = reducer(sources, counter)
             counter += 1
             if op is ReduceOp.MEAN and get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
                 buf = get_backend(buf).divide(buf, contributions)
@@ -422,24 +423,39 @@ def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
             if op is ReduceOp.MEAN and tensor.dtype.kind in "iub":
                 tensor = backend.divide(backend.flat_copy(tensor), contributions) \
                     .reshape(tensor.shape)
-            results[i] = Mirrored([tensor] + [tensor.copy() for _ in range(replicas - 1)],
-                                  devices)
+            results[i] = Mirrored._trusted(
+                [tensor] + [tensor.copy() for _ in range(replicas - 1)], devices)
     return results
 
 
-def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reducer:
-    """Combine the local components in device order, then run ``alg`` across ranks."""
+def _flat(array: Any) -> Any:
+    """A 1-D view of ``array`` (a copy when it is not C-contiguous)."""
+    view = get_backend(array).flat_view(array)
+    return view if view is not None else get_backend(array).flat_copy(array)
 
-    def reduce(parts: list[Any], index: int, owned: bool) -> Any:
-        backend = get_backend(parts[0])
-        if owned:
-            buf = parts[0].reshape(-1)
-        else:  # an input: reduce a copy, in recycled memory (it becomes the result)
-            buf = backend.recycled(parts[0].size, parts[0].dtype)
-            backend.copy(buf.reshape(parts[0].shape), parts[0])
-        for part in parts[1:]:
-            view = backend.flat_view(part)
-            backend.combine(op, buf, view if view is not None else backend.flat_copy(part))
+
+def _local_sum(op: ReduceOp, sources: list[Any], backend: Any) -> Any:
+    """A new buffer (recycled memory: it becomes a result) holding the combination of the
+    local devices' sources, in device order."""
+    buf = backend.recycled(sources[0].size, sources[0].dtype)
+    sources[0].copy_into(buf, backend=backend)
+    for source in sources[1:]:
+        source.combine_into(op, buf, 0, source.size, backend)
+    return buf
+
+
+def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reducer:
+    """Combine the local components in device order, then run ``alg`` across ranks; with
+    one device the algorithm reads the source directly (out of place, no copy)."""
+
+    def reduce(sources: list[Any], index: int) -> Any:
+        backend = get_backend(sources[0].segments[0])
+        if len(sources) == 1 and comm.Get_size() > 1 and sources[0].size:
+            buf = backend.recycled(sources[0].size, sources[0].dtype)
+            algorithms.run(alg, comm, buf, op=op, shards=shards, backend=backend,
+                           rotation=index, source=sources[0])
+            return buf
+        buf = _local_sum(op, sources, backend)
         if comm.Get_size() > 1 and buf.size:
             algorithms.run(alg, comm, buf, op=op, shards=shards, backend=backend,
                            rotation=index)
@@ -587,8 +603,10 @@ def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reduce
         )
     half = devices // 2
 
-    def reduce(parts: list[Any], index: int, owned: bool) -> Any:
-        backend = get_backend(parts[0])
+    def reduce(sources: list[Any], index: int) -> Any:
+        backend = get_backend(sources[0].segments[0])
+        parts = [s.segments[0] if s.contiguous else _local_sum(op, [s], backend)
+                 for s in sources]
         root0 = index % devices
         owner = root0 // replicas
         rows = _gather_rows(comm, parts, owner)

@@ -34,6 +34,7 @@ methods are used, so CuPy arrays work without this module importing CuPy.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class TensorSpec(NamedTuple):
     @property
     def size(self) -> int:
         """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +214,32 @@ class PackPlan:
                 buffer[m.offset:m.offset + m.size] = flat[m.start:m.start + m.size]
             packs.append(buffer)
         return packs, [arrays[i] for i in self.passthrough]
+
+    def segments(self, arrays: Sequence[Any]) -> list[list[Any]]:
+        """Each pack's contents as 1-D views of the batch's arrays, in pack order (no copy).
+
+        The concatenation of ``segments(arrays)[k]`` is what :meth:`pack` copies into pack
+        ``k``; out-of-place algorithms read these views directly. An array that is not
+        C-contiguous is flattened into a copy first.
+
+        Raises:
+            PackingError: the batch's length, a shape or a dtype differs from the plan.
+        """
+        arrays = list(arrays)
+        self._check_batch(arrays)
+        flats: dict[int, Any] = {}
+        out = []
+        for pack in self.packs:
+            views = []
+            for m in pack.members:
+                flat = flats.get(m.index)
+                if flat is None:
+                    array = arrays[m.index]
+                    flat = flats[m.index] = array.reshape(-1) if array.flags.c_contiguous \
+                        else array.flatten()
+                views.append(flat[m.start:m.start + m.size])
+            out.append(views)
+        return out
 
     def unpack(self, reduced_packs: Sequence[Any], reduced_singles: Sequence[Any] = (),
                *, copy: bool = False) -> list[Any]:

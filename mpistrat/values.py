@@ -106,6 +106,14 @@ class DistributedValues:
         self._values = values
         self._devices = parsed
 
+    @classmethod
+    def _trusted(cls, values: Sequence[Any], devices: tuple[Device, ...]) -> DistributedValues:
+        """Build from already-parsed, known-good devices (no validation: hot paths)."""
+        self = cls.__new__(cls)
+        self._values = tuple(values)
+        self._devices = devices
+        return self
+
     @property
     def values(self) -> tuple[Any, ...]:
         """The per-device values, in device order."""

@@ -421,6 +421,9 @@ def test_non_contiguous_inputs_pack_correctly():
     arrays = [base.T, base[:, ::2], np.float32(3.5)]
     for plan in (plan_concat_and_split(arrays, 4), plan_by_size(arrays, 0)):
         assert_same_batch(round_trip(plan, arrays)[2], [np.asarray(a) for a in arrays])
+        packs, _ = plan.pack(arrays)
+        for pack, views in zip(packs, plan.segments([np.asarray(a) for a in arrays])):
+            assert np.array_equal(np.concatenate(views), pack)
 
 
 # ------------------------------------------------------------------ property: round trips
@@ -445,6 +448,11 @@ def test_round_trip(name, specs, arg):
     assert [s.shape for s in singles] == [plan.specs[i].shape for i in plan.passthrough]
     assert sum(plan.pack_sizes) + sum(plan.specs[i].size for i in plan.passthrough) == sum(
         s.size for s in plan.specs)
+    # segments(): views whose concatenation is each pack (what out-of-place reads)
+    for pack, views in zip(packs, plan.segments(arrays)):
+        joined = np.concatenate(views) if views else pack[:0]
+        assert joined.dtype == pack.dtype and np.array_equal(
+            joined.view(np.uint8), pack.view(np.uint8))
     if name == "small_tensors":
         for pack in plan.packs:
             assert 2 <= len(pack.members) and list(pack.indices) == list(
