@@ -58,3 +58,56 @@ __all__ += [
     "HierarchicalCopyAllReduce", "MultiWorkerAllReduce", "CollectiveTimeoutError",
     "DistributedValues", "PerReplica", "Mirrored",
 ]
+
+from .cluster import (  # noqa: E402
+    ClusterInfo,
+    ClusterResolver,
+    ClusterSpec,
+    MPIClusterResolver,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+    check_against_world,
+    resolve_cluster,
+    should_checkpoint,
+)
+from .data import (  # noqa: E402
+    AutoShardPolicy,
+    Dataset,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    Options,
+)
+from .strategy import (  # noqa: E402
+    MirroredStrategy,
+    MirroredVariable,
+    MultiWorkerMirroredStrategy,
+    OneDeviceStrategy,
+    ReplicaContext,
+    Strategy,
+    StrategyExtended,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+    experimental_set_strategy,
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+
+__all__ += [
+    "ClusterSpec", "ClusterResolver", "SimpleClusterResolver", "MPIClusterResolver",
+    "TFConfigClusterResolver", "SlurmClusterResolver", "ClusterInfo", "resolve_cluster",
+    "check_against_world", "should_checkpoint",
+    "Dataset", "Options", "AutoShardPolicy", "InputOptions", "InputReplicationMode",
+    "InputContext",
+    "Strategy", "StrategyExtended", "MultiWorkerMirroredStrategy", "MirroredStrategy",
+    "OneDeviceStrategy", "ReplicaContext", "get_strategy", "has_strategy",
+    "get_replica_context", "get_cross_replica_context", "in_cross_replica_context",
+    "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
+    "MirroredVariable", "SyncOnReadVariable",
+]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._nest import describe, flatten, map_structure
+from .._nest import describe, flatten, map_structure
 from .dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._nest import map_structure
+from .._nest import map_structure
 from .options import Options
 
 __all__ = ["Dataset", "ArraySpec", "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY"]

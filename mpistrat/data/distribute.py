@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._nest import map_structure
+from .._nest import map_structure
 from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
 from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext

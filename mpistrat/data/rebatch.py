@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._nest import describe, flatten, map_structure
+from .._nest import describe, flatten, map_structure
 
 __all__ = ["batch_sizes_for_worker", "split_global_batch", "cut_stream", "empty_like",
            "leading_size"]

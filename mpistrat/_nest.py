@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["map_structure", "flatten", "describe"]
+__all__ = ["map_structure", "flatten", "pack_sequence_as", "describe"]
 
 
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
@@ -53,6 +53,12 @@ def flatten(structure: Any) -> list[Any]:
     leaves: list[Any] = []
     map_structure(leaves.append, structure)
     return leaves
+
+
+def pack_sequence_as(structure: Any, leaves: list[Any]) -> Any:
+    """``structure`` with its leaves replaced, in :func:`flatten` order, by ``leaves``."""
+    items = iter(leaves)
+    return map_structure(lambda _: next(items), structure)
 
 
 def describe(structure: Any) -> str:

@@ -1,0 +1,427 @@
+"""``Strategy`` and ``StrategyExtended``: the tf.distribute strategy API over MPI.
+
+A strategy owns a communicator (its workers are that communicator's ranks), ``G`` local
+devices per rank (CPU replicas or GPUs) and a :class:`~mpistrat.CrossDeviceOps` that
+reduces across all of them. ``run`` calls a function once per local replica; ``reduce``
+and the ``extended`` methods reduce across every replica of every rank; datasets are
+split across workers and replicas (:mod:`mpistrat.data`). Where this differs from
+TensorFlow is listed in docs/strategies.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..communication import CommunicationOptions
+from ..ops import ReduceOp
+from ..values import DistributedValues, Mirrored, PerReplica
+from . import context
+from .replica import ReplicaContext, regroup, run_replicas, select_replica
+
+__all__ = ["Strategy", "StrategyExtended"]
+
+_CROSS_REPLICA_ONLY = ("Method requires being in cross-replica context, use "
+                       "get_replica_context().merge_call()")
+
+
+def _require_cross_replica(strategy: Strategy, what: str) -> None:
+    entry = context._current()
+    if entry.replica_context is not None and not getattr(entry.strategy, "_is_default", False):
+        raise RuntimeError(f"{what}: {_CROSS_REPLICA_ONLY}")
+
+
+class StrategyExtended:
+    """The lower-level API of a strategy (``strategy.extended``)."""
+
+    def __init__(self, strategy: Strategy, cross_device_ops: Any, devices: Sequence[str],
+                 num_workers: int, worker_index: int, is_chief: bool,
+                 options: CommunicationOptions | None = None) -> None:
+        self._strategy = strategy
+        self._cross_device_ops = cross_device_ops
+        self._devices = tuple(devices)
+        self._num_workers = num_workers
+        self._worker_index = worker_index
+        self._is_chief = is_chief
+        self._options = options
+
+    # -- facts
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """This rank's local devices, one per local replica."""
+        return self._devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where variables live: the local devices (mirrored on each)."""
+        return self._devices
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self._worker_index
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """True on the chief only (rank 0 of the strategy's communicator)."""
+        return self._is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        return self._is_chief
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        """True: each rank runs its own program (MPI's model)."""
+        return True
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        return False
+
+    @property
+    def cross_device_ops(self) -> Any:
+        """The :class:`~mpistrat.CrossDeviceOps` this strategy reduces with."""
+        return self._cross_device_ops
+
+    # -- reductions
+    def _with_options(self, options: Any) -> Any:
+        return self._options if options is None else options
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
+        """Reduce ``value`` (a PerReplica, Mirrored, or one array per rank) across every
+        replica of every rank onto ``destinations``; a :class:`Mirrored`.
+
+        A Mirrored value with MEAN is returned as it is (TF's rule). A plain array counts
+        as one value per rank (so ``reduce_to(SUM, 1.0, ...)`` on 2 ranks is 2.0).
+        """
+        _require_cross_replica(self._strategy, "reduce_to")
+        op = ReduceOp.parse(reduce_op)
+        if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
+            return value
+        return self._cross_device_ops.reduce(op, value, destinations,
+                                             options=self._with_options(options))
+
+    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
+                        options: CommunicationOptions | None = None) -> list[Any]:
+        """Reduce several values at once (one batched all-reduce when each destination is
+        its value's devices); results in the order of the pairs."""
+        _require_cross_replica(self._strategy, "batch_reduce_to")
+        return self._cross_device_ops.batch_reduce(ReduceOp.parse(reduce_op),
+                                                   value_destination_pairs,
+                                                   options=self._with_options(options))
+
+    def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: dict[str, Any] | None = None, group: bool = True) -> Any:
+        """Run ``fn(component, *args, **kwargs)`` on each local component of the
+        distributed variable ``var``, each call getting its replica's part of PerReplica
+        arguments; with ``group`` the results are regrouped (a PerReplica, or the value
+        itself when every component gave the same object), else a tuple."""
+        _require_cross_replica(self._strategy, "update")
+        from .variables import DistributedVariable
+
+        kwargs = dict(kwargs or {})
+        if isinstance(var, DistributedVariable):
+            results = var._update_components(fn, args, kwargs)
+        else:
+            results = [fn(var, *select_replica(0, tuple(args)), **select_replica(0, kwargs))]
+        if not group:
+            return tuple(results)
+        return regroup(results, self._devices[:len(results)])
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable ``value`` is a component of, else ``value`` itself."""
+        from .variables import DistributedVariable
+
+        owner = DistributedVariable._owner_of(value)
+        return owner if owner is not None else value
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.AbstractContextManager:
+        """Accepted for compatibility: variables always live on every local device."""
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({type(self._strategy).__name__}, "
+                f"{len(self._devices)} device(s) x {self._num_workers} worker(s))")
+
+
+class Strategy:
+    """Base class of every strategy (``tf.distribute.Strategy``)."""
+
+    _is_default = False
+
+    def __init__(self, extended: StrategyExtended, comm: Any) -> None:
+        self._extended = extended
+        self._comm = comm
+        self._scope_depth = 0
+
+    # -- facts
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas over all ranks: ``W * G``."""
+        return self._extended.num_workers * len(self._extended.worker_devices)
+
+    @property
+    def comm(self) -> Any:
+        """The MPI communicator whose ranks are this strategy's workers."""
+        return self._comm
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return getattr(self, "_cluster_resolver", None)
+
+    def _replica_ids(self) -> list[int]:
+        g = len(self._extended.worker_devices)
+        return [self._extended.worker_index * g + i for i in range(g)]
+
+    # -- scope
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Make this strategy current, in cross-replica context: variables created inside
+        become distributed (mirrored or sync-on-read).
+
+        Raises:
+            RuntimeError: another strategy's scope is open (mixing strategies), or this
+                is called inside ``run`` (replica context).
+        """
+        current = context._current()
+        if current.strategy is not self and not getattr(current.strategy, "_is_default", False):
+            raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {self!r} is "
+                               f"not {current.strategy!r}; leave the other strategy's scope "
+                               f"first")
+        if self._is_default and context.has_strategy():
+            raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
+        if current.strategy is self and current.replica_context is not None:
+            raise RuntimeError(f"scope(): {_CROSS_REPLICA_ONLY}")
+        with context._entered(self, None):
+            self._scope_depth += 1
+            try:
+                yield self
+            finally:
+                self._scope_depth -= 1
+
+    # -- running
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+            kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
+        """Call ``fn(*args, **kwargs)`` once per local replica, in a replica context.
+
+        Each replica gets its component of every PerReplica/Mirrored argument
+        (distributed variables and plain values are passed unchanged). Returns, per nest
+        position, the value itself when every replica returned the same object, else a
+        PerReplica; with one local replica, the value unwrapped.
+        """
+        _require_cross_replica(self, "run")
+        if not callable(fn):
+            raise TypeError(f"run() takes a function, got {type(fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"run() args must be a tuple or list, got {type(args).__name__}; "
+                            f"for one argument write args=(x,)")
+        results = run_replicas(self, fn, tuple(args), dict(kwargs or {}), self._replica_ids(),
+                               self._extended.worker_devices)
+        return regroup(results, self._extended.worker_devices)
+
+    def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+                            kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
+        """Old name of :meth:`run`."""
+        return self.run(fn, args, kwargs, options)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | Sequence[int] | None = None) -> Any:
+        """Reduce ``value`` across every replica of every rank; the result is a plain
+        array, the same on every rank.
+
+        With ``axis``, each replica first reduces along it: SUM sums; MEAN sums and counts
+        the examples, both summed across replicas, so the mean is over the actual number
+        of examples (replicas holding 4 and 2 examples average over 6).
+
+        Raises:
+            RuntimeError: called in replica context (use ``merge_call``).
+            ValueError: an unknown op, or ``axis`` out of range.
+            TypeError: ``axis`` is not an int (or a sequence of ints).
+        """
+        _require_cross_replica(self, "reduce")
+        op = ReduceOp.parse(reduce_op)
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise TypeError(f"Expected `reduce_op` to be a `tf.distribute.ReduceOp` SUM or "
+                            f"MEAN, not: {reduce_op!r}")
+        if axis is not None:
+            return self._reduce_along(op, value, axis)
+        reduced = self._extended.reduce_to(op, value, self._destinations_of(value))
+        return reduced.values[0] if isinstance(reduced, DistributedValues) else reduced
+
+    def _destinations_of(self, value: Any) -> Any:
+        if isinstance(value, DistributedValues):
+            return value
+        return PerReplica([np.asarray(value)])
+
+    def _reduce_along(self, op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
+        axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
+        for a in axes:
+            if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
+                raise TypeError(f"Expected `axis` to be an integer not: {axis!r}")
+        parts = list(value.values) if isinstance(value, DistributedValues) else [value]
+        parts = [np.asarray(p) for p in parts]
+        normalised = []
+        for a in axes:
+            ndim = parts[0].ndim
+            if not -ndim <= a < ndim:
+                raise ValueError(f"`axis` = {a!r} out of range for `value` with rank {ndim}")
+            normalised.append(int(a) % ndim)
+        axes = tuple(normalised)
+        sums = [np.sum(p, axis=axes) for p in parts]
+        devices = value.devices if isinstance(value, DistributedValues) else None
+        numer = PerReplica(sums, devices)
+        if op is ReduceOp.SUM:
+            total = self._extended.reduce_to(ReduceOp.SUM, numer, numer)
+            return total.values[0]
+        counts = [np.asarray(int(np.prod([p.shape[a] for a in axes])), dtype=np.int64)
+                  for p in parts]
+        denom = PerReplica(counts, devices)
+        total, count = self._extended.batch_reduce_to(ReduceOp.SUM,
+                                                      [(numer, numer), (denom, denom)])
+        result = total.values[0]
+        dtype = result.dtype if np.issubdtype(result.dtype, np.inexact) else np.float64
+        return (result / np.asarray(count.values[0]).astype(dtype)).astype(dtype)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """This rank's per-replica parts of ``value``, in local device order: the
+        components of a PerReplica/Mirrored or distributed variable; for a nest holding
+        such values, one nest per replica; a plain value: ``(value,)``."""
+        from .._nest import flatten
+        from .variables import DistributedVariable
+
+        if isinstance(value, (DistributedValues, DistributedVariable)):
+            return tuple(value.values)
+        if any(isinstance(leaf, DistributedValues) for leaf in flatten(value)):
+            count = len(self._extended.worker_devices)
+            return tuple(select_replica(i, value) for i in range(count))
+        return (value,)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate every replica's component of ``value`` along ``axis``, in global
+        replica order (cross-replica context); the same array on every rank."""
+        _require_cross_replica(self, "gather")
+        return self._gather(value, axis)
+
+    def _gather(self, value: Any, axis: int) -> Any:
+        parts = [np.asarray(p) for p in self.experimental_local_results(value)]
+        everyone = self._comm.allgather([(p.shape, p.dtype.str) for p in parts]) \
+            if self._extended.num_workers > 1 else [[(p.shape, p.dtype.str) for p in parts]]
+        dtypes = {d for rank in everyone for _, d in rank}
+        if len(dtypes) != 1:
+            raise ValueError(f"gather: replicas hold different dtypes {sorted(dtypes)}")
+        local = np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+        if self._extended.num_workers == 1:
+            return local
+        return np.concatenate(self._comm.allgather(local), axis=axis)
+
+    # -- input
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
+        """Split a dataset of *global* batches across workers and replicas; iterating
+        yields, per step, each replica's part (a PerReplica with G > 1 local replicas).
+        See docs/datasets.md for the sharding and splitting rules."""
+        from ..data import DistributedDataset
+
+        return DistributedDataset(dataset, **self._input_arguments(), options=options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                          options: Any = None) -> Any:
+        """Build each worker's (or, with ``InputReplicationMode.PER_REPLICA``, each
+        replica's) input by calling ``dataset_fn(input_context)``; it batches per
+        replica and shards itself."""
+        from ..data import DistributedDatasetsFromFunction
+
+        return DistributedDatasetsFromFunction(dataset_fn, **self._input_arguments(),
+                                               options=options)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                                       options: Any = None) -> Any:
+        """Old name of :meth:`distribute_datasets_from_function`."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> Any:
+        """A dataset of the slices of ``numpy_input`` (copied; lists of arrays stacked)."""
+        _require_cross_replica(self, "experimental_make_numpy_dataset")
+        from ..data import make_numpy_dataset
+
+        return make_numpy_dataset(numpy_input)
+
+    def _input_arguments(self) -> dict[str, Any]:
+        devices = self._extended.worker_devices
+
+        def wrap(parts: list[Any]) -> Any:
+            return parts[0] if len(parts) == 1 else PerReplica(parts, devices)
+
+        workers = self._extended.num_workers
+        return {"num_workers": workers, "worker_index": self._extended.worker_index,
+                "replicas_per_worker": len(devices), "wrap": wrap,
+                "agree_any": self._agree_any if workers > 1 else None,
+                "shuffle_seed": self._shuffle_seed()}
+
+    def _agree_any(self, flag: bool) -> bool:
+        from .._mpi import mpi
+
+        return bool(self._comm.allreduce(bool(flag), op=mpi().LOR))
+
+    def _shuffle_seed(self) -> int | None:
+        return None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.num_replicas_in_sync} replica(s): "
+                f"{self._extended.num_workers} worker(s) x "
+                f"{len(self._extended.worker_devices)} device(s))")
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy current outside any scope: one replica, no communication."""
+
+    _is_default = True
+
+    def __init__(self) -> None:
+        from .._mpi import mpi
+        from ..cross_device_ops import ReductionToOneDevice
+
+        # MPI starts only if a reduction needs the (one-rank) communicator
+        self._ops_factory = lambda: ReductionToOneDevice(comm=mpi().COMM_SELF)
+        super().__init__(_DefaultExtended(self), None)
+        self._default_replica_context = ReplicaContext(self, 0, 0)
+
+    @property
+    def comm(self) -> Any:
+        from .._mpi import mpi
+
+        return mpi().COMM_SELF
+
+
+class _DefaultExtended(StrategyExtended):
+    def __init__(self, strategy: _DefaultStrategy) -> None:
+        super().__init__(strategy, None, ("/cpu:0",), 1, 0, True)
+
+    @property
+    def cross_device_ops(self) -> Any:
+        if self._cross_device_ops is None:
+            self._cross_device_ops = self._strategy._ops_factory()
+        return self._cross_device_ops
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
+        op = ReduceOp.parse(reduce_op)
+        if not isinstance(value, DistributedValues):
+            return Mirrored([np.asarray(value)])
+        if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
+            return value
+        return self.cross_device_ops.reduce(op, value, destinations, options=options)
+
+    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
+                        options: CommunicationOptions | None = None) -> list[Any]:
+        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]

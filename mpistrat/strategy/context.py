@@ -1,0 +1,127 @@
+"""Which strategy is current, and whether code runs per replica or across replicas.
+
+TensorFlow's rules (``tf.distribute``): outside any scope the *default strategy* is
+current, in its default replica context (replica 0 of 1). ``with s.scope()`` makes ``s``
+current in cross-replica context; ``s.run(fn)`` calls ``fn`` in a replica context of
+``s``; a ``merge_call`` inside it runs its function in cross-replica context again. At any
+point exactly one of "a replica context is current" and "in cross-replica context" holds.
+
+The state is a stack per thread (replica threads start with their own replica context),
+under a process-wide base that :func:`experimental_set_strategy` replaces.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
+           "get_cross_replica_context", "experimental_set_strategy"]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    strategy: Any
+    replica_context: Any  # None: cross-replica context of ``strategy``
+
+
+_local = threading.local()
+_base: list[_Entry] = []  # experimental_set_strategy's entry, process-wide
+
+
+def _stack() -> list[_Entry]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _current() -> _Entry:
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    if _base:
+        return _base[-1]
+    default = _default_strategy()
+    return _Entry(default, default._default_replica_context)
+
+
+@contextmanager
+def _entered(strategy: Any, replica_context: Any) -> Iterator[None]:
+    """Push ``(strategy, replica_context)`` for the duration of a ``with`` block."""
+    stack = _stack()
+    stack.append(_Entry(strategy, replica_context))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _start_thread(strategy: Any, replica_context: Any) -> None:
+    """A replica thread's stack starts in its replica context."""
+    _local.stack = [_Entry(strategy, replica_context)]
+
+
+def get_strategy() -> Any:
+    """The current strategy: the innermost ``scope()``/``run`` one, else the one set by
+    :func:`experimental_set_strategy`, else the default (single-replica) strategy."""
+    return _current().strategy
+
+
+def has_strategy() -> bool:
+    """True when a strategy other than the default one is current."""
+    return not getattr(_current().strategy, "_is_default", False)
+
+
+def get_replica_context() -> Any:
+    """The current :class:`ReplicaContext`, or None in cross-replica context (inside a
+    ``scope()``, or inside a ``merge_call`` function). Outside any strategy: the default
+    strategy's replica context (replica 0 of 1)."""
+    return _current().replica_context
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's ``scope()`` (or a ``merge_call`` function), outside ``run``."""
+    return _current().replica_context is None
+
+
+def get_cross_replica_context() -> Any:
+    """The current strategy in cross-replica context, else None."""
+    entry = _current()
+    return entry.strategy if entry.replica_context is None else None
+
+
+def experimental_set_strategy(strategy: Any) -> None:
+    """Make ``strategy`` current for the whole process, like entering its ``scope()``
+    without a ``with`` block (None goes back to the default strategy).
+
+    Raises:
+        RuntimeError: called inside a ``scope()`` or ``run``: leave it first.
+    """
+    if _stack():
+        raise RuntimeError(
+            "experimental_set_strategy cannot be called inside a strategy's scope() or "
+            "run(); call it at the top level of the program"
+        )
+    from .base import Strategy
+
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"experimental_set_strategy takes a Strategy or None, got "
+                        f"{type(strategy).__name__}")
+    _base.clear()
+    if strategy is not None and not getattr(strategy, "_is_default", False):
+        _base.append(_Entry(strategy, None))
+
+
+_DEFAULT: list[Any] = []
+
+
+def _default_strategy() -> Any:
+    if not _DEFAULT:
+        from .base import _DefaultStrategy
+
+        _DEFAULT.append(_DefaultStrategy())
+    return _DEFAULT[0]

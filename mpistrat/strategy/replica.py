@@ -1,0 +1,267 @@
+"""Replica contexts and running a function once per local replica (``strategy.run``).
+
+With one local replica, ``fn`` runs in the calling thread. With ``G > 1`` replicas per
+rank, each replica runs in its own thread, as in TensorFlow's MirroredStrategy, but only
+one thread runs at a time: replica 0 runs until it finishes or reaches a
+``merge_call``, then replica 1, and so on. When every replica is waiting in a
+``merge_call``, the calling (main) thread regroups their arguments and runs the merge
+function once, in cross-replica context, then the replicas resume with their part of its
+result. So every MPI call — collectives inside ``merge_fn``, ``all_reduce`` — comes from the
+main thread, in the same order on every rank, whatever MPI thread level the library
+grants; and replicas that call ``merge_call`` a different number of times get an error
+instead of a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._nest import flatten, map_structure, pack_sequence_as
+from ..ops import ReduceOp
+from ..values import DistributedValues, PerReplica
+from . import context
+
+__all__ = ["ReplicaContext", "regroup", "select_replica", "run_replicas"]
+
+
+class ReplicaContext:
+    """What ``fn`` sees inside ``strategy.run`` (``tf.distribute.ReplicaContext``).
+
+    Attributes:
+        strategy: the strategy running this replica.
+        replica_id_in_sync_group: this replica's global id, ``rank * G + local index``.
+        num_replicas_in_sync: replicas over all ranks (``W * G``).
+    """
+
+    def __init__(self, strategy: Any, replica_id_in_sync_group: int, local_index: int = 0,
+                 merge: Callable[..., Any] | None = None) -> None:
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+        self._local_index = local_index
+        self._merge = merge
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """This replica's device (a one-element tuple)."""
+        devices = self._strategy.extended.worker_devices
+        return (devices[self._local_index],)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: Sequence[Any] = (),
+                   kwargs: dict[str, Any] | None = None) -> Any:
+        """Pause every replica, run ``merge_fn(strategy, *args, **kwargs)`` once in
+        cross-replica context with each argument regrouped across the local replicas
+        (the same object from every replica stays unwrapped, otherwise a
+        :class:`PerReplica`), and give each replica its component of the result.
+
+        Raises:
+            RuntimeError: replicas made different numbers of ``merge_call`` calls, or
+                ``merge_fn`` raised on another replica's behalf (the error propagates).
+        """
+        kwargs = dict(kwargs or {})
+        if self._merge is not None:
+            return self._merge(merge_fn, tuple(args), kwargs)
+        with context._entered(self._strategy, None):
+            return merge_fn(self._strategy, *args, **kwargs)
+
+    def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
+        """All-reduce ``value`` (any nest of arrays) across every replica of every rank.
+
+        Every replica must call it in the same order with the same structure, shapes and
+        dtypes (checked across ranks before any data moves). Returns the same nest, each
+        leaf the reduced array (identical on every replica).
+        """
+        op = ReduceOp.parse(reduce_op)
+        leaves = flatten(value)
+        if not leaves:
+            return value
+        devices = self._strategy.extended.worker_devices
+
+        def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+            values = [v if isinstance(v, DistributedValues) else PerReplica([v], devices[:1])
+                      for v in per_replica]
+            reduced = strategy.extended.batch_reduce_to(op, [(v, v) for v in values],
+                                                        options=options)
+            return tuple(PerReplica(m.values, m.devices) if len(m.values) > 1 else m.values[0]
+                         for m in reduced)
+
+        reduced = self.merge_call(merge_fn, args=tuple(leaves))
+        return pack_sequence_as(value, list(reduced))
+
+    def all_gather(self, value: Any, axis: int = 0, options: Any = None) -> Any:
+        """Concatenate every replica's ``value`` (a nest of arrays) along ``axis``, in
+        global replica order; every replica gets the whole result."""
+
+        def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+            return tuple(strategy._gather(v, axis) for v in per_replica)
+
+        leaves = flatten(value)
+        gathered = self.merge_call(merge_fn, args=tuple(leaves))
+        return pack_sequence_as(value, list(gathered))
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(replica {self._replica_id} of {self.num_replicas_in_sync}, "
+                f"{type(self._strategy).__name__})")
+
+
+def select_replica(index: int, structure: Any) -> Any:
+    """Replica ``index``'s part of ``structure``: the component of each PerReplica/Mirrored
+    leaf; distributed variables and plain values unchanged."""
+
+    def pick(leaf: Any) -> Any:
+        if isinstance(leaf, DistributedValues):
+            return leaf.values[index]
+        return leaf
+
+    return map_structure(pick, structure)
+
+
+def regroup(per_replica: list[Any], devices: Sequence[str]) -> Any:
+    """Combine one value per local replica, nest position by nest position: the same
+    object from every replica stays as it is, otherwise a :class:`PerReplica`.
+
+    With one replica the value comes back unwrapped (TF's rule).
+    """
+    if len(per_replica) == 1:
+        return per_replica[0]
+
+    def combine(*leaves: Any) -> Any:
+        first = leaves[0]
+        if all(leaf is first for leaf in leaves[1:]):
+            return first
+        return PerReplica(list(leaves), devices)
+
+    try:
+        return map_structure(combine, *per_replica)
+    except ValueError as exc:
+        raise ValueError(f"the replicas returned values of different structures: {exc}") \
+            from None
+
+
+class _Abort(BaseException):
+    """Unwinds a replica thread when another replica failed (never seen by users)."""
+
+
+class _Replica:
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.paused = threading.Event()
+        self.merge: tuple[Callable[..., Any], tuple, dict] | None = None
+        self.merged: Any = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.abort = False
+
+
+def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                 replica_ids: Sequence[int], devices: Sequence[str]) -> list[Any]:
+    """Run ``fn`` once per local replica, in lock-step (see the module docstring);
+    return each replica's result, in local order."""
+    count = len(replica_ids)
+    if count == 1:
+        ctx = ReplicaContext(strategy, replica_ids[0], 0)
+        with context._entered(strategy, ctx):
+            return [fn(*select_replica(0, args), **select_replica(0, kwargs))]
+
+    slots = [_Replica() for _ in range(count)]
+
+    def body(index: int) -> None:
+        slot = slots[index]
+
+        def merge(merge_fn: Callable[..., Any], margs: tuple, mkwargs: dict) -> Any:
+            slot.merge = (merge_fn, margs, mkwargs)
+            slot.paused.set()
+            slot.go.wait()
+            slot.go.clear()
+            if slot.abort:
+                raise _Abort()
+            return slot.merged
+
+        ctx = ReplicaContext(strategy, replica_ids[index], index, merge)
+        context._start_thread(strategy, ctx)
+        slot.go.wait()
+        slot.go.clear()
+        try:
+            if not slot.abort:
+                slot.result = fn(*select_replica(index, args), **select_replica(index, kwargs))
+        except _Abort:
+            pass
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
+            slot.error = exc
+        slot.done = True
+        slot.paused.set()
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True,
+                                name=f"mpistrat-replica-{replica_ids[i]}") for i in range(count)]
+    for thread in threads:
+        thread.start()
+
+    def step(slot: _Replica) -> None:
+        slot.paused.clear()
+        slot.go.set()
+        slot.paused.wait()
+
+    try:
+        for slot in slots:
+            step(slot)
+        while True:
+            failed = next((s.error for s in slots if s.error is not None), None)
+            if failed is not None:
+                raise failed
+            waiting = [s for s in slots if not s.done]
+            if not waiting:
+                return [s.result for s in slots]
+            if len(waiting) != count:
+                raise RuntimeError(
+                    f"some replicas made a different number of replica_context().merge_call() "
+                    f"calls: replicas {[i for i, s in enumerate(slots) if s.done]} finished "
+                    f"while {[i for i, s in enumerate(slots) if not s.done]} wait in a "
+                    f"merge_call (all_reduce and variable updates in replica context are "
+                    f"merge_calls); make every replica take the same path"
+                )
+            merge_fn = slots[0].merge[0]
+            margs = [regroup([s.merge[1][k] for s in slots], devices)
+                     for k in range(_same_length([s.merge[1] for s in slots]))]
+            keys = slots[0].merge[2].keys()
+            if any(s.merge[2].keys() != keys for s in slots):
+                raise RuntimeError("replicas passed different keyword arguments to merge_call")
+            mkwargs = {k: regroup([s.merge[2][k] for s in slots], devices) for k in keys}
+            with context._entered(strategy, None):
+                merged = merge_fn(strategy, *margs, **mkwargs)
+            for index, slot in enumerate(slots):
+                slot.merged = select_replica(index, merged)
+                slot.merge = None
+                step(slot)
+    except BaseException:
+        for slot in slots:
+            if not slot.done:
+                slot.abort = True
+                slot.go.set()
+        for thread in threads:
+            thread.join()
+        raise
+    finally:
+        for thread in threads:
+            thread.join()
+
+
+def _same_length(argument_lists: list[tuple]) -> int:
+    lengths = {len(a) for a in argument_lists}
+    if len(lengths) != 1:
+        raise RuntimeError(f"replicas passed different numbers of arguments to merge_call: "
+                           f"{sorted(lengths)}")
+    return lengths.pop()

@@ -1,0 +1,480 @@
+"""Variables: plain ones, and the distributed ones a strategy's ``scope()`` creates.
+
+``mpistrat.Variable(initial_value, ...)`` outside any strategy is a plain variable (one
+NumPy array with ``assign``/``assign_add``/``assign_sub``/``numpy``). Inside a strategy's
+scope it becomes, by ``synchronization``:
+
+* :class:`MirroredVariable` (ON_WRITE, AUTO) — one copy per local replica, identical on
+  every replica of every rank. In replica context an update is aggregated across all
+  replicas first (SUM, MEAN, or ONLY_FIRST_REPLICA: global replica 0's value), then
+  applied to every copy; with aggregation NONE an update in replica context is an error
+  (TensorFlow let the copies silently diverge). In cross-replica context an update
+  applies the given value to every local copy (no communication: give every rank the
+  same value).
+* :class:`SyncOnReadVariable` (ON_READ) — each replica updates its own copy without
+  communicating; reading in cross-replica context aggregates the copies of every rank
+  (SUM, MEAN, ONLY_FIRST_REPLICA), so such a read is collective.
+
+Creation is collective over the strategy's ranks: the initial value is broadcast from
+rank 0, so every replica starts identical even when ranks were seeded differently.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._agreement import agree
+from ..ops import ReduceOp
+from ..values import PerReplica
+from . import context
+
+__all__ = ["VariableSynchronization", "VariableAggregation", "Variable", "DistributedVariable",
+           "MirroredVariable", "SyncOnReadVariable"]
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable's copies are made consistent."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How per-replica updates (ON_WRITE) or reads (ON_READ) are combined."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+def _parse(enum_type: type[enum.Enum], value: Any, what: str) -> Any:
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str) and value.strip().upper() in enum_type.__members__:
+        return enum_type[value.strip().upper()]
+    raise ValueError(f"Invalid variable {what} mode: {value!r}; expected one of "
+                     f"{', '.join(f'{enum_type.__name__}.{m}' for m in enum_type.__members__)}")
+
+
+_names = itertools.count()
+
+
+class _VariableMeta(type):
+    """``Variable(...)`` inside a strategy's scope builds that strategy's distributed
+    variable instead of a plain one."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is Variable and context.has_strategy():
+            return _create_distributed(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class Variable(metaclass=_VariableMeta):
+    """A mutable array (``tf.Variable``); distributed inside a strategy's ``scope()``.
+
+    Args:
+        initial_value: an array-like, or a function returning one.
+        trainable: recorded for the user (there is no autodiff here).
+        name: a name (default ``Variable_<n>``).
+        dtype: cast the initial value to this dtype.
+        synchronization: ON_WRITE/AUTO (mirrored) or ON_READ (sync-on-read); NONE is an
+            error inside a strategy scope.
+        aggregation: NONE, SUM, MEAN or ONLY_FIRST_REPLICA.
+    """
+
+    def __init__(self, initial_value: Any = None, trainable: bool = True, name: str | None = None,
+                 dtype: Any = None, synchronization: Any = VariableSynchronization.AUTO,
+                 aggregation: Any = VariableAggregation.NONE, shape: Any = None) -> None:
+        self._value = _initial(initial_value, dtype)
+        self._init_common(name, trainable, synchronization, aggregation)
+
+    def _init_common(self, name: str | None, trainable: bool, synchronization: Any,
+                     aggregation: Any) -> None:
+        self._name = name if name is not None else f"Variable_{next(_names)}"
+        self._trainable = bool(trainable)
+        self._synchronization = _parse(VariableSynchronization, synchronization,
+                                       "synchronization")
+        self._aggregation = _parse(VariableAggregation, aggregation, "aggregation")
+
+    # -- facts
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._read_array().shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._read_array().dtype
+
+    # -- reading
+    def _read_array(self) -> np.ndarray:
+        return self._value
+
+    def numpy(self) -> np.ndarray:
+        """A copy of the current value."""
+        return np.array(self._read_array(), copy=True)
+
+    def read_value(self) -> np.ndarray:
+        return self.numpy()
+
+    def value(self) -> np.ndarray:
+        return self.numpy()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self._read_array()
+        if copy:
+            return np.array(array, dtype=dtype, copy=True)
+        view = array.view()
+        view.flags.writeable = False  # never modify a variable through np.asarray(v)
+        return view if dtype is None else view.astype(dtype, copy=False)
+
+    # -- writing
+    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
+               read_value: bool = True) -> Any:
+        self._set(self._value, value)
+        return self
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        self._set(self._value, self._value + _as_array(delta))
+        return self
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        self._set(self._value, self._value - _as_array(delta))
+        return self
+
+    def _set(self, target: np.ndarray, value: Any) -> None:
+        array = _as_array(value)
+        if array.shape != target.shape:
+            try:
+                array = np.broadcast_to(array, target.shape)
+            except ValueError:
+                raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
+                                 f"{self._name!r} of shape {target.shape}") from None
+        np.copyto(target, array, casting="unsafe")
+
+    # -- arithmetic reads the value
+    def __add__(self, other: Any) -> Any: return np.asarray(self) + other
+    def __radd__(self, other: Any) -> Any: return other + np.asarray(self)
+    def __sub__(self, other: Any) -> Any: return np.asarray(self) - other
+    def __rsub__(self, other: Any) -> Any: return other - np.asarray(self)
+    def __mul__(self, other: Any) -> Any: return np.asarray(self) * other
+    def __rmul__(self, other: Any) -> Any: return other * np.asarray(self)
+    def __truediv__(self, other: Any) -> Any: return np.asarray(self) / other
+    def __rtruediv__(self, other: Any) -> Any: return other / np.asarray(self)
+    def __matmul__(self, other: Any) -> Any: return np.asarray(self) @ other
+    def __rmatmul__(self, other: Any) -> Any: return other @ np.asarray(self)
+    def __neg__(self) -> Any: return -np.asarray(self)
+    def __getitem__(self, key: Any) -> Any: return np.asarray(self)[key]
+    def __len__(self) -> int: return len(np.asarray(self))
+    def __float__(self) -> float: return float(np.asarray(self))
+    def __int__(self) -> int: return int(np.asarray(self))
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
+                f"numpy={np.array2string(np.asarray(self._read_array()), threshold=6)}>")
+
+
+def _as_array(value: Any) -> np.ndarray:
+    return np.asarray(value.numpy() if isinstance(value, Variable) else value)
+
+
+def _initial(initial_value: Any, dtype: Any) -> np.ndarray:
+    if initial_value is None:
+        raise ValueError("initial_value must be given (an array-like or a function returning "
+                         "one)")
+    value = initial_value() if callable(initial_value) else initial_value
+    return np.array(_as_array(value), dtype=dtype, copy=True, order="C")
+
+
+class _Component:
+    """One local copy of a distributed variable, as ``extended.update`` hands it to ``fn``."""
+
+    def __init__(self, owner: DistributedVariable, index: int) -> None:
+        self._owner, self._index = owner, index
+
+    @property
+    def _array(self) -> np.ndarray:
+        return self._owner._components[self._index]
+
+    def numpy(self) -> np.ndarray:
+        return self._array.copy()
+
+    read_value = value = numpy
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return np.array(self._array, dtype=dtype, copy=True)
+
+    def assign(self, value: Any, *args: Any, **kwargs: Any) -> _Component:
+        self._owner._set(self._array, value)
+        return self
+
+    def assign_add(self, delta: Any, *args: Any, **kwargs: Any) -> _Component:
+        self._owner._set(self._array, self._array + _as_array(delta))
+        return self
+
+    def assign_sub(self, delta: Any, *args: Any, **kwargs: Any) -> _Component:
+        self._owner._set(self._array, self._array - _as_array(delta))
+        return self
+
+
+class DistributedVariable(Variable):
+    """A variable with one copy per local replica of a strategy."""
+
+    _registry: dict[int, weakref.ref] = {}
+
+    def __init__(self, strategy: Any, initial: np.ndarray, name: str | None, trainable: bool,
+                 synchronization: Any, aggregation: Any) -> None:
+        self._strategy = strategy
+        count = len(strategy.extended.worker_devices)
+        self._components = [initial] + [initial.copy() for _ in range(count - 1)]
+        self._init_common(name, trainable, synchronization, aggregation)
+        for component in self._components:
+            DistributedVariable._registry[id(component)] = weakref.ref(self)
+
+    @classmethod
+    def _owner_of(cls, value: Any) -> DistributedVariable | None:
+        ref = cls._registry.get(id(value))
+        owner = ref() if ref is not None else None
+        if owner is not None and any(c is value for c in owner._components):
+            return owner
+        return None
+
+    @property
+    def values(self) -> tuple[np.ndarray, ...]:
+        """The local copies, in device order."""
+        return tuple(self._components)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self._strategy.extended.worker_devices)
+
+    @property
+    def primary(self) -> np.ndarray:
+        return self._components[0]
+
+    @property
+    def distribute_strategy(self) -> Any:
+        return self._strategy
+
+    def _replica_index(self) -> int | None:
+        """This replica's local index inside ``run`` of our strategy, else None."""
+        entry = context._current()
+        if entry.replica_context is not None and entry.strategy is self._strategy:
+            return entry.replica_context._local_index
+        return None
+
+    def _read_array(self) -> np.ndarray:
+        index = self._replica_index()
+        return self._components[0 if index is None else index]
+
+    def _update_components(self, fn: Callable[..., Any], args: Any, kwargs: dict) -> list[Any]:
+        from .replica import select_replica
+
+        return [fn(_Component(self, i), *select_replica(i, tuple(args)),
+                   **select_replica(i, kwargs)) for i in range(len(self._components))]
+
+    def _set_all(self, value: Any) -> None:
+        for component in self._components:
+            self._set(component, value)
+
+    def _first_replica_value(self, value: Any) -> np.ndarray:
+        """Global replica 0's value (rank 0's first local replica), on every rank."""
+        local = np.array(_as_array(value.values[0] if isinstance(value, PerReplica) else value),
+                         dtype=self.dtype, copy=True, order="C")
+        comm = self._strategy.comm
+        if comm.Get_size() == 1:
+            return local
+        agree(comm, f"{self._name} {local.shape} {local.dtype.str}", None,
+              f"variable {self._name!r} ONLY_FIRST_REPLICA update",
+              hint="values of the variable's shape")
+        comm.Bcast(local.reshape(-1).view(np.uint8), root=0)
+        return local
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{d}: {np.array2string(c, threshold=6)}"
+                          for d, c in zip(self.devices, self._components))
+        return f"<{type(self).__name__} {self._name!r} shape={self.shape} {{{parts}}}>"
+
+
+class MirroredVariable(DistributedVariable):
+    """Identical copies on every replica; see the module docstring for update rules."""
+
+    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
+               read_value: bool = True) -> Any:
+        return self._update("assign", value)
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._update("assign_add", delta)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._update("assign_sub", delta)
+
+    def _update(self, kind: str, value: Any) -> Any:
+        ctx = context.get_replica_context()
+        if ctx is None or self._replica_index() is None:  # cross-replica context
+            if isinstance(value, PerReplica):
+                raise ValueError(
+                    f"{kind} of MirroredVariable {self._name!r} in cross-replica context got a "
+                    f"PerReplica value, which would make its copies differ; reduce it first "
+                    f"(strategy.reduce) or update inside strategy.run")
+            self._apply(kind, _as_array(value))
+            return self
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"You must specify an aggregation method to update a MirroredVariable in "
+                f"Replica Context: {kind} of {self._name!r} has aggregation NONE, and "
+                f"TensorFlow's later behaviour (each copy updated alone) would let the "
+                f"replicas diverge; create it with aggregation=VariableAggregation.SUM, MEAN "
+                f"or ONLY_FIRST_REPLICA")
+        ctx.merge_call(self._merge_update, args=(kind, value))
+        return self
+
+    def _merge_update(self, strategy: Any, kind: Any, value: Any) -> None:
+        kind = kind if isinstance(kind, str) else kind.values[0]
+        devices = self.devices
+        parts = list(value.values) if isinstance(value, PerReplica) else [value] * len(devices)
+        parts = [np.asarray(_as_array(p)) for p in parts]
+        aggregation = self._aggregation
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            reduced = self._first_replica_value(parts[0])
+        else:
+            op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+            if op is ReduceOp.MEAN and not np.issubdtype(self.dtype, np.inexact):
+                raise ValueError(
+                    f"Cannot update non-float variables with VariableAggregation.MEAN "
+                    f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
+                    f"SUM or ONLY_FIRST_REPLICA, or a float variable")
+            per_replica = PerReplica(parts, devices)
+            reduced = strategy.extended.reduce_to(op, per_replica, per_replica).values[0]
+        self._apply(kind, reduced)
+
+    def _apply(self, kind: str, value: np.ndarray) -> None:
+        if kind == "assign":
+            self._set_all(value)
+        else:
+            for component in self._components:
+                self._set(component, component + value if kind == "assign_add"
+                          else component - value)
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """Each replica updates its own copy; cross-replica reads aggregate (collectively)."""
+
+    def _read_array(self) -> np.ndarray:
+        index = self._replica_index()
+        if index is not None:
+            return self._components[index]
+        return self._aggregated()
+
+    def _aggregated(self) -> np.ndarray:
+        aggregation = self._aggregation
+        if aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"Could not convert from `tf.VariableAggregation` {aggregation} to "
+                f"`tf.distribute.ReduceOp` type: reading sync-on-read variable "
+                f"{self._name!r} in cross-replica context needs aggregation SUM, MEAN or "
+                f"ONLY_FIRST_REPLICA")
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._first_replica_value(self._components[0])
+        op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        per_replica = PerReplica(list(self._components), self.devices)
+        return self._strategy.extended.reduce_to(op, per_replica, per_replica).values[0]
+
+    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
+               read_value: bool = True) -> Any:
+        index = self._replica_index()
+        if index is not None:
+            self._set(self._components[index], value)
+        elif self._aggregation is VariableAggregation.SUM:
+            share = _as_array(value) / self._strategy.num_replicas_in_sync
+            self._set_all(share.astype(self.dtype))
+        else:
+            self._set_all(value)
+        return self
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._delta("assign_add", delta, +1)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._delta("assign_sub", delta, -1)
+
+    def _delta(self, kind: str, delta: Any, sign: int) -> Any:
+        index = self._replica_index()
+        targets = [index] if index is not None else range(len(self._components))
+        if index is None and self._aggregation is VariableAggregation.SUM:
+            raise ValueError(
+                f"SyncOnReadVariable does not support `{kind}` in cross-replica context when "
+                f"aggregation is set to `tf.VariableAggregation.SUM`: use assign, or "
+                f"{kind} inside strategy.run")
+        for i in targets:
+            component = self._components[i]
+            self._set(component, component + sign * _as_array(delta))
+        return self
+
+
+def _create_distributed(initial_value: Any = None, trainable: bool | None = None,
+                        name: str | None = None, dtype: Any = None,
+                        synchronization: Any = VariableSynchronization.AUTO,
+                        aggregation: Any = VariableAggregation.NONE, shape: Any = None) -> Any:
+    strategy = context.get_strategy()
+    if not context.in_cross_replica_context():
+        raise RuntimeError(
+            f"variables of {type(strategy).__name__} are created in its scope(), not inside "
+            f"strategy.run: create them before the training loop")
+    synchronization = _parse(VariableSynchronization, synchronization, "synchronization")
+    aggregation = _parse(VariableAggregation, aggregation, "aggregation")
+    if synchronization is VariableSynchronization.NONE:
+        raise ValueError(
+            "`NONE` variable synchronization mode is not supported with `Mirrored` "
+            "distribution strategy. Please change the `synchronization` for variable: "
+            f"{name or 'Variable'}")
+    comm = strategy.comm
+    signature = error = None
+    initial = None
+    try:
+        initial = _initial(initial_value, dtype)
+        signature = f"Variable {initial.shape} {initial.dtype.str} {synchronization.name} " \
+                    f"{aggregation.name}"
+    except (ValueError, TypeError) as exc:
+        error = exc
+    if comm is not None and comm.Get_size() > 1:
+        agree(comm, signature, error, "Variable creation",
+              hint="variables created in the same order with the same shapes and dtypes")
+        comm.Bcast(initial.reshape(-1).view(np.uint8), root=0)  # rank 0's value everywhere
+    elif error is not None:
+        raise error
+    cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ \
+        else MirroredVariable
+    if trainable is None:
+        trainable = synchronization is not VariableSynchronization.ON_READ
+    return cls(strategy, initial, name, trainable, synchronization, aggregation)
