@@ -203,8 +203,13 @@ def all_reduce(
 
     # combine the local replicas in replica order
     first = arrays[0]
+    source = None
     if inplace and replicas == 1:
         buf = backend.flat_view(first)
+    elif replicas == 1 and workers > 1 and backend.flat_view(first) is not None:
+        # one contiguous input: the algorithm reads it and writes a new buffer (no copy)
+        source = algorithms.Source.of(backend.flat_view(first))
+        buf = backend.xp.empty(first.size, dtype=first.dtype)
     else:
         buf = backend.flat_copy(first)
     for array in arrays[1:]:
@@ -213,7 +218,8 @@ def all_reduce(
     if workers > 1 and buf.size:
         counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
         algorithms.run(call.entry.alg, comm, buf, op=reduce_op, shards=call.entry.shards,
-                       backend=backend, rotation=counter.value, ranks_per_node=ranks_per_node)
+                       backend=backend, rotation=counter.value, ranks_per_node=ranks_per_node,
+                       source=source)
         counter.value += 1
     if reduce_op is ReduceOp.MEAN:
         buf = backend.divide(buf, workers * replicas)
