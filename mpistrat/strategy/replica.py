@@ -91,8 +91,7 @@ class ReplicaContext:
         devices = self._strategy.extended.worker_devices
 
         def merge_fn(strategy: Any, *per_replica: Any) -> Any:
-            values = [v if isinstance(v, DistributedValues) else PerReplica([v], devices[:1])
-                      for v in per_replica]
+            values = [_contributions(v, devices) for v in per_replica]
             reduced = strategy.extended.batch_reduce_to(op, [(v, v) for v in values],
                                                         options=options)
             return tuple(PerReplica(m.values, m.devices) if len(m.values) > 1 else m.values[0]
@@ -105,8 +104,11 @@ class ReplicaContext:
         """Concatenate every replica's ``value`` (a nest of arrays) along ``axis``, in
         global replica order; every replica gets the whole result."""
 
+        devices = self._strategy.extended.worker_devices
+
         def merge_fn(strategy: Any, *per_replica: Any) -> Any:
-            return tuple(strategy._gather(v, axis) for v in per_replica)
+            return tuple(strategy._gather(_contributions(v, devices), axis)
+                         for v in per_replica)
 
         leaves = flatten(value)
         gathered = self.merge_call(merge_fn, args=tuple(leaves))
@@ -115,6 +117,15 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica {self._replica_id} of {self.num_replicas_in_sync}, "
                 f"{type(self._strategy).__name__})")
+
+
+def _contributions(value: Any, devices: Sequence[str]) -> DistributedValues:
+    """One component per local replica. A leaf that ``merge_call`` left unwrapped is the
+    same object from every replica: each replica contributed it (as when they passed
+    equal but distinct objects). With one replica, ``merge_fn`` gets the value itself."""
+    if isinstance(value, DistributedValues):
+        return value
+    return PerReplica([value] * len(devices), devices)
 
 
 def select_replica(index: int, structure: Any) -> Any:
