@@ -196,15 +196,20 @@ class Strategy:
                 is called inside ``run`` (replica context).
         """
         current = context._current()
+        if self._is_default and context.has_strategy():
+            raise RuntimeError(f"Must not nest tf.distribute.Strategy scopes: the default "
+                               f"strategy's scope cannot be entered inside "
+                               f"{current.strategy!r}'s")
         if current.strategy is not self and not getattr(current.strategy, "_is_default", False):
             raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {self!r} is "
                                f"not {current.strategy!r}; leave the other strategy's scope "
                                f"first")
-        if self._is_default and context.has_strategy():
-            raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-        if current.strategy is self and current.replica_context is not None:
+        if current.strategy is self and current.replica_context is not None \
+                and not self._is_default:
             raise RuntimeError(f"scope(): {_CROSS_REPLICA_ONLY}")
-        with context._entered(self, None):
+        # TF's default scope keeps the default replica context current
+        replica_context = self._default_replica_context if self._is_default else None
+        with context._entered(self, replica_context):
             self._scope_depth += 1
             try:
                 yield self
@@ -227,8 +232,9 @@ class Strategy:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"run() args must be a tuple or list, got {type(args).__name__}; "
                             f"for one argument write args=(x,)")
-        results = run_replicas(self, fn, tuple(args), dict(kwargs or {}), self._replica_ids(),
-                               self._extended.worker_devices)
+        with self.scope():  # as in TF: run inside another strategy's scope is an error
+            results = run_replicas(self, fn, tuple(args), dict(kwargs or {}),
+                                   self._replica_ids(), self._extended.worker_devices)
         return regroup(results, self._extended.worker_devices)
 
     def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
