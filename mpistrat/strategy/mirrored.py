@@ -127,6 +127,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
                 raise ValueError(f"cross_device_ops must be a CrossDeviceOps (e.g. "
                                  f"MultiWorkerAllReduce(...)), got {cross_device_ops!r}")
+            if cross_device_ops is not None and not _same_comm(cross_device_ops.comm, comm):
+                raise TopologyError(
+                    f"cross_device_ops reduces over a communicator of "
+                    f"{cross_device_ops.comm.Get_size()} rank(s) that is not the strategy's "
+                    f"({comm.Get_size()} rank(s)); build it with comm=<the strategy's "
+                    f"communicator>")
             if gpus_per_rank:
                 _require_gpu_replicas(gpus_per_rank)
             if implementation is CommunicationImplementation.NCCL:
@@ -143,14 +149,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         info = resolve_cluster(cluster_resolver, comm)
         if cross_device_ops is None:
             cross_device_ops = _ring_ops(comm)
-        elif not _same_comm(cross_device_ops.comm, comm):
-            raise TopologyError(  # every rank passed the same kind of op: all raise here
-                f"cross_device_ops reduces over a communicator of {cross_device_ops.comm.Get_size()} "
-                f"rank(s) that is not the strategy's ({comm.Get_size()} rank(s)); build it "
-                f"with comm=<the strategy's communicator>")
         self._cluster_resolver = info.resolver
         self._cluster = info
-        self._communication = implementation
+        self._communication = (CommunicationImplementation.RING
+                               if implementation is CommunicationImplementation.AUTO
+                               else implementation)  # AUTO on host replicas: RING
         self._seed: int | None = None
         extended = StrategyExtended(self, cross_device_ops, devices, info.num_workers,
                                     info.worker_index, info.is_chief, communication_options)
