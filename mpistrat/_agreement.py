@@ -5,6 +5,9 @@ was asked to do) to one 24-byte ``Allreduce``. If some rank failed or the hashes
 the ranks exchange descriptions (error path only) and every rank raises: the rank whose
 arguments were bad raises its own error, the others a :class:`CollectiveMismatchError`
 naming each rank's call. So a mistake on one rank is an error everywhere, never a hang.
+
+A rank that never arrives is caught by the stall check of :mod:`mpistrat._stall` (when
+one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _stall
 from ._mpi import mpi
 from .errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -34,6 +38,8 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
         timeout: seconds to wait for the other ranks; past it, raise
             :class:`CollectiveTimeoutError` naming the ranks that have not arrived. Part
             of the agreed call: ranks that pass different timeouts get a mismatch error.
+            None: the process-wide stall check and timeout of :func:`mpistrat._stall.watch`
+            apply, if any.
     """
     MPI = mpi()
     code = 0
@@ -46,7 +52,11 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
     if timeout is None:
         # Non-blocking even without a timeout: blocking and non-blocking collectives do
         # not match each other in MPI, and ranks may disagree on the timeout.
-        comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
+        watch = _stall.current()
+        if watch is None:
+            comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
+        else:
+            watch.allreduce(comm, flags, what)
     else:
         notes = _allreduce_within(comm, flags, timeout, what)
     failed, high, negated_low = (int(x) for x in flags)

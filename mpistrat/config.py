@@ -9,6 +9,10 @@ Variables:
     MPISTRAT_RANKS_PER_NODE: group every k consecutive ranks of a physical node into a
         virtual node, so hierarchical algorithms run their cross-node stage on one
         machine (tests, experiments). Unset: node groups are the physical nodes.
+    MPISTRAT_STALL_CHECK: seconds after which ``mpistrat run`` reports the ranks that
+        have not arrived in a collective (default 60; 0 turns the check off).
+    MPISTRAT_COLLECTIVE_TIMEOUT: seconds after which ``mpistrat run`` gives up waiting
+        in a collective and aborts the job (default: never).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 __all__ = ["Settings"]
 
 RANKS_PER_NODE = "MPISTRAT_RANKS_PER_NODE"
+STALL_CHECK = "MPISTRAT_STALL_CHECK"
+COLLECTIVE_TIMEOUT = "MPISTRAT_COLLECTIVE_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -29,15 +35,21 @@ class Settings:
 
     Attributes:
         ranks_per_node: virtual node size (None: physical nodes).
+        stall_check: seconds before a stall report (None: unset; 0: off).
+        collective_timeout: seconds before a collective gives up (None: unset; 0: never).
     """
 
     ranks_per_node: int | None = None
+    stall_check: float | None = None
+    collective_timeout: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read the ``MPISTRAT_*`` variables of ``environ`` (default ``os.environ``)."""
         env = os.environ if environ is None else environ
-        return cls(ranks_per_node=_positive_int(env, RANKS_PER_NODE))
+        return cls(ranks_per_node=_positive_int(env, RANKS_PER_NODE),
+                   stall_check=_seconds(env, STALL_CHECK),
+                   collective_timeout=_seconds(env, COLLECTIVE_TIMEOUT))
 
 
 def _positive_int(env: Mapping[str, str], name: str) -> int | None:
@@ -52,6 +64,25 @@ def _positive_int(env: Mapping[str, str], name: str) -> int | None:
         warnings.warn(
             f"{name}={text!r} is not a positive integer; ignoring it (expected e.g. "
             f"{name}=2)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return value
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float | None:
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        warnings.warn(
+            f"{name}={text!r} is not a number of seconds >= 0; ignoring it (expected e.g. "
+            f"{name}=60, or 0 to turn it off)",
             RuntimeWarning,
             stacklevel=3,
         )
