@@ -31,7 +31,7 @@ import numpy as np
 
 from .._agreement import agree
 from ..ops import ReduceOp
-from ..values import PerReplica
+from ..values import Mirrored, PerReplica
 from . import context
 
 __all__ = ["VariableSynchronization", "VariableAggregation", "Variable", "DistributedVariable",
@@ -201,6 +201,8 @@ class Variable(metaclass=_VariableMeta):
 
 
 def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, Mirrored):  # e.g. a reduce_to result: every copy is the same
+        value = value.primary
     return np.asarray(value.numpy() if isinstance(value, Variable) else value)
 
 
@@ -259,6 +261,8 @@ class DistributedVariable(Variable):
 
     @classmethod
     def _owner_of(cls, value: Any) -> DistributedVariable | None:
+        if isinstance(value, _Component):
+            return value._owner
         ref = cls._registry.get(id(value))
         owner = ref() if ref is not None else None
         if owner is not None and any(c is value for c in owner._components):
@@ -277,6 +281,15 @@ class DistributedVariable(Variable):
     @property
     def primary(self) -> np.ndarray:
         return self._components[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Every copy's shape (reading it never communicates)."""
+        return tuple(self._components[0].shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._components[0].dtype
 
     @property
     def distribute_strategy(self) -> Any:
