@@ -11,6 +11,7 @@ import click
 from .. import __version__
 from .bench import bench
 from .info import info
+from .run import run
 from .validate import validate
 
 __all__ = ["cli", "main"]
@@ -34,6 +35,7 @@ def cli() -> None:
 cli.add_command(validate)
 cli.add_command(info)
 cli.add_command(bench)
+cli.add_command(run)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

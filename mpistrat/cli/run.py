@@ -1,0 +1,179 @@
+"""``mpistrat run``: run a training script on every rank. A thin layer over
+:mod:`mpistrat.runner`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..errors import MpistratError
+
+__all__ = ["run"]
+
+
+def _launcher_rank() -> int | None:
+    from ..launch.env import detect
+
+    return detect().rank
+
+
+class _SetupError(click.ClickException):
+    """A problem found before the script starts (exit status 2, like a usage error)."""
+
+    exit_code = 2
+
+    def format_message(self) -> str:
+        return self.message
+
+
+class RunCommand(click.Command):
+    """Options end at the script (or at ``-m MODULE``): what follows is the script's.
+    Every rank parses the same arguments, so only rank 0 prints an error."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _end_options_at_module(args))
+
+    @staticmethod
+    def _quiet(exc: click.ClickException) -> None:
+        if _launcher_rank() not in (None, 0):
+            raise click.exceptions.Exit(exc.exit_code) from None
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.ClickException as exc:
+            self._quiet(exc)
+            raise
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            self._quiet(exc)
+            raise
+
+
+def _end_options_at_module(args: list[str]) -> list[str]:
+    """``[..., -m, MOD, *rest]`` → ``[..., -m, MOD, --, *rest]``, so that ``rest`` goes
+    to the module as ``python -m`` would pass it (only before the script position)."""
+    takes_value = {"-n", "--np", "--mpiexec", "--spec", "--num-packs", "--communication",
+                   "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check"}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--" or not arg.startswith("-"):
+            return args
+        if arg in ("-m", "--module"):
+            return [*args[:i + 2], "--", *args[i + 2:]]
+        if arg.startswith("-m") and not arg.startswith("--"):  # -mpackage.module
+            return [*args[:i + 1], "--", *args[i + 1:]]
+        i += 2 if arg in takes_value else 1
+    return args
+
+
+_EPILOG = """\b
+Examples:
+  mpiexec -n 4 mpistrat run train.py --epochs 10
+  mpistrat run -n 2 train.py                      start mpiexec itself
+  mpistrat run -n 2 -m mypackage.train --lr 0.1
+  mpiexec -n 8 mpistrat run --spec @allreduce.spec --tag-output train.py
+  srun --mpi=pmi2 python -m mpistrat run --timeout 600 train.py
+"""
+
+
+def _settings() -> Any:
+    from ..config import Settings
+
+    return Settings.from_env()
+
+
+@click.command(cls=RunCommand, epilog=_EPILOG,
+               context_settings={"allow_interspersed_args": False})
+@click.option("-n", "--np", "np_", type=click.IntRange(min=1), metavar="N",
+              help="Start N ranks with the mpiexec that matches mpi4py (instead of "
+                   "mpiexec -n N mpistrat run ...).")
+@click.option("--mpiexec", metavar="PATH", help="With -n: the mpiexec to use.")
+@click.option("-m", "--module", metavar="MODULE",
+              help="Run a module as __main__ (like python -m); arguments after it are the "
+                   "module's.")
+@click.option("--spec", metavar="SPEC|@FILE",
+              help="All-reduce spec of the default strategy's MultiWorkerAllReduce, e.g. "
+                   "'rechd:64K:xring', or @FILE (a spec saved by mpistrat bench --save).")
+@click.option("--num-packs", type=click.IntRange(min=0), metavar="K",
+              help="num_packs of that MultiWorkerAllReduce (0: no packing).")
+@click.option("--communication", type=click.Choice(["auto", "ring", "nccl"],
+                                                   case_sensitive=False),
+              default="auto", show_default=True,
+              help="The default strategy's CollectiveCommunication.")
+@click.option("--local-replicas", type=click.IntRange(min=1), metavar="K",
+              help="CPU replicas per rank (default MPISTRAT_LOCAL_REPLICAS or 1).")
+@click.option("--gpus-per-rank", type=click.IntRange(min=1), metavar="G",
+              help="GPU replicas per rank (needs CuPy).")
+@click.option("--tag-output", is_flag=True, help="Prefix every output line with [rank].")
+@click.option("--quiet-ranks", is_flag=True,
+              help="Show only rank 0's output (failure reports are always shown).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Abort the job when a rank waits longer than this in a collective "
+                   "[default: MPISTRAT_COLLECTIVE_TIMEOUT, else never].")
+@click.option("--stall-check", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Report the ranks missing from a collective after this long; 0: off "
+                   "[default: MPISTRAT_STALL_CHECK, else 60].")
+@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
+@click.pass_context
+def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
+        gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, script_and_args):
+    """Run a Python training script on every rank, as __main__, inside a default
+    MultiWorkerMirroredStrategy (mpistrat.get_strategy() returns it).
+
+    An uncaught exception or a non-zero sys.exit on any rank prints that rank's
+    traceback, tagged with its rank, once, and ends the whole job with a non-zero
+    status. Ranks missing from a collective are named after --stall-check seconds.
+    """
+    from ..runner import RunOptions, RunSetupError
+
+    args = list(script_and_args)
+    if module is None:
+        if not args:
+            raise click.UsageError("give the script to run: mpistrat run [OPTIONS] SCRIPT "
+                                   "[ARGS]... (or -m MODULE [ARGS]...)")
+        target, args = args[0], args[1:]
+    else:
+        target = module
+    if args[:1] == ["--"]:
+        args = args[1:]
+    settings = _settings()
+    if timeout is None and settings.collective_timeout:
+        timeout = settings.collective_timeout
+    if stall_check is None:
+        stall_check = 60.0 if settings.stall_check is None else settings.stall_check
+    try:
+        options = RunOptions(
+            target=target, args=tuple(args), module=module is not None, spec=spec,
+            num_packs=num_packs, communication=communication.lower(),
+            local_replicas=local_replicas, gpus_per_rank=gpus_per_rank,
+            tag_output=tag_output, quiet_ranks=quiet_ranks, timeout=timeout,
+            stall_check=stall_check)
+    except MpistratError as exc:  # the spec
+        raise click.UsageError(f"--spec {spec}: {exc}") from None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if mpiexec is not None and np_ is None:
+        raise click.UsageError("--mpiexec goes with -n N (mpistrat run starts mpiexec only "
+                               "with -n)")
+    try:
+        if np_ is not None:
+            from ..runner import launch_command, self_launch
+            from ..runner.execute import check_target
+
+            problem = check_target(options)  # the ranks check again, on their nodes
+            if problem is not None:
+                raise _SetupError(f"mpistrat run: {problem}")
+            ctx.exit(self_launch(launch_command(options, np_, mpiexec)))
+        from ..runner import run as run_job
+
+        ctx.exit(run_job(options))
+    except RunSetupError as exc:
+        raise _SetupError(str(exc)) from None
+    except MpistratError as exc:
+        raise _SetupError(f"mpistrat run: {exc}") from None

@@ -1,0 +1,151 @@
+"""How the ranks of ``mpistrat run`` end: together, with every failure shown once.
+
+Each rank turns the end of its script into an :class:`Outcome` (an exit status and, on
+failure, the text to show: the traceback, or the non-zero ``sys.exit`` status), then
+calls :func:`finish`. There the ranks meet in one non-blocking ``Iallreduce`` of their
+statuses on a private communicator:
+
+* every rank arrives (all succeeded, or the ranks failed together, e.g. the same bug on
+  every rank): rank 0 prints each distinct report once, tagged with the ranks it came
+  from (``[0-3] Traceback ...``), and every rank exits with the highest status;
+* a failed rank whose peers do not arrive within ``grace`` seconds (they wait in a
+  collective for it, or still compute) prints its own report tagged with its rank,
+  flushes, and calls ``MPI_Abort`` with its status: the launcher then ends every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._mpi import mpi
+from ..errors import MpistratError
+
+__all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
+
+FAILURE_GRACE = 1.0  # seconds a failed rank waits for the others to end too
+_DELIVERY = 0.25  # seconds between the last report and MPI_Abort
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_HIDDEN = (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(runpy.__file__))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one rank's script ended.
+
+    Attributes:
+        status: the exit status (0: success).
+        report: what to show for a failure (a traceback, a message), None on success.
+    """
+
+    status: int
+    report: str | None = None
+
+
+def outcome_of(exc: BaseException | None, target: str) -> Outcome:
+    """The outcome of a script that raised ``exc`` (None: it returned).
+
+    ``SystemExit`` follows Python's rules: no code or 0 is success, an integer is the
+    status, anything else is printed and gives status 1. ``KeyboardInterrupt`` gives
+    130 (128 + SIGINT), as a shell reports a Ctrl-C.
+    """
+    if exc is None:
+        return Outcome(0)
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None or code == 0:
+            return Outcome(0)
+        if isinstance(code, int) and not isinstance(code, bool):
+            status = code & 0xFF or 1
+            return Outcome(status, f"mpistrat run: {target} exited with status {code}")
+        return Outcome(1, str(code))
+    status = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    return Outcome(status, format_exception(exc))
+
+
+def format_exception(exc: BaseException) -> str:
+    """The traceback as Python prints it, without the runner's and runpy's frames; for
+    mpistrat's own errors (whose messages say what went wrong and how to fix it), also
+    without the frames inside mpistrat below the script's call."""
+    tb = exc.__traceback__
+    while tb is not None and _hidden(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    frames = traceback.extract_tb(tb)
+    if isinstance(exc, MpistratError):
+        while len(frames) > 1 and _inside_mpistrat(frames[-1].filename):
+            frames.pop()
+    lines = ["Traceback (most recent call last):\n"] if frames else []
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(exc), exc)
+    context = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if context is None:
+        return "".join(lines)
+    link = ("The above exception was the direct cause of the following exception:"
+            if exc.__cause__ is not None else
+            "During handling of the above exception, another exception occurred:")
+    return f"{format_exception(context)}\n{link}\n\n{''.join(lines)}"
+
+
+def _inside_mpistrat(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE)
+
+
+def _hidden(filename: str) -> bool:
+    return filename == "<frozen runpy>" or os.path.abspath(filename).startswith(_HIDDEN)
+
+
+def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRACE) -> int:
+    """End this rank's part of the job (see the module docstring); every rank calls it once.
+
+    Args:
+        done: a private communicator spanning the job (a ``Dup`` of ``COMM_WORLD``).
+        outcome: how this rank's script ended.
+        output: the rank's :class:`~mpistrat.runner.output.RankOutput` (reports go to
+            its real ``stderr``).
+        grace: seconds a failed rank waits for the others before aborting the job.
+
+    Returns:
+        The job's exit status: the highest status of any rank. Does not return when a
+        failed rank aborts the job.
+    """
+    MPI = mpi()
+    if done.Get_size() == 1:
+        if outcome.report is not None:
+            output.report(outcome.report)
+        return outcome.status
+    output.flush()
+    status = np.array([outcome.status], dtype=np.int64)
+    request = done.Iallreduce(MPI.IN_PLACE, status, op=MPI.MAX)
+    deadline = time.monotonic() + grace if outcome.status else None
+    pause = 1e-4
+    while not request.Test():
+        if deadline is not None and time.monotonic() >= deadline:
+            if outcome.report is not None:
+                output.report(outcome.report)
+            output.flush()
+            time.sleep(_DELIVERY)  # let the launcher forward the report before the abort
+            MPI.COMM_WORLD.Abort(outcome.status)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    reports = done.gather(outcome.report if outcome.status else None, root=0)
+    if done.Get_rank() == 0:
+        for text, ranks in _grouped(reports):
+            output.report(text, ranks)
+    output.flush()
+    return int(status[0])
+
+
+def _grouped(reports: Sequence[str | None]) -> list[tuple[str, list[int]]]:
+    """Identical reports merged, in the order of their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in enumerate(reports):
+        if text is not None:
+            groups.setdefault(text, []).append(rank)
+    return list(groups.items())

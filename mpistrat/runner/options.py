@@ -1,0 +1,98 @@
+"""The options of ``mpistrat run``, validated once into a frozen record (no MPI needed)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunOptions", "COMMUNICATIONS", "DEFAULT_STALL_CHECK"]
+
+COMMUNICATIONS = ("auto", "ring", "nccl")
+DEFAULT_STALL_CHECK = 60.0
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``mpistrat run`` was asked to do on every rank.
+
+    Attributes:
+        target: the script's path, or the module's name when ``module``.
+        args: the script's arguments (``sys.argv[1:]`` inside it).
+        module: run ``target`` as a module (``-m``), like ``python -m``.
+        spec: the all-reduce spec text (a spec or ``@FILE``) of the default strategy's
+            :class:`~mpistrat.MultiWorkerAllReduce`; None: the strategy's default.
+        num_packs: that op's ``num_packs``; None: the strategy's default.
+        communication: ``auto``, ``ring`` or ``nccl``.
+        local_replicas: CPU replicas per rank (None: the strategy's default).
+        gpus_per_rank: GPU replicas per rank (None: CPU replicas).
+        tag_output: prefix every line a rank prints with ``[rank] ``.
+        quiet_ranks: only rank 0's output is shown (failure reports always are).
+        timeout: seconds a rank waits in a collective before the job aborts (None: never).
+        stall_check: seconds before ranks missing from a collective are reported (0: off).
+    """
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    spec: str | None = None
+    num_packs: int | None = None
+    communication: str = "auto"
+    local_replicas: int | None = None
+    gpus_per_rank: int | None = None
+    tag_output: bool = False
+    quiet_ranks: bool = False
+    timeout: float | None = None
+    stall_check: float = DEFAULT_STALL_CHECK
+    parsed_spec: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target.strip():
+            raise ValueError("give the script to run (mpistrat run script.py [args]) or a "
+                             "module (mpistrat run -m package.module [args])")
+        object.__setattr__(self, "args", tuple(self.args))
+        if self.communication not in COMMUNICATIONS:
+            raise ValueError(f"--communication must be one of {', '.join(COMMUNICATIONS)}, "
+                             f"got {self.communication!r}")
+        for name, value, least in (("--num-packs", self.num_packs, 0),
+                                   ("--local-replicas", self.local_replicas, 1),
+                                   ("--gpus-per-rank", self.gpus_per_rank, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.local_replicas is not None and self.gpus_per_rank is not None:
+            raise ValueError(f"--local-replicas {self.local_replicas} (CPU replicas) and "
+                             f"--gpus-per-rank {self.gpus_per_rank} (GPU replicas) exclude "
+                             f"each other; give one")
+        if self.timeout is not None and not 0 < self.timeout < math.inf:
+            raise ValueError(f"--timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if not 0 <= self.stall_check < math.inf:
+            raise ValueError(f"--stall-check must be a number of seconds >= 0 (0: off), got "
+                             f"{self.stall_check!r}")
+        if self.spec is not None and self.parsed_spec is None:
+            from ..bench.recommend import resolve_spec
+
+            object.__setattr__(self, "parsed_spec", resolve_spec(self.spec))
+
+    def command_line(self) -> list[str]:
+        """The ``mpistrat run`` arguments that give these options (for self-launching)."""
+        argv: list[str] = []
+        if self.spec is not None:
+            argv += ["--spec", self.spec]
+        if self.num_packs is not None:
+            argv += ["--num-packs", str(self.num_packs)]
+        if self.communication != "auto":
+            argv += ["--communication", self.communication]
+        if self.local_replicas is not None:
+            argv += ["--local-replicas", str(self.local_replicas)]
+        if self.gpus_per_rank is not None:
+            argv += ["--gpus-per-rank", str(self.gpus_per_rank)]
+        if self.tag_output:
+            argv.append("--tag-output")
+        if self.quiet_ranks:
+            argv.append("--quiet-ranks")
+        if self.timeout is not None:
+            argv += ["--timeout", repr(self.timeout)]
+        argv += ["--stall-check", repr(self.stall_check)]
+        argv += ["-m", self.target] if self.module else [self.target]
+        return argv + list(self.args)

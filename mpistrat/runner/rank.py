@@ -1,0 +1,94 @@
+"""What every rank does under ``mpistrat run``: check, set up, run the script, end together."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .. import _stall
+from .._mpi import mpi
+from ..errors import MpistratError
+from ..launch.env import detect
+from .execute import check_target, default_strategy, run_target, set_default_strategy
+from .failure import Outcome, finish, outcome_of
+from .options import RunOptions
+from .output import RankOutput
+
+__all__ = ["run", "RunSetupError"]
+
+
+class RunSetupError(MpistratError, RuntimeError):
+    """``mpistrat run`` cannot start the script: a missing script, an MPI launcher that
+    does not match mpi4py's library, ``-n`` under a launcher. Raised on every rank."""
+
+
+def run(options: RunOptions, *,
+        strategy_factory: Callable[[RunOptions], Any] | None = default_strategy,
+        set_strategy: Callable[[Any], None] = set_default_strategy,
+        env: Mapping[str, str] | None = None) -> int:
+    """Run ``options.target`` on this rank; every rank of ``COMM_WORLD`` calls it.
+
+    Args:
+        options: what to run and how.
+        strategy_factory: builds the default strategy from the options (collective);
+            None runs the script without one.
+        set_strategy: makes a strategy current process-wide (None: back to the default).
+        env: the environment, for launcher detection (default ``os.environ``).
+
+    Returns:
+        The job's exit status, the same on every rank (the highest of any rank). When a
+        rank fails while the others still run, it aborts the job instead of returning.
+
+    Raises:
+        RunSetupError: on every rank, before the script starts (see the class).
+    """
+    world = mpi().COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    mismatch = detect(env).mismatch(size)
+    if mismatch is not None:
+        raise RunSetupError(f"mpistrat run: {mismatch}; or let 'mpistrat run -n N ...' start "
+                            f"the matching mpiexec")
+    problems = world.allgather(check_target(options))
+    bad = {text: [r for r, t in enumerate(problems) if t == text] for text in problems if text}
+    if bad:
+        text, ranks = next(iter(bad.items()))
+        where = "" if len(ranks) == size else f" (on rank(s) {ranks} of {size})"
+        raise RunSetupError(f"mpistrat run: {text}{where}")
+    done = world.Dup()
+    try:
+        output = RankOutput(rank, size, tag=options.tag_output,
+                            quiet=options.quiet_ranks and rank != 0)
+        with output:
+            _stall.watch(options.stall_check or None, options.timeout, report=output.report)
+            try:
+                outcome = _run_script(options, strategy_factory, set_strategy)
+                return finish(done, outcome, output)
+            finally:
+                _stall.unwatch()
+    finally:
+        done.Free()
+
+
+def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], Any] | None,
+                set_strategy: Callable[[Any], None]) -> Outcome:
+    strategy = None
+    if strategy_factory is not None:
+        try:
+            strategy = strategy_factory(options)
+        except Exception as exc:  # noqa: BLE001 - reported like the script's own failures
+            return Outcome(1, "mpistrat run: could not create the default strategy from the "
+                              "options: " + "".join(traceback.format_exception_only(exc)))
+    try:
+        if strategy is not None:
+            set_strategy(strategy)
+        run_target(options)
+    except BaseException as exc:  # noqa: BLE001 - every way a script can end is reported
+        return outcome_of(exc, options.target)
+    finally:
+        if strategy is not None:
+            try:
+                set_strategy(None)
+            except RuntimeError:
+                pass  # the script left a scope() open; the process ends anyway
+    return Outcome(0)
