@@ -28,6 +28,27 @@ _CROSS_REPLICA_ONLY = ("Method requires being in cross-replica context, use "
                        "get_replica_context().merge_call()")
 
 
+def _as_values(value: Any) -> Any:
+    """A distributed variable as the DistributedValues of (copies of) its local copies,
+    as TF treats it in reductions: a MirroredVariable is Mirrored, a SyncOnReadVariable
+    PerReplica. Anything else unchanged."""
+    from .variables import DistributedVariable, MirroredVariable
+
+    if not isinstance(value, DistributedVariable):
+        return value
+    kind = Mirrored if isinstance(value, MirroredVariable) else PerReplica
+    return kind([c.copy() for c in value.values], value.devices)
+
+
+def _as_destinations(destinations: Any) -> Any:
+    """A distributed variable as destinations means its devices (TF's optimizers pass
+    ``(gradient, variable)`` pairs)."""
+    from .variables import DistributedVariable
+
+    return list(destinations.devices) if isinstance(destinations, DistributedVariable) \
+        else destinations
+
+
 def _require_cross_replica(strategy: Strategy, what: str) -> None:
     entry = context._current()
     if entry.replica_context is not None and not getattr(entry.strategy, "_is_default", False):
@@ -104,9 +125,10 @@ class StrategyExtended:
         """
         _require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.parse(reduce_op)
+        value = _as_values(value)
         if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
             return value
-        return self._cross_device_ops.reduce(op, value, destinations,
+        return self._cross_device_ops.reduce(op, value, _as_destinations(destinations),
                                              options=self._with_options(options))
 
     def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
@@ -114,6 +136,11 @@ class StrategyExtended:
         """Reduce several values at once (one batched all-reduce when each destination is
         its value's devices); results in the order of the pairs."""
         _require_cross_replica(self._strategy, "batch_reduce_to")
+        if isinstance(value_destination_pairs, (list, tuple)):
+            value_destination_pairs = [
+                (_as_values(pair[0]), *map(_as_destinations, pair[1:]))
+                if isinstance(pair, tuple) else pair
+                for pair in value_destination_pairs]
         return self._cross_device_ops.batch_reduce(ReduceOp.parse(reduce_op),
                                                    value_destination_pairs,
                                                    options=self._with_options(options))
@@ -257,6 +284,7 @@ class Strategy:
         """
         _require_cross_replica(self, "reduce")
         op = ReduceOp.parse(reduce_op)
+        value = _as_values(value)
         if op not in (ReduceOp.SUM, ReduceOp.MEAN):
             raise TypeError(f"Expected `reduce_op` to be a `tf.distribute.ReduceOp` SUM or "
                             f"MEAN, not: {reduce_op!r}")

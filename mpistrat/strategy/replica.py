@@ -122,7 +122,14 @@ class ReplicaContext:
 def _contributions(value: Any, devices: Sequence[str]) -> DistributedValues:
     """One component per local replica. A leaf that ``merge_call`` left unwrapped is the
     same object from every replica: each replica contributed it (as when they passed
-    equal but distinct objects). With one replica, ``merge_fn`` gets the value itself."""
+    equal but distinct objects). With one replica, ``merge_fn`` gets the value itself.
+    A variable contributes each replica's copy (a copy of it: results never alias it)."""
+    from .variables import DistributedVariable, Variable
+
+    if isinstance(value, DistributedVariable):
+        return PerReplica([c.copy() for c in value.values], value.devices)
+    if isinstance(value, Variable):
+        value = value.numpy()
     if isinstance(value, DistributedValues):
         return value
     return PerReplica([value] * len(devices), devices)
