@@ -328,3 +328,43 @@ def test_numpy_interop(world):
     assert (v @ np.ones(2)).tolist() == [1.0, 5.0] and len(v) == 2
     assert np.sum(v) == 6.0 and v[1, 1] == 3.0
     assert "MirroredVariable" in repr(v)
+
+
+# --- variables in reductions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("g", GS)
+def test_variables_in_reductions(world, g):
+    """TF treats a distributed variable as a DistributedValues: reduce and all_reduce read
+    its copies; ``(gradient, variable)`` pairs reduce onto the variable's devices."""
+    s = strategy_for(world, g)
+    n = world.size * g
+    with s.scope():
+        weights = ms.Variable(np.array([1.0, 2.0]), aggregation="mean")
+        metric = ms.Variable(0.0, synchronization="on_read", aggregation="sum")
+    s.run(lambda: metric.assign_add(1.0 + ms.get_replica_context().replica_id_in_sync_group))
+    assert s.reduce("sum", metric) == n * (n + 1) / 2
+    assert s.reduce("sum", weights).tolist() == [n * 1.0, n * 2.0]
+    mean = s.reduce("mean", weights)  # a mirrored value's MEAN is itself ...
+    mean[0] = -1.0  # ... but never the variable's storage
+    assert weights.numpy().tolist() == [1.0, 2.0]
+    grads = PerReplica([np.full(2, world.rank * g + i, np.float64) for i in range(g)],
+                       default_devices(g))
+    on_weights, on_metric = s.extended.batch_reduce_to(
+        "mean", [(grads, weights), (PerReplica([np.float64(1.0)] * g, default_devices(g)),
+                                    metric)])
+    assert on_weights.devices == weights.devices
+    np.testing.assert_allclose(on_weights.values[-1], [(n - 1) / 2] * 2)
+    assert on_metric.values[0] == 1.0
+    np.testing.assert_allclose(s.extended.reduce_to("sum", grads, weights).values[0],
+                               [n * (n - 1) / 2] * 2)
+
+    def step():
+        ctx = ms.get_replica_context()
+        return ctx.all_reduce("sum", {"w": weights, "m": metric})
+
+    out = s.run(step)
+    for i in range(g):
+        pick = (lambda x: x.values[i]) if g > 1 else (lambda x: x)
+        assert pick(out["w"]).tolist() == [n * 1.0, n * 2.0]
+        assert pick(out["m"]) == n * (n + 1) / 2  # each replica's own copy
