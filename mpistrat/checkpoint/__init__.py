@@ -1,0 +1,24 @@
+"""Checkpoints that survive a killed or preempted job: written by the chief only,
+atomically, and restored identically on every rank.
+
+* :class:`Checkpoint` — named state (variables, arrays, :class:`Scalar` counters, random
+  generators): ``save``/``write`` and ``restore``;
+* :class:`CheckpointManager`, :func:`latest_checkpoint` — numbered checkpoints in a
+  directory, the newest complete one found on restart;
+* :class:`PreemptionCheckpointHandler` — save and stop together when Slurm (or anyone)
+  signals that the job must end.
+
+On disk a checkpoint ``PATH`` is ``PATH.npz`` (NumPy arrays) and ``PATH.json`` (a manifest
+with the data's SHA-256); see :mod:`mpistrat.checkpoint._files` for the guarantees.
+"""
+
+from __future__ import annotations
+
+from ._files import CheckpointCorruptError, CheckpointNotFoundError
+from .checkpoint import Checkpoint, Scalar
+from .manager import CheckpointManager, latest_checkpoint
+from .preemption import PREEMPTION_EXIT_STATUS, PreemptionCheckpointHandler
+
+__all__ = ["Checkpoint", "Scalar", "CheckpointManager", "latest_checkpoint",
+           "PreemptionCheckpointHandler", "PREEMPTION_EXIT_STATUS",
+           "CheckpointNotFoundError", "CheckpointCorruptError"]
