@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._agreement import agree
 from ..communication import CommunicationOptions
 from ..ops import ReduceOp
 from ..values import DistributedValues, Mirrored, PerReplica
@@ -305,13 +306,24 @@ class Strategy:
                 raise TypeError(f"Expected `axis` to be an integer not: {axis!r}")
         parts = list(value.values) if isinstance(value, DistributedValues) else [value]
         parts = [np.asarray(p) for p in parts]
-        normalised = []
-        for a in axes:
-            ndim = parts[0].ndim
-            if not -ndim <= a < ndim:
-                raise ValueError(f"`axis` = {a!r} out of range for `value` with rank {ndim}")
-            normalised.append(int(a) % ndim)
-        axes = tuple(normalised)
+        signature = error = None
+        try:  # the rank of the values is data: agree on it, so every rank raises alike
+            normalised = []
+            for a in axes:
+                ndim = parts[0].ndim
+                if not -ndim <= a < ndim:
+                    raise ValueError(f"`axis` = {a!r} out of range for `value` with rank "
+                                     f"{ndim}")
+                normalised.append(int(a) % ndim)
+            axes = tuple(normalised)
+            signature = f"reduce {op.name} along {axes} of rank {parts[0].ndim}"
+        except ValueError as exc:
+            error = exc
+        if self._extended.num_workers > 1:
+            agree(self._comm, signature, error, "Strategy.reduce",
+                  hint="values of the same rank (number of dimensions) and the same axis")
+        elif error is not None:
+            raise error
         sums = [np.sum(p, axis=axes) for p in parts]
         devices = value.devices if isinstance(value, DistributedValues) else None
         numer = PerReplica(sums, devices)
@@ -354,6 +366,12 @@ class Strategy:
         dtypes = {d for rank in everyone for _, d in rank}
         if len(dtypes) != 1:
             raise ValueError(f"gather: replicas hold different dtypes {sorted(dtypes)}")
+        shapes = [tuple(shape) for rank in everyone for shape, _ in rank]
+        ndim = len(shapes[0])  # checked on every rank's shapes, so every rank raises alike
+        if any(len(shape) != ndim for shape in shapes) or not -ndim <= axis < ndim or len(
+                {shape[:axis % ndim] + shape[axis % ndim + 1:] for shape in shapes}) != 1:
+            raise ValueError(f"gather along axis {axis}: the replicas' values have shapes "
+                             f"{shapes}, which must agree in every dimension but that axis")
         local = np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
         if self._extended.num_workers == 1:
             return local

@@ -209,6 +209,16 @@ def test_reduce_errors(world):
     with pytest.raises(TypeError, match="Expected `reduce_op`"):
         s.reduce("max", value, axis=0)
 
+    if world.size > 1:  # the last rank's values have another rank: every rank raises
+        odd = world.rank == world.size - 1
+        ragged = PerReplica([np.ones((2, 2)) if odd else np.ones(2)] * 2)
+        with pytest.raises(ValueError, match="out of range|Strategy.reduce"):
+            s.reduce("mean", ragged, axis=-2 if odd else 0)  # -2 is out of range for 1-D
+        with pytest.raises(ValueError, match="Strategy.reduce|out of range"):
+            s.reduce("mean", ragged, axis=1)
+        with pytest.raises(ValueError, match="gather along axis 0"):
+            s.gather(PerReplica([np.ones((1, 3)) if odd else np.ones((1, 2))] * 2), axis=0)
+
     def inside():
         s.reduce("sum", 1.0)
 
