@@ -384,7 +384,9 @@ class Strategy:
         See docs/datasets.md for the sharding and splitting rules."""
         from ..data import DistributedDataset
 
-        return DistributedDataset(dataset, **self._input_arguments(), options=options)
+        arguments = self._input_arguments()
+        return self._built_everywhere("experimental_distribute_dataset", lambda:
+                                      DistributedDataset(dataset, **arguments, options=options))
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
                                           options: Any = None) -> Any:
@@ -393,8 +395,26 @@ class Strategy:
         replica and shards itself."""
         from ..data import DistributedDatasetsFromFunction
 
-        return DistributedDatasetsFromFunction(dataset_fn, **self._input_arguments(),
-                                               options=options)
+        arguments = self._input_arguments()
+        return self._built_everywhere(
+            "distribute_datasets_from_function",
+            lambda: DistributedDatasetsFromFunction(dataset_fn, **arguments, options=options))
+
+    def _built_everywhere(self, what: str, build: Callable[[], Any]) -> Any:
+        """``build()``, agreed across the workers: when it fails on one rank (say
+        ``dataset_fn`` cannot read a file there), every rank raises instead of the others
+        waiting for it in the first step's collective."""
+        result = error = None
+        try:
+            result = build()
+        except Exception as exc:  # noqa: BLE001 (re-raised on this rank by agree)
+            error = exc
+        if self._extended.num_workers > 1:
+            agree(self._comm, None if error is not None else what, error, what,
+                  hint="an input every rank can build")
+        elif error is not None:
+            raise error
+        return result
 
     def experimental_distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
                                                        options: Any = None) -> Any:

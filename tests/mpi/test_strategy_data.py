@@ -269,6 +269,22 @@ def test_distribute_datasets_from_function_per_replica(world, g):
         s.experimental_distribute_dataset(Dataset.range(4).batch(2), options)
 
 
+def test_dataset_fn_failing_on_one_rank_raises_on_every_rank(world):
+    s = strategy_for(world, 1)
+
+    def dataset_fn(ctx):
+        if ctx.input_pipeline_id == world.size - 1:
+            raise FileNotFoundError("shard missing on the last worker")
+        return Dataset.range(4).batch(2)
+
+    with pytest.raises((FileNotFoundError, ms.CollectiveMismatchError),
+                       match="shard missing on the last worker"):
+        s.distribute_datasets_from_function(dataset_fn)
+    dataset = with_policy(Dataset.range(4).batch(2), AutoShardPolicy.DATA)
+    everyone, _ = consume(s, s.experimental_distribute_dataset(dataset))
+    assert all_ids(everyone) == [0, 1, 2, 3]  # the ranks are still in step
+
+
 def test_unbatched_dataset_is_an_error_with_several_replicas(world):
     s = strategy_for(world, 2)
     with pytest.raises(ValueError, match="Call the `batch` method"):
