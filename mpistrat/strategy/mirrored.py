@@ -117,6 +117,11 @@ class MultiWorkerMirroredStrategy(Strategy):
                                                                     CommunicationOptions):
                 raise ValueError(f"communication_options must be an instance of "
                                  f"CommunicationOptions, got {communication_options!r}")
+            if isinstance(communication, ClusterResolver):
+                raise ValueError(
+                    f"MultiWorkerMirroredStrategy's first argument is `communication` (TF's "
+                    f"experimental signature), got the cluster resolver {communication!r}; "
+                    f"pass it by keyword: cluster_resolver=...")
             implementation = CommunicationImplementation.parse(
                 communication_options.implementation if communication_options is not None
                 and communication_options.implementation is not CommunicationImplementation.AUTO

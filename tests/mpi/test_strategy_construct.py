@@ -42,6 +42,7 @@ def test_communication_choices(world):
             4.0 * world.size
     options = CommunicationOptions(implementation=CommunicationImplementation.RING,
                                    timeout_seconds=60)
+    assert ms.MultiWorkerMirroredStrategy().comm is MPI.COMM_WORLD  # the default
     s = ms.MultiWorkerMirroredStrategy(comm=world, communication_options=options)
     assert s.communication is CommunicationImplementation.RING
     assert s.extended._options is options  # the default options of every reduction
@@ -73,6 +74,7 @@ def test_bad_arguments_raise_on_every_rank(world):
         ({"local_replicas": 0}, "local_replicas must be an integer >= 1"),
         ({"local_replicas": True}, "local_replicas must be an integer >= 1"),
         ({"gpus_per_rank": 1}, "GPU replica"),
+        ({"communication": TFConfigClusterResolver(env={})}, "pass it by keyword"),
     ]
     for kwargs, match in cases:
         error = match if isinstance(match, type) else (ValueError, BackendUnavailable)
