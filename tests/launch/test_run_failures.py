@@ -1,0 +1,124 @@
+"""How ``mpistrat run`` jobs fail: an exception, ``sys.exit`` or a kill on one rank ends
+the whole job within seconds with a non-zero status and one tagged report; a rank that
+never reaches a collective is named; setup mistakes are clear errors printed once."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.launch
+
+# Every rank reduces once, then rank 1 misbehaves as asked while the others go on to a
+# second reduction (where they would wait for rank 1 forever).
+SCRIPT = textwrap.dedent("""\
+    import os, signal, sys, time
+    import numpy as np
+    import mpistrat
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    mode = sys.argv[1]
+    mpistrat.all_reduce(np.ones(3), comm=comm)
+    if comm.rank == 1:
+        if mode == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        if mode == "exit":
+            sys.exit(3)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stall":
+            time.sleep(60)
+    if mode == "everywhere":
+        {}["missing key on rank %d" % 0]
+    mpistrat.all_reduce(np.ones(3), comm=comm)
+    print(f"rank {comm.rank} finished")
+    """)
+
+
+@pytest.fixture
+def job(mpirun, mpistrat_cmd, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+
+    def run(mode, n=3, options=(), timeout=60):
+        started = time.monotonic()
+        result = mpirun(n, [*mpistrat_cmd, "run", *options, str(script), mode], timeout=timeout)
+        return result, time.monotonic() - started
+
+    return run
+
+
+def test_exception_on_one_rank_ends_the_job_with_its_traceback_once(job):
+    result, elapsed = job("raise")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert elapsed < 20
+    err = result.stderr
+    assert err.count("Traceback (most recent call last):") == 1, err
+    assert err.count("[1] Traceback (most recent call last):") == 1, err
+    assert "[1] RuntimeError: rank 1 fails on purpose" in err
+    assert re.search(r'\[1\]   File ".*job\.py", line 11, in <module>', err), err
+    assert "runpy" not in err and "mpistrat/runner" not in err  # only the script's frames
+    assert "finished" not in result.stdout
+
+
+def test_the_same_exception_on_every_rank_is_printed_once(job):
+    result, _ = job("everywhere")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.count("Traceback") == 1, result.stderr
+    assert "[0-2] KeyError: 'missing key on rank 0'" in result.stderr
+    assert "Abort" not in result.stderr  # every rank ended by itself, together
+
+
+def test_sys_exit_on_one_rank_passes_its_status(job):
+    result, elapsed = job("exit", n=2)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert elapsed < 20
+    assert result.stderr.count("[1] mpistrat run: ") == 1
+    assert "job.py exited with status 3" in result.stderr
+
+
+def test_a_killed_rank_ends_the_job(job):
+    result, elapsed = job("kill")
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert elapsed < 20
+    assert "finished" not in result.stdout
+
+
+def test_a_stalled_rank_is_named_and_the_timeout_aborts(job):
+    result, elapsed = job("stall", options=["--stall-check", "0.5", "--timeout", "2"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert elapsed < 20  # the missing rank sleeps 60 s
+    err = result.stderr
+    report = next(line for line in err.splitlines() if "mpistrat: stall:" in line)
+    assert report.startswith("[0] mpistrat: stall: rank(s) [1] have not arrived in all_reduce")
+    assert "rank(s) [0, 2] are waiting there" in report
+    assert "CollectiveTimeoutError: all_reduce" in err and "rank(s) [1] did not arrive" in err
+
+
+def test_missing_script_is_one_clear_error(mpirun, mpistrat_cmd):
+    result = mpirun(2, [*mpistrat_cmd, "run", "no/such/script.py"], timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("Error: mpistrat run: script 'no/such/script.py' not found") == 1
+
+
+def test_mismatched_mpi_is_explained(mpistrat_cmd, tmp_path):
+    """A launcher of another MPI (here: Open MPI's variables around an MPICH mpi4py)
+    starts singletons; the one whose launcher rank is 0 explains, every one exits 2."""
+    import os
+    import subprocess
+
+    script = tmp_path / "x.py"
+    script.write_text("print('should not run')\n")
+    outs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank)}
+        outs.append(subprocess.run([*mpistrat_cmd, "run", str(script)], env=env,
+                                   capture_output=True, text=True, timeout=60, check=False))
+    assert [o.returncode for o in outs] == [2, 2]
+    assert "started 2 processes but MPI sees a world of 1" in outs[0].stderr
+    assert "mpistrat run -n N" in outs[0].stderr
+    assert "Error" not in outs[1].stderr and "should not run" not in outs[0].stdout
