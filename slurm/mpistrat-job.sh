@@ -1,0 +1,110 @@
+# Shared steps of the sbatch templates in this directory (sourced, not run): activate the
+# virtual environment, build the launch command, run the ranks so that SIGUSR1 before the
+# time limit makes them checkpoint and the job requeue. slurm/README.md explains the variables.
+
+: "${VENV:=.venv}"
+: "${LAUNCH:=srun}"
+: "${MPI_TYPE:=pmi2}"
+: "${SRUN_OPTIONS:=}"
+: "${MPIEXEC_OPTIONS:=}"
+: "${SHOW_INFO:=1}"
+: "${CHECKPOINT_GRACE:=90}"
+: "${MAX_RESTARTS:=10}"
+
+job_fail() {
+    echo "mpistrat-job: $*" >&2
+    exit 2
+}
+
+# job_setup: activate VENV, set the thread count, and fill the array `launch` with the
+# command that starts one process per Slurm task as one MPI world.
+job_setup() {
+    if [ "$VENV" != none ]; then
+        [ -f "$VENV/bin/activate" ] || job_fail "no virtual environment at '$VENV' (from $PWD): run 'bash bin/demo' in the checkout first and submit from there, or set VENV=/path/to/venv (VENV=none: use the python and mpistrat on PATH)"
+        source "$VENV/bin/activate"
+    fi
+    command -v mpistrat >/dev/null || job_fail "mpistrat is not on PATH (VENV=$VENV): install it (pip install mpistrat) or set VENV"
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+    # Slurm 22.05-23.02's srun does not take --cpus-per-task from the allocation; this it reads.
+    [ -n "${SLURM_CPUS_PER_TASK:-}" ] && export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    local extra
+    case "$LAUNCH" in
+        srun)
+            read -r -a extra <<< "$SRUN_OPTIONS"
+            launch=(srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 "${extra[@]}") ;;
+        mpiexec)
+            read -r -a extra <<< "$MPIEXEC_OPTIONS"
+            launch=(mpiexec -n "${SLURM_NTASKS:-1}" "${extra[@]}") ;;
+        *) job_fail "LAUNCH='$LAUNCH'; expected srun or mpiexec" ;;
+    esac
+    echo "mpistrat-job: job ${SLURM_JOB_ID:-?} '${SLURM_JOB_NAME:-?}' restart ${SLURM_RESTART_COUNT:-0}," \
+         "nodes ${SLURM_JOB_NODELIST:-?}, ${SLURM_NTASKS:-?} task(s) x ${SLURM_CPUS_PER_TASK:-1} CPU(s)," \
+         "launch: ${launch[*]}"
+}
+
+# job_gpus BIND: GPU jobs. srun binds each task to its GPUs (srun --gpu-bind=BIND). mpiexec
+# starts one proxy per node with srun, so that step must hold all the node's GPUs; the
+# ranks then see them all in CUDA_VISIBLE_DEVICES and take theirs by local rank.
+job_gpus() {
+    export CUDA_DEVICE_ORDER=PCI_BUS_ID    # CUDA numbers the GPUs as nvidia-smi and Slurm do
+    if [ "$LAUNCH" = srun ]; then
+        SRUN_OPTIONS="--gpu-bind=$1 $SRUN_OPTIONS"
+    elif [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
+        unset SLURM_GPUS_PER_TASK
+        export SLURM_GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
+    fi
+}
+
+# job_info [OPTIONS]: with SHOW_INFO=1, log what Slurm and MPI gave each rank; a launch
+# that does not make one MPI world stops the job here, before the real work.
+job_info() {
+    [ "$SHOW_INFO" = 1 ] || return 0
+    "${launch[@]}" mpistrat info "$@" || job_fail "'${launch[*]} mpistrat info' failed (exit status $?): the launch does not work, see above"
+}
+
+# job_run COMMAND...: run COMMAND on every rank and exit with its status. SIGUSR1 (from
+# --signal=B:USR1@SECONDS before the time limit, or scancel --signal=USR1 --batch) is passed
+# on to the ranks, which checkpoint and stop; after at most CHECKPOINT_GRACE seconds the job
+# is requeued (at most MAX_RESTARTS times) and resumes from that checkpoint.
+job_run() {
+    local child status waited=0
+    preempted=0
+    trap '_job_on_usr1' USR1
+    "${launch[@]}" "$@" &
+    child=$!
+    _job_child=$child
+    while kill -0 "$child" 2>/dev/null; do
+        if [ "$preempted" = 1 ]; then
+            [ "$waited" -ge "$CHECKPOINT_GRACE" ] && break
+            sleep 1 & wait $!
+            waited=$((waited + 1))
+        else
+            wait "$child"    # returns early when SIGUSR1 arrives
+        fi
+    done
+    if kill -0 "$child" 2>/dev/null; then
+        echo "mpistrat-job: the ranks still run ${CHECKPOINT_GRACE} s after SIGUSR1 (CHECKPOINT_GRACE); requeueing anyway" >&2
+        status=124
+    else
+        wait "$child"
+        status=$?
+    fi
+    if [ "$preempted" = 1 ]; then
+        if [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_RESTARTS" ]; then
+            echo "mpistrat-job: ranks stopped (exit status $status); requeueing job $SLURM_JOB_ID" \
+                 "(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most $MAX_RESTARTS)"
+            scontrol requeue "$SLURM_JOB_ID" && exit 0
+            echo "mpistrat-job: 'scontrol requeue $SLURM_JOB_ID' failed" >&2
+        else
+            echo "mpistrat-job: not requeueing: restarted ${SLURM_RESTART_COUNT:-0} time(s) already (MAX_RESTARTS=$MAX_RESTARTS)" >&2
+        fi
+        [ "$status" = 0 ] && status=1    # the work is not finished
+    fi
+    exit "$status"
+}
+
+_job_on_usr1() {
+    echo "mpistrat-job: SIGUSR1 at $(date +%T): passing it to the ranks so they checkpoint and stop"
+    preempted=1
+    kill -USR1 "$_job_child" 2>/dev/null
+}
