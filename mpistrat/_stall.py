@@ -36,6 +36,7 @@ __all__ = ["watch", "unwatch", "current", "Watch"]
 
 _TAG = 0x5A8  # point-to-point tag of notes and verdicts, on the private communicator
 _MONITORS = 2  # ranks 0 and 1 of each communicator
+_ANNOUNCED = 0  # the key of announcements (a channel's key is never 0 in practice)
 _SPIN = 10e-3  # poll (yielding the core) without sleeping for this long: short waits
 
 
@@ -77,7 +78,7 @@ class Watch:
         self._keyval = MPI.Comm.Create_keyval()
         self._ordinals: dict[tuple[int, ...], int] = {}
         self._heard: dict[int, dict[int, int]] = {}  # key -> comm rank -> latest seq
-        self._seen: dict[int, tuple[int, str, float]] = {}  # world rank -> (key, what, when)
+        self._seen: dict[int, tuple[int, str]] = {}  # world rank -> (key, what) of its last note
         self._verdicts: dict[int, tuple[int, list[int]]] = {}  # key -> (seq, missing)
         self._outbox: list[Any] = []
 
@@ -171,6 +172,13 @@ class Watch:
             dests = list(channel.members[:_MONITORS])
         self._send(("note", channel.key, channel.seq, channel.rank, what), dests)
 
+    def announce(self, what: str) -> None:
+        """Tell the monitors of ``COMM_WORLD`` that this rank will join no more collectives
+        (``what``: e.g. "finished the script"), for their stall reports."""
+        me = self.side.Get_rank()
+        dests = [r for r in range(min(_MONITORS, self.side.Get_size())) if r != me]
+        self._send(("note", _ANNOUNCED, 0, me, what), dests)
+
     def _drain(self) -> None:
         """Take every note and verdict that has come; keep what they say."""
         MPI = mpi()
@@ -184,7 +192,7 @@ class Watch:
                 rank, what = rest
                 heard = self._heard.setdefault(key, {})
                 heard[rank] = max(seq, heard.get(rank, 0))
-                self._seen[status.Get_source()] = (key, what, time.monotonic())
+                self._seen[status.Get_source()] = (key, what)
             else:
                 if seq >= self._verdicts.get(key, (0, []))[0]:
                     self._verdicts[key] = (seq, rest[0])
@@ -223,13 +231,15 @@ class Watch:
         self.report(" ".join(lines))
 
     def _whereabouts(self, channel: _Channel, missing: list[int]) -> list[str]:
-        now = time.monotonic()
+        """What the notes say of missing ranks: waiting in another collective, or done."""
         lines = []
         for rank in missing:
             seen = self._seen.get(channel.members[rank])
-            if seen is not None and seen[0] != channel.key:
-                lines.append(f"Rank {rank} was waiting in {seen[1]} on another communicator "
-                             f"{now - seen[2]:.1f} s ago.")
+            if seen is not None and seen[0] == _ANNOUNCED:
+                lines.append(f"Rank {rank} has {seen[1]}.")
+            elif seen is not None and seen[0] != channel.key:
+                lines.append(f"Rank {rank} was last seen waiting in {seen[1]} on another "
+                             f"communicator.")
         return lines
 
     def _describe(self, channel: _Channel) -> str:

@@ -7,7 +7,9 @@ statuses on a private communicator:
 
 * every rank arrives (all succeeded, or the ranks failed together, e.g. the same bug on
   every rank): rank 0 prints each distinct report once, tagged with the ranks it came
-  from (``[0-3] Traceback ...``), and every rank exits with the highest status;
+  from (``[0-3] Traceback ...``), and every rank exits with the highest status — unless a
+  failure left a collective in flight (a collective timeout), which MPI cannot finalize
+  cleanly: then rank 0 aborts the job with that status after printing;
 * a failed rank whose peers do not arrive within ``grace`` seconds (they wait in a
   collective for it, or still compute) prints its own report tagged with its rank,
   flushes, and calls ``MPI_Abort`` with its status: the launcher then ends every rank.
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._mpi import mpi
-from ..errors import MpistratError
+from ..errors import CollectiveTimeoutError, MpistratError
 
 __all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
 
@@ -43,10 +45,12 @@ class Outcome:
     Attributes:
         status: the exit status (0: success).
         report: what to show for a failure (a traceback, a message), None on success.
+        in_flight: the failure left a collective in flight (a collective timeout).
     """
 
     status: int
     report: str | None = None
+    in_flight: bool = False
 
 
 def outcome_of(exc: BaseException | None, target: str) -> Outcome:
@@ -67,7 +71,7 @@ def outcome_of(exc: BaseException | None, target: str) -> Outcome:
             return Outcome(status, f"mpistrat run: {target} exited with status {code}")
         return Outcome(1, str(code))
     status = 130 if isinstance(exc, KeyboardInterrupt) else 1
-    return Outcome(status, format_exception(exc))
+    return Outcome(status, format_exception(exc), isinstance(exc, CollectiveTimeoutError))
 
 
 def format_exception(exc: BaseException) -> str:
@@ -121,7 +125,7 @@ def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRAC
             output.report(outcome.report)
         return outcome.status
     output.flush()
-    status = np.array([outcome.status], dtype=np.int64)
+    status = np.array([outcome.status, int(outcome.in_flight)], dtype=np.int64)
     request = done.Iallreduce(MPI.IN_PLACE, status, op=MPI.MAX)
     deadline = time.monotonic() + grace if outcome.status else None
     pause = 1e-4
@@ -130,8 +134,7 @@ def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRAC
             if outcome.report is not None:
                 output.report(outcome.report)
             output.flush()
-            time.sleep(_DELIVERY)  # let the launcher forward the report before the abort
-            MPI.COMM_WORLD.Abort(outcome.status)
+            _abort(outcome.status)
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
     reports = done.gather(outcome.report if outcome.status else None, root=0)
@@ -139,7 +142,16 @@ def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRAC
         for text, ranks in _grouped(reports):
             output.report(text, ranks)
     output.flush()
+    if status[1]:
+        if done.Get_rank() != 0:
+            time.sleep(10 * _DELIVERY)  # rank 0 aborts the job meanwhile
+        _abort(int(status[0]))
     return int(status[0])
+
+
+def _abort(status: int) -> None:
+    time.sleep(_DELIVERY)  # let the launcher forward the last report first
+    mpi().COMM_WORLD.Abort(status)
 
 
 def _grouped(reports: Sequence[str | None]) -> list[tuple[str, list[int]]]:

@@ -60,9 +60,12 @@ def run(options: RunOptions, *,
         output = RankOutput(rank, size, tag=options.tag_output,
                             quiet=options.quiet_ranks and rank != 0)
         with output:
-            _stall.watch(options.stall_check or None, options.timeout, report=output.report)
+            watch = _stall.watch(options.stall_check or None, options.timeout,
+                                 report=output.report)
             try:
                 outcome = _run_script(options, strategy_factory, set_strategy)
+                if watch is not None and outcome.status == 0:
+                    watch.announce("finished the script")
                 return finish(done, outcome, output)
             finally:
                 _stall.unwatch()
