@@ -12,12 +12,51 @@ from ._table import format_table
 __all__ = ["info", "render_info"]
 
 
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 def _yes_no(value: Any) -> str:
     return {True: "yes", False: "no", None: "unknown"}.get(value, str(value))
 
 
+def _cpu_list(cpus: list[int] | None) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    if not cpus:
+        return "?"
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _slurm_line(slurm: dict[str, Any]) -> str:
+    job = f"job {slurm['job_id']}"
+    if slurm["job_name"]:
+        job += f" '{slurm['job_name']}'"
+    details = [f"{key} {slurm[field]}" for key, field in
+               (("partition", "partition"), ("cluster", "cluster"), ("nodes", "job_nodelist"))
+               if slurm[field]]
+    if slurm["restart_count"]:
+        details.append(f"restart {slurm['restart_count']}")
+    line = f"slurm        {', '.join([job] + details)}"
+    if slurm["step_id"] is not None:
+        tasks = f", {slurm['step_tasks']} task(s)" if slurm["step_tasks"] is not None else ""
+        mpi = f", srun --mpi={slurm['mpi_type']}" if slurm["mpi_type"] else ""
+        line += f"; step {slurm['job_id']}.{slurm['step_id']}{tasks}{mpi}"
+    return line
+
+
 def render_info(data: dict[str, Any]) -> str:
-    """The human form of :func:`mpistrat.info.collect_info`'s result."""
+    """The human form of :func:`mpistrat.info.collect_info`'s result.
+
+    Inside a Slurm job a ``slurm`` line names the job and step, and the table gains
+    what Slurm gave each rank: its node, ``SLURM_PROCID``, ``SLURM_LOCALID``, the CPUs
+    it may run on and the GPU ids Slurm allocated to it.
+    """
     mpi = data["mpi"]
     launcher = data["launcher"]
     virtual = data["virtual_ranks_per_node"]
@@ -33,8 +72,11 @@ def render_info(data: dict[str, Any]) -> str:
                            if launcher["name"] else "none detected (singleton)"),
         f"world        {data['world_size']} rank(s) on {data['nodes']} node group(s), "
         f"{grouping}; ranks per node: {' + '.join(map(str, data['ranks_per_node']))}",
-        "",
     ]
+    slurm = data.get("slurm")
+    if slurm:
+        lines.append(_slurm_line(slurm))
+    lines.append("")
     rows = []
     for r in data["ranks"]:
         gpus = ", ".join(f"{i}:{name}" for i, name in r["gpus"]) or "none"
@@ -43,11 +85,18 @@ def render_info(data: dict[str, Any]) -> str:
             "yes" if r["leader"] else "", r["pid"], r["cuda_visible_devices"] or "-", gpus,
             r["cupy"] or "no", r["nccl"] or "no", _yes_no(r["cuda_aware_mpi"]),
         ))
-    lines.append(format_table(
-        ["rank", "host", "node", "local", "leader", "pid", "CUDA_VISIBLE_DEVICES", "GPUs",
-         "CuPy", "NCCL", "CUDA-aware MPI"], rows))
+        task = r.get("slurm")
+        if slurm:
+            rows[-1] += ((task["node"] or "?", _or_dash(task["procid"]), _or_dash(task["localid"]),
+                          _cpu_list(task["cpus"]), task["gpus"] or "-") if task else
+                         ("-",) * 5)
+    headers = ["rank", "host", "node", "local", "leader", "pid", "CUDA_VISIBLE_DEVICES", "GPUs",
+               "CuPy", "NCCL", "CUDA-aware MPI"]
+    if slurm:
+        headers += ["Slurm node", "SLURM_PROCID", "SLURM_LOCALID", "CPUs", "Slurm GPUs"]
+    lines.append(format_table(headers, rows))
     notes = sorted({r["gpu_note"] for r in data["ranks"] if r["gpu_note"]})
-    for note in notes:
+    for note in notes + data.get("notes", []):
         lines.append(f"note: {note}")
     for warning in data["warnings"]:
         lines.append(f"warning: {warning}")
@@ -60,11 +109,14 @@ def render_info(data: dict[str, Any]) -> str:
 def info(as_json, no_gpu):
     """Describe the MPI and GPU environment of every rank.
 
-    Run it under the launcher to see the whole job; rank 0 prints one table:
+    Run it under the launcher to see the whole job; rank 0 prints one table.
+    Inside a Slurm job it also shows what Slurm gave each rank (node, SLURM_PROCID,
+    SLURM_LOCALID, CPUs, GPUs):
 
     \b
       mpiexec -n 4 mpistrat info
       MPISTRAT_RANKS_PER_NODE=2 mpiexec -n 4 mpistrat info --json
+      srun --mpi=pmi2 -n 4 mpistrat info
     """
     from ..info import collect_info
     from .._mpi import world
