@@ -148,7 +148,8 @@ class Watch:
                 self._drain()
                 verdict = self._verdicts.get(channel.key)
                 if verdict is not None and verdict[0] >= channel.seq:
-                    raise self._timeout_error(channel, what, verdict[1], partial=False)
+                    raise self._timeout_error(channel, what, verdict[1], partial=False,
+                                              reporter=False)
             if waited >= give_up_at:
                 error = self._give_up(channel, what, final=deferred)
                 if error is not None:
@@ -256,22 +257,28 @@ class Watch:
             missing = sorted(set(range(channel.size)) - arrived)
             others = [w for r, w in enumerate(channel.members) if r != channel.rank]
             self._send(("verdict", channel.key, channel.seq, missing), others)
-            return self._timeout_error(channel, what, missing, partial=False)
+            lowest = min(r for r in range(_MONITORS) if r in arrived)
+            return self._timeout_error(channel, what, missing, partial=False,
+                                       reporter=lowest == channel.rank)
         verdict = self._verdicts.get(channel.key)
         if verdict is not None and verdict[0] >= channel.seq:
-            return self._timeout_error(channel, what, verdict[1], partial=False)
+            return self._timeout_error(channel, what, verdict[1], partial=False,
+                                       reporter=False)
         monitors = range(min(_MONITORS, channel.size))
         if not final and any(r in arrived for r in monitors):
             return None
         missing = [r for r in monitors if r not in arrived]
-        return self._timeout_error(channel, what, missing, partial=True)
+        return self._timeout_error(channel, what, missing, partial=True, reporter=True)
 
     def _timeout_error(self, channel: _Channel, what: str, missing: list[int],
-                       partial: bool) -> CollectiveTimeoutError:
+                       partial: bool, reporter: bool) -> CollectiveTimeoutError:
+        """The error of a timed-out rank. ``reporter`` marks the one rank (the lowest
+        waiting monitor) whose error says it all, so that ``mpistrat run`` shows that
+        one and not one per waiting rank (the attribute ``reporter`` of the error)."""
         known = (f"rank(s) {missing} did not arrive" if not partial else
                  f"rank(s) {missing} (the monitors, which track arrivals) did not arrive, "
                  f"and other ranks may be missing too")
-        return CollectiveTimeoutError(
+        error = CollectiveTimeoutError(
             f"{what} (collective #{channel.seq} on {self._describe(channel)}) timed out "
             f"after {self.timeout:g} s on rank {channel.rank}: {known}; they are stuck "
             f"elsewhere or took another code path (every rank must make the same collective "
@@ -279,6 +286,8 @@ class Watch:
             f"(the collective timeout comes from --timeout or MPISTRAT_COLLECTIVE_TIMEOUT)",
             missing,
         )
+        error.reporter = reporter  # type: ignore[attr-defined]
+        return error
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))

@@ -34,6 +34,7 @@ __all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
 
 FAILURE_GRACE = 1.0  # seconds a failed rank waits for the others to end too
 _DELIVERY = 0.25  # seconds between the last report and MPI_Abort
+_DEFER = 3.0  # extra seconds a secondary report waits for the primary one's abort
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _HIDDEN = (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(runpy.__file__))
 
@@ -46,11 +47,15 @@ class Outcome:
         status: the exit status (0: success).
         report: what to show for a failure (a traceback, a message), None on success.
         in_flight: the failure left a collective in flight (a collective timeout).
+        secondary: another rank reports the same failure better (a collective timeout
+            on a rank other than the one that names the missing ranks): this report is
+            shown only when no such rank's report is.
     """
 
     status: int
     report: str | None = None
     in_flight: bool = False
+    secondary: bool = False
 
 
 def outcome_of(exc: BaseException | None, target: str) -> Outcome:
@@ -71,7 +76,9 @@ def outcome_of(exc: BaseException | None, target: str) -> Outcome:
             return Outcome(status, f"mpistrat run: {target} exited with status {code}")
         return Outcome(1, str(code))
     status = 130 if isinstance(exc, KeyboardInterrupt) else 1
-    return Outcome(status, format_exception(exc), isinstance(exc, CollectiveTimeoutError))
+    timed_out = isinstance(exc, CollectiveTimeoutError)
+    return Outcome(status, format_exception(exc), in_flight=timed_out,
+                   secondary=timed_out and getattr(exc, "reporter", True) is False)
 
 
 def format_exception(exc: BaseException) -> str:
@@ -127,7 +134,9 @@ def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRAC
     output.flush()
     status = np.array([outcome.status, int(outcome.in_flight)], dtype=np.int64)
     request = done.Iallreduce(MPI.IN_PLACE, status, op=MPI.MAX)
-    deadline = time.monotonic() + grace if outcome.status else None
+    deadline = None
+    if outcome.status:  # a secondary report gives the primary one time to end the job
+        deadline = time.monotonic() + grace + (_DEFER if outcome.secondary else 0.0)
     pause = 1e-4
     while not request.Test():
         if deadline is not None and time.monotonic() >= deadline:
@@ -137,9 +146,13 @@ def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRAC
             _abort(outcome.status)
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
-    reports = done.gather(outcome.report if outcome.status else None, root=0)
+    reports = done.gather((outcome.report, outcome.secondary) if outcome.status else None,
+                          root=0)
     if done.Get_rank() == 0:
-        for text, ranks in _grouped(reports):
+        primary = [r for r in reports if r is not None and not r[1]]
+        shown = [r[0] if r is not None and (not primary or not r[1]) else None
+                 for r in reports]
+        for text, ranks in _grouped(shown):
             output.report(text, ranks)
     output.flush()
     if status[1]:

@@ -95,11 +95,13 @@ def test_missing_rank_times_out_everywhere_with_its_name():
         world.Barrier()
         _stall.unwatch()
         dup.Free()
+    reporters = world.allgather(getattr(error, "reporter", None))
     if world.rank != late:
         assert isinstance(error, CollectiveTimeoutError), error
         assert error.missing == [late], (error.missing, str(error))
         assert f"rank(s) [{late}] did not arrive" in str(error)
         assert 0.6 <= elapsed < 1.9, elapsed
+    assert reporters == [True] + [False] * (world.size - 2) + [None], reporters
 
 
 def test_watch_rejects_bad_values():
