@@ -17,7 +17,7 @@ import io
 import json
 import os
 import re
-import tempfile
+import secrets
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -56,8 +56,10 @@ def _fsync_dir(directory: str) -> None:
 
 def _replace_atomically(path: str, fill: Callable[[IO[bytes]], None]) -> None:
     directory = os.path.dirname(path) or "."
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                     dir=directory)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}."
+                                        f"{secrets.token_hex(4)}.tmp")
+    # 0o666 and the umask, like any file the user writes (mkstemp would force 0o600)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as file:
             fill(file)

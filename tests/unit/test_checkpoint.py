@@ -109,6 +109,14 @@ def test_manifest_names_entries_and_checksum(tmp_path):
         np.testing.assert_array_equal(npz[params0["key"]].shape, (3, 4))
 
 
+def test_files_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    path = Checkpoint(comm=SELF, s=Scalar(0)).save(str(tmp_path / "ckpt"))
+    for suffix in (".npz", ".json"):
+        assert os.stat(path + suffix).st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_restore_none_restores_nothing(tmp_path):
     step = Scalar(5)
     assert Checkpoint(comm=SELF, step=step).restore(None) is None
