@@ -25,6 +25,7 @@ import hashlib
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,7 @@ class Watch:
         self._seen: dict[int, tuple[int, str]] = {}  # world rank -> (key, what) of its last note
         self._verdicts: dict[int, tuple[int, list[int]]] = {}  # key -> (seq, missing)
         self._outbox: list[Any] = []
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Take the notes still addressed to this rank, then free the private communicator."""
@@ -119,8 +121,9 @@ class Watch:
             group.Free()
         if MPI.UNDEFINED in members:
             return None  # not made from COMM_WORLD's processes: unwatched
-        ordinal = self._ordinals.get(members, 0)
-        self._ordinals[members] = ordinal + 1
+        with self._lock:
+            ordinal = self._ordinals.get(members, 0)
+            self._ordinals[members] = ordinal + 1
         digest = hashlib.blake2b(repr((members, ordinal)).encode(), digest_size=8).digest()
         channel = _Channel(int.from_bytes(digest, "little") >> 1, members, comm.Get_rank())
         comm.Set_attr(self._keyval, channel)
@@ -162,9 +165,10 @@ class Watch:
     # -- notes
 
     def _send(self, payload: tuple, dests: Any) -> None:
-        self._outbox = [r for r in self._outbox if not r.Test()]
-        for dest in dests:
-            self._outbox.append(self.side.isend(payload, dest=dest, tag=_TAG))
+        with self._lock:
+            self._outbox = [r for r in self._outbox if not r.Test()]
+            for dest in dests:
+                self._outbox.append(self.side.isend(payload, dest=dest, tag=_TAG))
 
     def _send_notes(self, channel: _Channel, what: str) -> None:
         if channel.monitor:
@@ -185,15 +189,17 @@ class Watch:
         MPI = mpi()
         status = MPI.Status()
         while True:
-            message = self.side.improbe(MPI.ANY_SOURCE, _TAG, status)
-            if message is None:
-                return
-            kind, key, seq, *rest = message.recv()
+            with self._lock:  # threads may watch collectives on different communicators
+                message = self.side.improbe(MPI.ANY_SOURCE, _TAG, status)
+                if message is None:
+                    return
+                kind, key, seq, *rest = message.recv()
+                source = status.Get_source()
             if kind == "note":
                 rank, what = rest
                 heard = self._heard.setdefault(key, {})
                 heard[rank] = max(seq, heard.get(rank, 0))
-                self._seen[status.Get_source()] = (key, what)
+                self._seen[source] = (key, what)
             else:
                 if seq >= self._verdicts.get(key, (0, []))[0]:
                     self._verdicts[key] = (seq, rest[0])
