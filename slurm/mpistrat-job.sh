@@ -10,6 +10,7 @@
 : "${SHOW_INFO:=1}"
 : "${CHECKPOINT_GRACE:=90}"
 : "${MAX_RESTARTS:=10}"
+: "${REQUEUE_EXIT_STATUS:=42}"    # mpistrat.checkpoint.PREEMPTION_EXIT_STATUS: "saved, run me again"
 
 job_fail() {
     echo "mpistrat-job: $*" >&2
@@ -65,7 +66,8 @@ job_info() {
 # job_run COMMAND...: run COMMAND on every rank and exit with its status. SIGUSR1 (from
 # --signal=B:USR1@SECONDS before the time limit, or scancel --signal=USR1 --batch) is passed
 # on to the ranks, which checkpoint and stop; after at most CHECKPOINT_GRACE seconds the job
-# is requeued (at most MAX_RESTARTS times) and resumes from that checkpoint.
+# is requeued (at most MAX_RESTARTS times) and resumes from that checkpoint. Ranks that end
+# with REQUEUE_EXIT_STATUS (they saved on a signal of their own) requeue the job too.
 job_run() {
     local child status waited=0
     preempted=0
@@ -89,7 +91,7 @@ job_run() {
         wait "$child"
         status=$?
     fi
-    if [ "$preempted" = 1 ]; then
+    if [ "$preempted" = 1 ] || [ "$status" = "$REQUEUE_EXIT_STATUS" ]; then
         if [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_RESTARTS" ]; then
             echo "mpistrat-job: ranks stopped (exit status $status); requeueing job $SLURM_JOB_ID" \
                  "(restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of at most $MAX_RESTARTS)"
