@@ -64,7 +64,8 @@ def test_outcomes_follow_pythons_exit_rules():
     assert outcome_of(None, "t.py") == Outcome(0)
     assert outcome_of(SystemExit(), "t.py") == Outcome(0)
     assert outcome_of(SystemExit(0), "t.py") == Outcome(0)
-    assert outcome_of(SystemExit(3), "t.py") == Outcome(3, "mpistrat run: t.py exited with status 3")
+    assert outcome_of(SystemExit(3), "t.py") == Outcome(
+        3, "mpistrat run: t.py exited with status 3")
     assert outcome_of(SystemExit(256), "t.py").status == 1  # what the shell would see is 0
     assert outcome_of(SystemExit("bad input"), "t.py") == Outcome(1, "bad input")
     assert outcome_of(KeyboardInterrupt(), "t.py").status == 130
