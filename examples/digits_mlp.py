@@ -92,9 +92,17 @@ def main(argv: list[str] | None = None) -> float:
                     for p in params]
         epoch_done = ms.Variable(0, name="epoch", trainable=False)
 
-    checkpoint = None
-    if args.checkpoint_dir:
-        checkpoint = _checkpoint(args.checkpoint_dir, params + velocity + [epoch_done])
+    manager = preemption = None
+    if args.checkpoint_dir:  # resume from the last complete checkpoint, if there is one
+        state = ms.Checkpoint(comm=strategy.comm, **{v.name: v for v in params + velocity},
+                              epoch=epoch_done)
+        manager = ms.CheckpointManager(state, args.checkpoint_dir, max_to_keep=3)
+        restored = manager.restore_or_initialize()
+        if restored and chief:
+            print(f"resumed from {restored} (epoch {int(epoch_done.numpy())})", flush=True)
+        # SIGTERM/SIGUSR1 (Slurm's warning before preemption or the time limit): every rank
+        # saves at the same epoch boundary and exits with status 42, "requeue me"
+        preemption = ms.PreemptionCheckpointHandler(manager)
 
     options = ms.Options()
     options.experimental_distribute.auto_shard_policy = ms.AutoShardPolicy.DATA
@@ -131,23 +139,18 @@ def main(argv: list[str] | None = None) -> float:
         _, p = forward([np.asarray(v) for v in params], x_test)
         accuracy = float((p.argmax(axis=1) == y_test).mean())
         epoch_done.assign(epoch + 1)
-        if checkpoint is not None:
-            checkpoint.save()
+        if manager is not None:
+            manager.save()
         if chief:
             _print(progress, f"epoch {epoch + 1:3d}/{args.epochs}  loss {loss_sum / len(x_train):.4f}"
                    f"  train acc {correct_sum / len(x_train):.4f}  test acc {accuracy:.4f}"
                    f"  ({time.perf_counter() - started:.2f} s, {strategy.num_replicas_in_sync}"
                    f" replicas)")
+        if preemption is not None:
+            preemption.save_checkpoint_if_preempted()
     if chief:
         print(f"final test accuracy {accuracy:.4f}", flush=True)
     return accuracy
-
-
-def _checkpoint(directory: str, variables: list) -> object:
-    """Save/restore the variables through mpistrat's atomic checkpoints."""
-    manager = ms.CheckpointManager(directory, **{v.name: v for v in variables})
-    manager.restore_latest()
-    return manager
 
 
 def _progress(epochs: range, show: bool):

@@ -111,3 +111,16 @@ __all__ += [
     "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
     "MirroredVariable", "SyncOnReadVariable",
 ]
+
+from .checkpoint import (  # noqa: E402
+    Checkpoint,
+    CheckpointCorruptError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    PreemptionCheckpointHandler,
+    Scalar,
+    latest_checkpoint,
+)
+
+__all__ += ["Checkpoint", "CheckpointManager", "latest_checkpoint", "Scalar",
+            "PreemptionCheckpointHandler", "CheckpointNotFoundError", "CheckpointCorruptError"]

@@ -334,9 +334,10 @@ def _broadcast(comm: Any, value: np.ndarray | None, entry: dict[str, Any], root:
     if value is None:
         out = np.empty(tuple(entry["shape"]), dtype=_dtype(entry["dtype"]))
     else:
-        out = np.ascontiguousarray(value)
+        out = np.asarray(value, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
         if out.dtype.name != entry["dtype"]:  # bfloat16 and friends come back as void
             out = out.view(_dtype(entry["dtype"]))
+        out = out.reshape(tuple(entry["shape"]))
     if out.nbytes and comm.Get_size() > 1:
         comm.Bcast(out.reshape(-1).view(np.uint8), root=root)
     return out

@@ -368,3 +368,17 @@ def test_preemption_arguments(tmp_path):
         PreemptionCheckpointHandler(manager, signals=["SIGNOPE"])
     with pytest.raises(TypeError, match="CheckpointManager"):
         PreemptionCheckpointHandler(object())
+
+
+def test_zero_dimensional_values_keep_their_shape(tmp_path):
+    """A 0-d variable (an epoch counter) restores as 0-d, not as shape (1,)."""
+    import mpistrat as ms
+
+    epoch, weights = ms.Variable(7), ms.Variable(np.float32(2.5))
+    ckpt = Checkpoint(epoch=epoch, w=weights)
+    path = ckpt.write(str(tmp_path / "zero-d"))
+    epoch.assign(0)
+    weights.assign(0.0)
+    ckpt.restore(path)
+    assert epoch.numpy().shape == () and int(epoch.numpy()) == 7
+    assert weights.numpy().shape == () and float(weights.numpy()) == 2.5
