@@ -106,10 +106,14 @@ def main(argv: list[str] | None = None) -> float:
 
     options = ms.Options()
     options.experimental_distribute.auto_shard_policy = ms.AutoShardPolicy.DATA
-    dataset = (ms.Dataset.from_tensor_slices((x_train, y_train))
-               .shuffle(len(x_train), seed=args.seed).batch(args.batch_size)
-               .with_options(options))
-    batches = strategy.experimental_distribute_dataset(dataset)
+
+    def epoch_batches(epoch: int):
+        """Epoch ``epoch``'s global batches, in an order fixed by the epoch number, so a
+        resumed run sees exactly the batches an uninterrupted one would."""
+        dataset = (ms.Dataset.from_tensor_slices((x_train, y_train))
+                   .shuffle(len(x_train), seed=args.seed * 1000 + epoch)
+                   .batch(args.batch_size).with_options(options))
+        return strategy.experimental_distribute_dataset(dataset)
 
     def apply_gradients(strategy: ms.Strategy, grads: tuple) -> None:
         """Cross-replica: the same summed gradients on every rank -> the same update."""
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> float:
     for epoch in progress:
         started = time.perf_counter()
         loss_sum = correct_sum = 0.0
-        for batch in batches:
+        for batch in epoch_batches(epoch):
             loss, correct = strategy.run(train_step, args=(batch,))
             loss_sum += float(strategy.reduce(ms.ReduceOp.SUM, loss))
             correct_sum += float(strategy.reduce(ms.ReduceOp.SUM, correct))
