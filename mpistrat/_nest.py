@@ -1,8 +1,9 @@
 """Nests of arrays: tuples (named tuples included), lists and dicts, down to leaves.
 
 A dataset element is a nest; everything that is not a tuple, list or dict is a leaf (an
-array, a NumPy scalar, a string). Dicts keep their key order; two dicts match when they
-have the same keys.
+array, a NumPy scalar, a string). Dicts are walked in sorted key order (as TensorFlow's
+nest does), so ranks that built the same dict in different orders agree on its leaves;
+two dicts match when they have the same keys.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
         for other in structures[1:]:
             if not isinstance(other, dict) or other.keys() != first.keys():
                 raise _mismatch(structures)
-        items = [(key, map_structure(fn, *(s[key] for s in structures))) for key in first]
+        items = [(key, map_structure(fn, *(s[key] for s in structures))) for key in _keys(first)]
         try:
             return type(first)(items)
         except TypeError:  # dict subclasses whose constructor takes other arguments
@@ -46,6 +47,15 @@ def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
 
 
 _CONTAINERS = (tuple, list, dict)
+
+
+def _keys(mapping: dict) -> list[Any]:
+    """A dict's keys in sorted order (TF's rule), so two processes that built the same
+    dict in different orders flatten it the same way; insertion order if unsortable."""
+    try:
+        return sorted(mapping)
+    except TypeError:
+        return list(mapping)
 
 
 def flatten(structure: Any) -> list[Any]:
