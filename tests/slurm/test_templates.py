@@ -36,7 +36,7 @@ REPORT = textwrap.dedent('''
 ''')
 
 # Saves its step when SIGUSR1 arrives (all ranks agree to stop at the same step), exits 42
-# ("saved, run me again", as mpistrat.checkpoint's preemption handler does), and on a
+# ("saved, run me again", as mpistrat's preemption checkpoint handler does), and on a
 # restart resumes from the saved step and finishes a few steps later.
 RESUMABLE = textwrap.dedent('''
     import os
@@ -149,33 +149,28 @@ def test_a_template_without_its_environment_says_how_to_fix_it(slurm, scripts):
     assert "set VENV=" in job.output, job
 
 
-@pytest.mark.parametrize("to", ["batch", "steps"])
-def test_sigusr1_checkpoints_and_requeues(slurm, scripts, to):
-    """``--signal=B:USR1@N`` reaches the batch shell, whose trap passes it to the ranks;
-    ``--signal=USR1@N`` reaches the ranks, which exit 42. Either way the script saves,
-    the job is requeued (same job id, log appended) and the restart resumes."""
+def test_ranks_that_save_on_sigusr1_and_exit_42_requeue_the_job(slurm, scripts):
+    """``--signal=USR1@N`` (without ``B:``) reaches the ranks, not the batch shell: they
+    save and exit 42, which the template takes as "run me again". The job is requeued
+    (same job id, log appended) and the restart resumes from the saved step. (The trap
+    for ``B:USR1`` is tested with the digits example below.)"""
     out = scripts / "job.out"
     checkpoint = scripts / "step.txt"
     job_id = slurm.sbatch("cpu.sbatch", scripts / "resumable.py", checkpoint, output=out,
                           options=TWO_RANKS, env={"SHOW_INFO": "0"})
     slurm.wait_for_output(out, "running")
-    signal_to = ["--batch"] if to == "batch" else []
-    sent = slurm.run(["scancel", "--signal=USR1", *signal_to, job_id])
+    sent = slurm.run(["scancel", "--signal=USR1", job_id])  # the job's steps only
     assert sent.returncode == 0, sent.stderr
     job = slurm.wait(job_id, out, timeout=90)
-    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job
-    assert job.fields.get("Restarts") == "1", job
+    assert (job.state, job.exit_code, job.fields.get("Restarts")) == ("COMPLETED", "0:0", "1"), job
     saved = int(checkpoint.read_text())
     lines = [line for line in job.output.splitlines() if not line.startswith("mpistrat-job: job")]
-    expected = [
-        "started", "running",
-        *(["mpistrat-job: SIGUSR1 at"] if to == "batch" else []),
-        f"checkpointed at step {saved}",
-        "mpistrat-job: ranks stopped (exit status 42); requeueing job",
-        f"resumed from step {saved}", f"finished at step {saved + 3}",
-    ]
+    expected = ["started", "running", f"checkpointed at step {saved}",
+                "mpistrat-job: ranks stopped (exit status 42); requeueing job",
+                f"resumed from step {saved}", f"finished at step {saved + 3}"]
     found = [next((line for line in lines if line.startswith(e)), None) for e in expected]
     assert None not in found and found == sorted(found, key=lines.index), job
+    assert "mpistrat-job: SIGUSR1 at" not in job.output, job
 
 
 def test_gpu_template_gives_each_rank_its_gpu(slurm, scripts):
@@ -223,3 +218,24 @@ def test_bench_template_writes_its_results(slurm, scripts):
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job
     assert "2 rank(s)" in job.output and "xring" in job.output, job
     assert {p.name for p in results.iterdir()} == {"sweep.json", "sweep.md", "allreduce.spec"}
+
+
+def test_default_job_trains_the_example_and_resumes_it_after_sigusr1(slurm, tmp_path):
+    """The template's default script, examples/digits_mlp.py, interrupted by SIGUSR1 part
+    way: it saves, the job requeues, and the restart finishes the remaining epochs only."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    out = tmp_path / "job.out"
+    job_id = slurm.sbatch(
+        "cpu.sbatch", output=out, options=TWO_RANKS,
+        env={"SHOW_INFO": "0",
+             "SCRIPT_ARGS": f"--epochs 30 --no-progress --checkpoint-dir {tmp_path / 'ckpt'}"})
+    slurm.wait_for_output(out, "epoch   3/30")
+    sent = slurm.run(["scancel", "--signal=USR1", "--batch", job_id])
+    assert sent.returncode == 0, sent.stderr
+    job = slurm.wait(job_id, out, timeout=90)
+    assert (job.state, job.exit_code, job.fields.get("Restarts")) == ("COMPLETED", "0:0", "1"), job
+    assert "mpistrat-job: SIGUSR1 at" in job.output and "requeueing job" in job.output, job
+    epochs = re.findall(r"^epoch +(\d+)/30", job.output, flags=re.M)
+    assert epochs.count("1") == 1 and epochs.count("30") == 1, job  # resumed, not restarted
+    (accuracy,) = re.findall(r"^final test accuracy (\S+)", job.output, flags=re.M)
+    assert float(accuracy) > 0.9, job
