@@ -69,27 +69,27 @@ job_info() {
 # is requeued (at most MAX_RESTARTS times) and resumes from that checkpoint. Ranks that end
 # with REQUEUE_EXIT_STATUS (they saved on a signal of their own) requeue the job too.
 job_run() {
-    local child status waited=0
-    preempted=0
-    trap '_job_on_usr1' USR1
-    "${launch[@]}" "$@" &
-    child=$!
-    _job_child=$child
-    while kill -0 "$child" 2>/dev/null; do
-        if [ "$preempted" = 1 ]; then
-            [ "$waited" -ge "$CHECKPOINT_GRACE" ] && break
-            sleep 1 & wait $!
-            waited=$((waited + 1))
+    local child status=0 waited=0
+    if [ "$preempted" = 0 ]; then
+        "${launch[@]}" "$@" &
+        child=$!
+        _job_child=$child
+        while kill -0 "$child" 2>/dev/null; do
+            if [ "$preempted" = 1 ]; then
+                [ "$waited" -ge "$CHECKPOINT_GRACE" ] && break
+                sleep 1 & wait $!
+                waited=$((waited + 1))
+            else
+                wait "$child"    # returns early when SIGUSR1 arrives
+            fi
+        done
+        if kill -0 "$child" 2>/dev/null; then
+            echo "mpistrat-job: the ranks still run ${CHECKPOINT_GRACE} s after SIGUSR1 (CHECKPOINT_GRACE); requeueing anyway" >&2
+            status=124
         else
-            wait "$child"    # returns early when SIGUSR1 arrives
+            wait "$child"
+            status=$?
         fi
-    done
-    if kill -0 "$child" 2>/dev/null; then
-        echo "mpistrat-job: the ranks still run ${CHECKPOINT_GRACE} s after SIGUSR1 (CHECKPOINT_GRACE); requeueing anyway" >&2
-        status=124
-    else
-        wait "$child"
-        status=$?
     fi
     if [ "$preempted" = 1 ] || [ "$status" = "$REQUEUE_EXIT_STATUS" ]; then
         if [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_RESTARTS" ]; then
@@ -106,7 +106,16 @@ job_run() {
 }
 
 _job_on_usr1() {
-    echo "mpistrat-job: SIGUSR1 at $(date +%T): passing it to the ranks so they checkpoint and stop"
     preempted=1
-    kill -USR1 "$_job_child" 2>/dev/null
+    if [ -n "$_job_child" ]; then
+        echo "mpistrat-job: SIGUSR1 at $(date +%T): passing it to the ranks so they checkpoint and stop"
+        kill -USR1 "$_job_child" 2>/dev/null
+    else    # before the ranks start (during mpistrat info): they will not start
+        echo "mpistrat-job: SIGUSR1 at $(date +%T), before the ranks started"
+    fi
 }
+
+# From here on SIGUSR1 is caught (its default action would end the batch shell).
+preempted=0
+_job_child=
+trap '_job_on_usr1' USR1
