@@ -123,8 +123,10 @@ def _settings() -> Any:
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
         gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, script_and_args):
-    """Run a Python training script on every rank, as __main__, inside a default
-    MultiWorkerMirroredStrategy (mpistrat.get_strategy() returns it).
+    """Run a training script on every rank in a default MultiWorkerMirroredStrategy.
+
+    The script runs as __main__ with its arguments; mpistrat.get_strategy() returns the
+    strategy the options describe.
 
     An uncaught exception or a non-zero sys.exit on any rank prints that rank's
     traceback, tagged with its rank, once, and ends the whole job with a non-zero
