@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..errors import MpistratError
+from ._ranked import RankedCommand
 
 __all__ = ["bench"]
 
@@ -22,38 +23,13 @@ _MEASURING = _BATCH_ONLY + tuple(n for n in _SWEEP_ONLY if n != "ranks_per_node"
     "mpi_env", "plugin", "np_", "mpiexec")
 
 
-def _launcher_rank() -> int | None:
-    from ..launch.env import detect
-
-    return detect().rank
-
-
-class BenchCommand(click.Command):
+class BenchCommand(RankedCommand):
     """Keeps the raw arguments (for self-launching) and lets only rank 0 print errors:
     every rank parses the same options, so every rank fails alike."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["mpistrat.bench.args"] = list(args)
         return super().parse_args(ctx, args)
-
-    @staticmethod
-    def _quiet(exc: click.ClickException) -> None:
-        if _launcher_rank() not in (None, 0):
-            raise click.exceptions.Exit(exc.exit_code) from None
-
-    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.ClickException as exc:
-            self._quiet(exc)
-            raise
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.ClickException as exc:
-            self._quiet(exc)
-            raise
 
 
 def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:

@@ -8,14 +8,9 @@ from typing import Any
 import click
 
 from ..errors import MpistratError
+from ._ranked import RankedCommand
 
 __all__ = ["run"]
-
-
-def _launcher_rank() -> int | None:
-    from ..launch.env import detect
-
-    return detect().rank
 
 
 class _SetupError(click.ClickException):
@@ -27,31 +22,12 @@ class _SetupError(click.ClickException):
         return self.message
 
 
-class RunCommand(click.Command):
+class RunCommand(RankedCommand):
     """Options end at the script (or at ``-m MODULE``): what follows is the script's.
     Every rank parses the same arguments, so only rank 0 prints an error."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, _end_options_at_module(args))
-
-    @staticmethod
-    def _quiet(exc: click.ClickException) -> None:
-        if _launcher_rank() not in (None, 0):
-            raise click.exceptions.Exit(exc.exit_code) from None
-
-    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.ClickException as exc:
-            self._quiet(exc)
-            raise
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.ClickException as exc:
-            self._quiet(exc)
-            raise
 
 
 def _end_options_at_module(args: list[str]) -> list[str]:
