@@ -198,20 +198,15 @@ class PackPlan:
             PackingError: the batch's length, a shape or a dtype differs from the plan.
         """
         arrays = list(arrays)
-        self._check_batch(arrays)
-        flats: dict[int, Any] = {}
         packs = []
-        for pack in self.packs:
+        for pack, views in zip(self.packs, self.segments(arrays)):
             if allocate is not None:
                 buffer = allocate(pack.size, pack.dtype)
             else:
                 template = arrays[pack.members[0].index] if pack.members else arrays[0]
                 buffer = np.empty_like(template, dtype=pack.dtype, shape=(pack.size,))
-            for m in pack.members:
-                flat = flats.get(m.index)
-                if flat is None:
-                    flat = flats[m.index] = arrays[m.index].reshape(-1)
-                buffer[m.offset:m.offset + m.size] = flat[m.start:m.start + m.size]
+            for m, view in zip(pack.members, views):
+                buffer[m.offset:m.offset + m.size] = view
             packs.append(buffer)
         return packs, [arrays[i] for i in self.passthrough]
 

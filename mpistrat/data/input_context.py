@@ -3,20 +3,9 @@ knows about the input pipeline it builds (``tf.distribute.InputContext``)."""
 
 from __future__ import annotations
 
-import operator
-from typing import Any
+from .rebatch import _count
 
 __all__ = ["InputContext"]
-
-
-def _count(value: Any, what: str, low: int) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {value!r}") from None
-    if isinstance(value, bool) or number < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
-    return number
 
 
 class InputContext:
