@@ -44,6 +44,8 @@ def implementation(name: str) -> Implementation:
     info = get(name)
     if name in _FLAT:
         return _FLAT[name]
+    if info.needs_gpu and _gpu_implementation is not None:
+        return _gpu_implementation(name)
     if info.needs_gpu:
         raise BackendUnavailable(
             f"algorithm {name!r} runs on GPU buffers through CuPy/NCCL; these are host "
@@ -51,6 +53,10 @@ def implementation(name: str) -> Implementation:
             f"'pscpu/pscpu'"
         )
     raise BackendUnavailable(f"algorithm {name!r} has no host implementation")
+
+
+# The GPU algorithms (``nccl``, ``psgpu``) plug in here; they import CuPy lazily.
+_gpu_implementation: Callable[[str], Implementation] | None = None
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,6 +32,9 @@ class Implementation:
         reduce_to_root: ``f(comm, buf, *, op, backend, root)`` leaving the reduction on
             ``root`` only, when the algorithm has a cheaper form for that (used as the
             intra-node stage of hierarchical algorithms).
+        broadcast: ``f(comm, buf, *, backend, root)`` copying ``root``'s buffer to every
+            rank, when the algorithm has a faster way than ``MPI_Bcast`` (shared memory,
+            NCCL); used for the last stage of hierarchical algorithms.
         out_of_place: ``all_reduce`` also takes ``source=`` (a :class:`.source.Source`)
             and reduces it into ``buf`` without first copying it there.
     """
@@ -39,6 +42,7 @@ class Implementation:
     all_reduce: Callable[..., None]
     reduce_to_root: Callable[..., None] | None = None
     out_of_place: bool = False
+    broadcast: Callable[..., None] | None = None
 
 
 def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
@@ -61,5 +65,8 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
         inter.all_reduce(topology.leader_comm, buf, op=op, shards=shards, backend=backend,
                          rotation=rotation)
     if topology.local_size > 1:
-        backend.synchronize()
-        node_comm.Bcast([backend.comm_view(buf), mpi().BYTE], root=0)
+        if intra.broadcast is not None:
+            intra.broadcast(node_comm, buf, backend=backend, root=0)
+        else:
+            backend.synchronize()
+            node_comm.Bcast([backend.comm_view(buf), mpi().BYTE], root=0)
