@@ -1,8 +1,9 @@
 """Describe the MPI/GPU environment of a job: what ``mpistrat info`` reports.
 
-:func:`collect_info` is collective: every rank probes itself (host, node group, GPUs,
-CuPy, NCCL, CUDA-aware MPI and, inside a Slurm job, what Slurm gave it) and the records
-are gathered, so rank 0 can print one table for the whole job.
+:func:`collect_info` is collective: every rank probes itself (host, node group, GPUs
+and which of them it would use, CuPy, NCCL, CUDA-aware MPI and, inside a Slurm job, what
+Slurm gave it) and the records are gathered, so rank 0 can print one table for the whole
+job.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Any
 from . import __version__
 from ._mpi import mpi, world
 from .backends.capabilities import cuda_aware_mpi, mpi_library_path, probe_gpus
+from .devices import assign_devices, duplicate_devices
+from .errors import TopologyError
 from .launch.env import detect
 from .topology import get_topology
 
-__all__ = ["collect_info", "slurm_task", "slurm_job"]
+__all__ = ["collect_info", "slurm_task", "slurm_job", "gpu_mapping"]
 
 _THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
 
@@ -108,8 +111,31 @@ def slurm_job(tasks: list[dict[str, Any] | None], world_size: int) -> tuple[
     return summary, notes
 
 
-def _rank_record(topology: Any, MPI: Any, gpus: bool, env: Mapping[str, str]) -> dict[str, Any]:
+def gpu_mapping(probe: Any, local_rank: int, local_size: int, gpus_per_rank: int,
+                visible: str | None) -> tuple[list[list[Any]] | None, str]:
+    """The GPUs :func:`mpistrat.devices.assign_devices` gives this rank, for the report.
+
+    Returns:
+        ``([[ordinal, physical id], ...], "")``, or ``(None, why)`` when the rank gets no
+        GPU (no probe, no CuPy, no device, or not enough devices for its share).
+    """
+    if probe is None:
+        return None, "GPU probe skipped (--no-gpu)"
+    if not probe.usable:
+        return None, f"no GPUs: {probe.reason}"
+    try:
+        a = assign_devices(local_rank, local_size, gpus_per_rank, visible, len(probe.devices),
+                           probe.identities)
+    except TopologyError as exc:
+        return None, str(exc)
+    return [[o, p] for o, p in zip(a.ordinals, a.physical)], ""
+
+
+def _rank_record(topology: Any, MPI: Any, gpus: bool, env: Mapping[str, str],
+                 gpus_per_rank: int = 1) -> dict[str, Any]:
     probe = probe_gpus() if gpus else None
+    assigned, why = gpu_mapping(probe, topology.local_rank, topology.local_size,
+                                gpus_per_rank, env.get("CUDA_VISIBLE_DEVICES"))
     return {
         "rank": topology.rank,
         "host": topology.hostnames[topology.rank],
@@ -123,19 +149,33 @@ def _rank_record(topology: Any, MPI: Any, gpus: bool, env: Mapping[str, str]) ->
         "cupy": probe.cupy if probe else None,
         "nccl": probe.nccl if probe else None,
         "gpu_note": (probe.reason if probe else "GPU probe skipped (--no-gpu)"),
+        "assigned_gpus": assigned,
+        "assignment_note": why,
         "cuda_aware_mpi": cuda_aware_mpi(MPI),
         "slurm": slurm_task(env, _cpus()),
     }
 
 
+def _shared_gpu_notes(records: list[dict[str, Any]]) -> list[str]:
+    claims = [(r["host"], [p for _, p in (r["assigned_gpus"] or [])]) for r in records]
+    return [
+        f"rank(s) {sorted(set(ranks))} on {host} share GPU {gpu}: fine for the MPI "
+        f"algorithms (xring, rechd, psgpu), but NCCL ('nccl', 'nccl/...') needs a different "
+        f"GPU for every rank"
+        for (host, gpu), ranks in sorted(duplicate_devices(claims).items())
+    ]
+
+
 def collect_info(comm: Any = None, gpus: bool = True,
-                 env: Mapping[str, str] | None = None) -> dict[str, Any]:
+                 env: Mapping[str, str] | None = None,
+                 gpus_per_rank: int = 1) -> dict[str, Any]:
     """Gather a description of the job (collective over ``comm``).
 
     Args:
         comm: the communicator to describe (default ``COMM_WORLD``).
         gpus: probe CuPy and CUDA devices on every rank (imports CuPy when installed).
         env: this rank's environment (default ``os.environ``).
+        gpus_per_rank: ``G``, for the rank -> GPU mapping (see :mod:`mpistrat.devices`).
 
     Returns:
         A JSON-ready dict, the same on every rank: versions, the MPI library, the
@@ -149,8 +189,9 @@ def collect_info(comm: Any = None, gpus: bool = True,
     MPI = mpi()
     comm = world() if comm is None else comm
     topology = get_topology(comm)
-    records = comm.allgather(_rank_record(topology, MPI, gpus, env))
+    records = comm.allgather(_rank_record(topology, MPI, gpus, env, gpus_per_rank))
     slurm, notes = slurm_job([r["slurm"] for r in records], topology.size)
+    notes = _shared_gpu_notes(records) + notes
     launch = detect(env)
     vendor, vendor_version = MPI.get_vendor()
     major, minor = MPI.Get_version()
@@ -176,6 +217,7 @@ def collect_info(comm: Any = None, gpus: bool = True,
         "nodes": topology.num_nodes,
         "ranks_per_node": [len(r) for r in topology.node_ranks],
         "virtual_ranks_per_node": topology.ranks_per_node,
+        "gpus_per_rank": gpus_per_rank,
         "slurm": slurm,
         "ranks": records,
         "notes": notes,

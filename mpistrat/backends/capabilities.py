@@ -25,12 +25,14 @@ class GpuProbe:
         devices: ``(id, name)`` of every CUDA device visible to this process.
         nccl: NCCL's version through ``cupy.cuda.nccl``, or None.
         reason: why there are no devices / no NCCL, when that is the case.
+        identities: UUID (else PCI bus id, else None) of each device, by ordinal.
     """
 
     cupy: str | None = None
     devices: tuple[tuple[int, str], ...] = field(default_factory=tuple)
     nccl: str | None = None
     reason: str = ""
+    identities: tuple[str | None, ...] = field(default_factory=tuple)
 
     @property
     def usable(self) -> bool:
@@ -68,7 +70,11 @@ def probe_gpus() -> GpuProbe:
         reason = f"NCCL not usable through CuPy: {exc}"
     if not devices and not reason:
         reason = "CuPy sees no CUDA device (check CUDA_VISIBLE_DEVICES)"
-    return GpuProbe(cupy=version, devices=tuple(devices), nccl=nccl, reason=reason)
+    from ..devices import device_identity
+
+    identities = tuple(device_identity(cupy, index) for index, _ in devices)
+    return GpuProbe(cupy=version, devices=tuple(devices), nccl=nccl, reason=reason,
+                    identities=identities)
 
 
 def _format_nccl_version(code: int) -> str:

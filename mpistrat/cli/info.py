@@ -50,6 +50,25 @@ def _slurm_line(slurm: dict[str, Any]) -> str:
     return line
 
 
+def _mapping_lines(data: dict[str, Any]) -> list[str]:
+    """The rank -> GPU mapping (``uses`` column in full), or why ranks have no GPU."""
+    ranks = [r for r in data["ranks"] if "assigned_gpus" in r]
+    if not ranks:
+        return []
+    g = data.get("gpus_per_rank", 1)
+    if all(r["assigned_gpus"] is None for r in ranks):
+        reasons = sorted({r["assignment_note"] for r in ranks})
+        return [f"GPU mapping  none: {'; '.join(reasons)}"]
+    lines = [f"GPU mapping  {g} GPU(s) per rank (CUDA ordinal, physical GPU):"]
+    for r in ranks:
+        if r["assigned_gpus"] is None:
+            lines.append(f"  rank {r['rank']}: none: {r['assignment_note']}")
+        else:
+            used = ", ".join(f"{o} ({p})" for o, p in r["assigned_gpus"])
+            lines.append(f"  rank {r['rank']}: {used}")
+    return lines
+
+
 def render_info(data: dict[str, Any]) -> str:
     """The human form of :func:`mpistrat.info.collect_info`'s result.
 
@@ -80,10 +99,11 @@ def render_info(data: dict[str, Any]) -> str:
     rows = []
     for r in data["ranks"]:
         gpus = ", ".join(f"{i}:{name}" for i, name in r["gpus"]) or "none"
+        uses = ",".join(str(o) for o, _ in r.get("assigned_gpus") or []) or "-"
         rows.append((
             r["rank"], r["host"], r["node"], f"{r['local_rank']}/{r['local_size']}",
             "yes" if r["leader"] else "", r["pid"], r["cuda_visible_devices"] or "-", gpus,
-            r["cupy"] or "no", r["nccl"] or "no", _yes_no(r["cuda_aware_mpi"]),
+            uses, r["cupy"] or "no", r["nccl"] or "no", _yes_no(r["cuda_aware_mpi"]),
         ))
         task = r.get("slurm")
         if slurm:
@@ -91,10 +111,11 @@ def render_info(data: dict[str, Any]) -> str:
                           _cpu_list(task["cpus"]), task["gpus"] or "-") if task else
                          ("-",) * 5)
     headers = ["rank", "host", "node", "local", "leader", "pid", "CUDA_VISIBLE_DEVICES", "GPUs",
-               "CuPy", "NCCL", "CUDA-aware MPI"]
+               "uses", "CuPy", "NCCL", "CUDA-aware MPI"]
     if slurm:
         headers += ["Slurm node", "SLURM_PROCID", "SLURM_LOCALID", "CPUs", "Slurm GPUs"]
     lines.append(format_table(headers, rows))
+    lines += _mapping_lines(data)
     notes = sorted({r["gpu_note"] for r in data["ranks"] if r["gpu_note"]})
     for note in notes + data.get("notes", []):
         lines.append(f"note: {note}")
@@ -106,12 +127,16 @@ def render_info(data: dict[str, Any]) -> str:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
 @click.option("--no-gpu", is_flag=True, help="Do not probe CuPy or CUDA devices.")
-def info(as_json, no_gpu):
+@click.option("--gpus-per-rank", type=click.IntRange(min=1), default=1, show_default=True,
+              metavar="G", help="GPUs each rank would own, for the rank -> GPU mapping.")
+def info(as_json, no_gpu, gpus_per_rank):
     """Describe the MPI and GPU environment of every rank.
 
     Run it under the launcher to see the whole job; rank 0 prints one table.
-    Inside a Slurm job it also shows what Slurm gave each rank (node, SLURM_PROCID,
-    SLURM_LOCALID, CPUs, GPUs):
+    The "uses" column and the GPU mapping show the CUDA devices each rank would use
+    with --gpus-per-rank G (from CUDA_VISIBLE_DEVICES and its local rank), or why it
+    has none. Inside a Slurm job it also shows what Slurm gave each rank (node,
+    SLURM_PROCID, SLURM_LOCALID, CPUs, GPUs):
 
     \b
       mpiexec -n 4 mpistrat info
@@ -121,6 +146,6 @@ def info(as_json, no_gpu):
     from ..info import collect_info
     from .._mpi import world
 
-    data = collect_info(gpus=not no_gpu)
+    data = collect_info(gpus=not no_gpu, gpus_per_rank=gpus_per_rank)
     if world().Get_rank() == 0:
         click.echo(json.dumps(data, indent=2) if as_json else render_info(data))
