@@ -1,28 +1,113 @@
-"""Array backends (NumPy host buffers; CuPy device buffers later) and capability probes.
+"""Array backends (NumPy host buffers, CuPy device buffers) and capability probes.
 
-Nothing here imports CuPy at import time; probes import it lazily when asked.
+Nothing here imports CuPy at import time: :func:`get_backend` imports it only for an
+array whose type comes from CuPy (CuPy is then already loaded) or for a CUDA array of
+another library (``__cuda_array_interface__`` or a CUDA ``__dlpack_device__``, e.g. a
+PyTorch CUDA tensor), which :func:`as_array` converts to CuPy at the edge without a copy.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+from ..errors import BackendUnavailable
 from .numpy_backend import NumpyBackend
 
-__all__ = ["NumpyBackend", "get_backend"]
+__all__ = ["NumpyBackend", "get_backend", "as_array", "is_cuda_array"]
 
 _NUMPY = NumpyBackend()
+_CUPY: dict[int, Any] = {}  # device id -> CupyBackend
+
+# DLPack device types: kDLCUDA = 2, kDLCUDAManaged = 13 (kDLCUDAHost = 3 is host memory)
+_DLPACK_CUDA = (2, 13)
+
+_INSTALL = "pip install 'mpistrat[gpu]' (CuPy for CUDA 12; see docs/gpu.md)"
 
 
-def get_backend(array: Any) -> NumpyBackend:
-    """The backend that handles ``array``.
+def _from_cupy(array: Any) -> bool:
+    return type(array).__module__.split(".", 1)[0] == "cupy"
+
+
+def is_cuda_array(array: Any) -> str | None:
+    """How ``array`` exposes CUDA device memory (``"cupy"``, ``"__cuda_array_interface__"``,
+    ``"dlpack"``), or None for anything else. Imports nothing."""
+    if _from_cupy(array):
+        return "cupy"
+    try:
+        if hasattr(array, "__cuda_array_interface__"):
+            return "__cuda_array_interface__"
+        device = getattr(array, "__dlpack_device__", None)
+        if device is not None and hasattr(array, "__dlpack__"):
+            kind = device()[0]
+            if int(kind) in _DLPACK_CUDA:
+                return "dlpack"
+    except Exception:  # a property that raises (e.g. a CPU tensor's interface) is a "no"
+        return None
+    return None
+
+
+def _cupy_backend(array: Any, how: str) -> Any:
+    if not _from_cupy(array) and importlib.util.find_spec("cupy") is None:
+        raise BackendUnavailable(
+            f"cannot all-reduce a {type(array).__module__}.{type(array).__name__}: it is a "
+            f"CUDA device array ({how}), and device arrays need CuPy, which is not "
+            f"installed; install it with {_INSTALL}, or pass host (NumPy) arrays"
+        )
+    try:
+        from .cupy_backend import CupyBackend
+    except Exception as exc:
+        raise BackendUnavailable(
+            f"CuPy failed to import ({exc}); reinstall it with {_INSTALL}"
+        ) from exc
+    device = _device_of(array, how)
+    backend = _CUPY.get(device)
+    if backend is None:
+        backend = _CUPY[device] = CupyBackend(device)
+    return backend
+
+
+def _device_of(array: Any, how: str) -> int:
+    if how == "cupy":
+        return int(array.device.id)
+    if how == "dlpack":
+        return int(array.__dlpack_device__()[1])
+    import cupy
+
+    pointer = array.__cuda_array_interface__["data"][0]
+    if not pointer:
+        return int(cupy.cuda.Device().id)
+    return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)
+
+
+def get_backend(array: Any) -> Any:
+    """The backend that handles ``array``: NumPy for host arrays, CuPy (per device) for
+    CuPy arrays and other CUDA arrays.
 
     Raises:
+        BackendUnavailable: a CUDA array, but CuPy is not installed or broken.
         TypeError: no backend handles this kind of array.
     """
     if NumpyBackend.owns(array):
         return _NUMPY
+    how = is_cuda_array(array)
+    if how is not None:
+        return _cupy_backend(array, how)
     raise TypeError(
         f"cannot all-reduce a {type(array).__module__}.{type(array).__name__}: expected a "
-        f"NumPy array (or a value numpy.asarray accepts)"
+        f"NumPy array (or a value numpy.asarray accepts), a CuPy array, or a CUDA array "
+        f"exposing __cuda_array_interface__ or DLPack"
     )
+
+
+def as_array(value: Any) -> tuple[Any, Any]:
+    """``(backend, array)``: ``value`` as the array type its backend works on — CUDA
+    arrays of other libraries become CuPy arrays sharing their memory (no copy).
+
+    Raises:
+        BackendUnavailable, TypeError: as :func:`get_backend`.
+    """
+    backend = get_backend(value)
+    if backend is _NUMPY or _from_cupy(value):
+        return backend, value
+    return backend, backend.asarray(value)

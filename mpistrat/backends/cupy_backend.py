@@ -1,0 +1,120 @@
+"""The CuPy backend: device buffers, one backend per CUDA device.
+
+The same interface as :class:`~mpistrat.backends.numpy_backend.NumpyBackend`, so the
+algorithms run unchanged on device arrays. Design choices:
+
+* every operation runs on **the device of the backend** (``with Device(id)``) and on
+  **the current CuPy stream** of that device, so work queued by the caller before the
+  all-reduce is ordered before it; :meth:`synchronize` waits for that stream, and is
+  what must run before MPI reads device memory written by a kernel;
+* scratch buffers come from a per-tag pool grown by doubling (as on the host); results
+  (:meth:`recycled`) come from CuPy's own memory pool, which already reuses freed
+  device memory without a ``cudaMalloc``;
+* :meth:`comm_view` is a CuPy ``uint8`` view: mpi4py passes it to a CUDA-aware MPI
+  through ``__cuda_array_interface__``.
+
+CuPy is imported when the backend is created, never at ``import mpistrat``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..ops import ReduceOp
+
+__all__ = ["CupyBackend"]
+
+
+class CupyBackend:
+    """Device arrays (``cupy.ndarray``) on one CUDA device."""
+
+    name = "cupy"
+
+    def __init__(self, device: int = 0) -> None:
+        import cupy
+
+        self.xp = cupy
+        self.device = device
+        self._pool: dict[str, Any] = {}
+        self._ufuncs = {ReduceOp.SUM: cupy.add, ReduceOp.MIN: cupy.minimum,
+                        ReduceOp.MAX: cupy.maximum}
+
+    @staticmethod
+    def owns(array: Any) -> bool:
+        """True for CuPy arrays (checked without importing CuPy)."""
+        return type(array).__module__.split(".", 1)[0] == "cupy" and hasattr(array, "device")
+
+    def _on(self) -> Any:
+        return self.xp.cuda.Device(self.device)
+
+    def asarray(self, value: Any) -> Any:
+        """``value`` as a CuPy array on this device: no copy for CuPy arrays and objects
+        exposing ``__cuda_array_interface__`` (e.g. PyTorch CUDA tensors); DLPack
+        producers are imported with ``cupy.from_dlpack`` (also zero-copy)."""
+        xp = self.xp
+        with self._on():
+            if isinstance(value, xp.ndarray) or hasattr(value, "__cuda_array_interface__"):
+                return xp.asarray(value)
+            if hasattr(value, "__dlpack__"):
+                return xp.from_dlpack(value)
+            return xp.asarray(value)
+
+    def flat_copy(self, array: Any) -> Any:
+        """A new C-contiguous 1-D copy of ``array``."""
+        with self._on():
+            return self.xp.array(array, copy=True, order="C").reshape(-1)
+
+    def flat_view(self, array: Any) -> Any | None:
+        """A 1-D view sharing ``array``'s memory, or None if it is not C-contiguous."""
+        return array.reshape(-1) if array.flags.c_contiguous else None
+
+    def scratch(self, tag: str, count: int, dtype: Any) -> Any:
+        """A reusable 1-D device temporary (valid until the next call with ``tag``)."""
+        import numpy as np
+
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        pool = self._pool.get(tag)
+        if pool is None or pool.nbytes < nbytes:
+            capacity = max(4096, 1 << max(nbytes - 1, 1).bit_length())
+            with self._on():
+                pool = self.xp.empty(capacity, dtype=self.xp.uint8)
+            self._pool[tag] = pool
+        return pool[:nbytes].view(dtype)
+
+    def recycled(self, count: int, dtype: Any) -> Any:
+        """A new 1-D device array (CuPy's memory pool recycles freed blocks)."""
+        with self._on():
+            return self.xp.empty(count, dtype=dtype)
+
+    def combine(self, op: ReduceOp, dst: Any, src: Any) -> None:
+        """``dst = op(dst, src)`` element-wise, in place, on the current stream."""
+        with self._on():
+            self._ufuncs[op.primitive](dst, src, out=dst)
+
+    def divide(self, array: Any, count: int) -> Any:
+        """``array / count``: in place for inexact dtypes, a new float64 array for integers."""
+        xp = self.xp
+        with self._on():
+            if array.dtype.kind in "fc":
+                xp.true_divide(array, array.dtype.type(count), out=array)
+                return array
+            return xp.true_divide(array, count, dtype=xp.float64)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """``dst[...] = src`` (device to device, on the current stream)."""
+        with self._on():
+            self.xp.copyto(dst, src)
+
+    def comm_view(self, array: Any) -> Any:
+        """The bytes of a contiguous 1-D device array (a ``uint8`` view)."""
+        return array.view(self.xp.uint8)
+
+    def synchronize(self) -> None:
+        """Wait until the current stream of this device has finished its work."""
+        with self._on():
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def release(self) -> None:
+        """Drop the scratch pool (its device memory goes back to CuPy's pool)."""
+        self._pool.clear()
