@@ -13,6 +13,9 @@ Variables:
         have not arrived in a collective (default 60; 0 turns the check off).
     MPISTRAT_COLLECTIVE_TIMEOUT: seconds after which ``mpistrat run`` gives up waiting
         in a collective and aborts the job (default: never).
+    MPISTRAT_CUDA_AWARE_MPI: ``1`` passes GPU buffers to MPI directly, ``0`` stages them
+        through pinned host memory, ``auto`` (default) asks the MPI library
+        (``MPIX_Query_cuda_support``). Also ``true/false``, ``yes/no``, ``on/off``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = ["Settings"]
 RANKS_PER_NODE = "MPISTRAT_RANKS_PER_NODE"
 STALL_CHECK = "MPISTRAT_STALL_CHECK"
 COLLECTIVE_TIMEOUT = "MPISTRAT_COLLECTIVE_TIMEOUT"
+CUDA_AWARE_MPI = "MPISTRAT_CUDA_AWARE_MPI"
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,14 @@ class Settings:
         ranks_per_node: virtual node size (None: physical nodes).
         stall_check: seconds before a stall report (None: unset; 0: off).
         collective_timeout: seconds before a collective gives up (None: unset; 0: never).
+        cuda_aware_mpi: force passing GPU buffers to MPI (True) or staging them (False);
+            None: detect.
     """
 
     ranks_per_node: int | None = None
     stall_check: float | None = None
     collective_timeout: float | None = None
+    cuda_aware_mpi: bool | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -49,7 +56,8 @@ class Settings:
         env = os.environ if environ is None else environ
         return cls(ranks_per_node=_positive_int(env, RANKS_PER_NODE),
                    stall_check=_seconds(env, STALL_CHECK),
-                   collective_timeout=_seconds(env, COLLECTIVE_TIMEOUT))
+                   collective_timeout=_seconds(env, COLLECTIVE_TIMEOUT),
+                   cuda_aware_mpi=_on_off_auto(env, CUDA_AWARE_MPI))
 
 
 def _positive_int(env: Mapping[str, str], name: str) -> int | None:
@@ -88,3 +96,23 @@ def _seconds(env: Mapping[str, str], name: str) -> float | None:
         )
         return None
     return value
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _on_off_auto(env: Mapping[str, str], name: str) -> bool | None:
+    text = env.get(name, "").strip()
+    if not text or text.lower() == "auto":
+        return None
+    if text.lower() in _ON:
+        return True
+    if text.lower() in _OFF:
+        return False
+    warnings.warn(
+        f"{name}={text!r} is not 1, 0 or auto; ignoring it (detecting instead; expected "
+        f"e.g. {name}=0 to stage GPU buffers through host memory)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None

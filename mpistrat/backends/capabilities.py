@@ -13,7 +13,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GpuProbe", "probe_gpus", "mpi_library_path", "cuda_aware_mpi"]
+__all__ = ["GpuProbe", "probe_gpus", "mpi_library_path", "cuda_aware_mpi",
+           "cuda_aware_choice", "device_buffers_to_mpi"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,44 @@ def cuda_aware_mpi(MPI: Any) -> bool | None:
     query.restype = ctypes.c_int
     query.argtypes = []
     return bool(query())
+
+
+def cuda_aware_choice(MPI: Any, forced: bool | None) -> tuple[bool, str]:
+    """Whether this process would pass device buffers to MPI, and why.
+
+    Args:
+        MPI: the ``mpi4py.MPI`` module (initialised).
+        forced: ``Settings.cuda_aware_mpi`` (``MPISTRAT_CUDA_AWARE_MPI``): True or False
+            decide; None asks the library, and an unknown answer means staging (safe).
+    """
+    if forced is not None:
+        return forced, f"MPISTRAT_CUDA_AWARE_MPI={'1' if forced else '0'}"
+    answer = cuda_aware_mpi(MPI)
+    if answer is None:
+        return False, "the MPI library cannot tell (no MPIX_Query_cuda_support): staged"
+    return answer, f"MPIX_Query_cuda_support() = {int(answer)}"
+
+
+def device_buffers_to_mpi(comm: Any, forced: bool | None = None) -> bool:
+    """True: the algorithms pass device buffers to MPI directly (CUDA-aware MPI); False:
+    they stage them through pinned host memory (:mod:`mpistrat.algorithms.staging`).
+
+    Collective on the first call for ``comm`` (the answer is cached on it): every rank
+    must move its bytes the same way, since staged transfers are cut into chunks, so
+    the ranks agree — direct only if every rank can. ``forced`` defaults to
+    ``MPISTRAT_CUDA_AWARE_MPI``.
+    """
+    from .._commcache import comm_cache
+    from .._mpi import mpi
+
+    cache = comm_cache(comm)
+    key = ("device_buffers_to_mpi",)
+    if key not in cache:
+        MPI = mpi()
+        if forced is None:
+            from ..config import Settings
+
+            forced = Settings.from_env().cuda_aware_mpi
+        mine, _ = cuda_aware_choice(MPI, forced)
+        cache[key] = bool(comm.allreduce(int(mine), op=MPI.MIN))
+    return cache[key]

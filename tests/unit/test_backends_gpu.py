@@ -81,3 +81,23 @@ def test_unknown_objects_are_type_errors():
 def test_backend_unavailable_is_not_a_type_error():
     """Callers that catch TypeError for 'not an array' must not swallow a missing CuPy."""
     assert not issubclass(BackendUnavailable, TypeError)
+
+
+# --- CUDA-aware MPI: forced or detected ----------------------------------------------------
+
+
+class _UninitialisedMPI:
+    @staticmethod
+    def Is_initialized():
+        return False
+
+
+@pytest.mark.parametrize(("forced", "direct", "why"), [
+    (True, True, "MPISTRAT_CUDA_AWARE_MPI=1"), (False, False, "MPISTRAT_CUDA_AWARE_MPI=0"),
+    (None, False, "cannot tell"),
+])
+def test_cuda_aware_choice(forced, direct, why):
+    from mpistrat.backends.capabilities import cuda_aware_choice
+
+    got, reason = cuda_aware_choice(_UninitialisedMPI, forced)
+    assert got is direct and why in reason
