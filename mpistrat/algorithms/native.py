@@ -3,7 +3,9 @@
 Steps: one ``MPI_Allreduce`` in place. Dtypes MPI has no predefined type for (e.g.
 bfloat16 from ml_dtypes) go through a user-defined, commutative ``MPI.Op`` over a
 contiguous byte type, applying the NumPy ufunc. Preconditions: none beyond a contiguous
-1-D buffer.
+1-D buffer. CuPy buffers go to a CUDA-aware MPI as they are (after a stream sync), else
+through pinned host memory in chunks, each reduced by ``MPI_Iallreduce`` as soon as its
+copy lands (:func:`.staging.staged_allreduce`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,29 @@ def _typed(buf: np.ndarray, op: ReduceOp) -> tuple[Any, Any]:
     return [buf.view(np.uint8), buf.size, datatype], mpi_op
 
 
+def _direct(comm: Any) -> bool:
+    from ..backends.capabilities import device_buffers_to_mpi
+
+    return device_buffers_to_mpi(comm)
+
+
+def _staged(comm: Any, buf: Any, op: ReduceOp, backend: Any) -> None:
+    """Device buffer, MPI not CUDA-aware: chunked Iallreduce through pinned host memory."""
+    from .staging import staged_allreduce
+
+    dtype = np.dtype(buf.dtype)
+    sample = np.empty(0, dtype)
+    spec, mpi_op = _typed(sample, op)
+    mover = backend.mover()
+    if len(spec) == 2:
+        def typed(host: np.ndarray) -> Any:
+            return [host.view(dtype), spec[1]]
+    else:
+        def typed(host: np.ndarray) -> Any:
+            return [host, host.nbytes // dtype.itemsize, spec[2]]
+    staged_allreduce(comm, buf, mover, typed, mpi_op)
+
+
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
                rotation: int = 0, source: Source | None = None) -> None:
     """Reduce ``buf`` across ``comm`` with ``MPI_Allreduce`` (``shards`` ignored): in place,
@@ -52,6 +77,13 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
         source = None
     if comm.Get_size() == 1 or buf.size == 0:
         return
+    if backend.name == "cupy" and not _direct(comm):
+        if source is not None:
+            source.copy_into(buf, backend=backend)
+        _staged(comm, buf, op, backend)
+        return
+    if backend.name == "cupy":
+        backend.synchronize()  # a CUDA-aware MPI reads device memory: kernels must be done
     spec, mpi_op = _typed(buf, op)
     if source is not None:
         comm.Allreduce(_typed(source.segments[0], op)[0], spec, op=mpi_op)

@@ -16,6 +16,9 @@ Out of place (``source`` given, see :mod:`.source`): a rank's first send of each
 pipeline goes out straight from the source, every reduce-scatter receive lands in ``buf``
 (no scratch slot) and the rank's own source piece is added there; nothing is copied.
 
+Messages go through the backend's transport (:mod:`.staging`): straight to MPI for host
+buffers and with a CUDA-aware MPI, else staged through pinned host memory.
+
 Every segment is reduced exactly once and then copied, so all ranks end bitwise
 identical. Bytes sent per rank: ``2 (n - 1) / n`` of the buffer. Works for any length
 (chunks may be empty) and any ``n``. Preconditions: contiguous 1-D buffer, ``S >= 1``.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._mpi import mpi
 from ..ops import ReduceOp
 from ._chunks import even_bounds
 from .source import Source
@@ -42,7 +44,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
         if source is not None:
             source.copy_into(buf, backend=backend)
         return
-    MPI = mpi()
+    transport = backend.transport(comm)
     pipelines = shards
     rank = comm.Get_rank()
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -70,7 +72,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             send_seg, recv_seg = (rank - t) % n, (rank - t - 1) % n
         else:
             if t == n - 1:  # entering all-gather: earlier sends read what we now overwrite
-                MPI.Request.Waitall(sends[s])
+                transport.waitall(sends[s])
                 sends[s].clear()
             t -= n - 1
             send_seg, recv_seg = (rank + 1 - t) % n, (rank - t) % n
@@ -78,7 +80,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
         if source is not None and step[s] == 0:  # our own piece, straight from the source
             sends[s].extend(source.isend(comm, lo, hi, right, s, backend))
         else:
-            sends[s].append(comm.Isend([raw[lo * size:hi * size], MPI.BYTE], right, tag=s))
+            sends[s].append(transport.isend(raw[lo * size:hi * size], right, s))
         lo, hi = chunk(recv_seg, s)
         pending[s] = (lo, hi)
         if source is not None and step[s] == 0:  # the left neighbour sends from its source
@@ -89,7 +91,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             target = slots_raw[offset:offset + (hi - lo) * size]
         else:
             target = raw[lo * size:hi * size]
-        recvs[s] = [comm.Irecv([target, MPI.BYTE], left, tag=s)]
+        recvs[s] = [transport.irecv(target, left, s)]
 
     for s in range(pipelines):
         post(s)
@@ -112,4 +114,4 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             if step[s] < last:
                 post(s)
     for requests in sends:
-        MPI.Request.Waitall(requests)
+        transport.waitall(requests)

@@ -19,13 +19,16 @@ on all ranks since every piece is reduced on exactly one rank. Preconditions: ``
 
 :func:`reduce_to_root` is the same shuffle with step 4 sending only to one root: the
 intra-node stage of hierarchical ``pscpu/...`` algorithms.
+
+With CuPy buffers this is ``psgpu``: the gather ranks add the pieces on their GPU (the
+backend's arithmetic) and the messages go through the backend's transport
+(:mod:`.staging`: CUDA-aware MPI, or staged through pinned host memory).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._mpi import mpi
 from ..ops import ReduceOp
 from ._chunks import gather_groups, ragged_bounds
 
@@ -36,7 +39,7 @@ _TAG_GATHER, _TAG_SCATTER = 5, 6
 
 def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
              destinations: list[int] | None) -> None:
-    MPI = mpi()
+    transport = backend.transport(comm)
     n, rank = comm.Get_size(), comm.Get_rank()
     k = len(owners)
     bounds = ragged_bounds(buf.size, k)
@@ -56,11 +59,11 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
         entries = []
         for index, source in enumerate(r for r in range(n) if r != rank):
             slot = slots[index * length:(index + 1) * length]
-            request = comm.Irecv([slots_raw[index * length * size:(index + 1) * length * size],
-                                  MPI.BYTE], source, tag=_TAG_GATHER)
+            request = transport.irecv(
+                slots_raw[index * length * size:(index + 1) * length * size], source, _TAG_GATHER)
             entries.append((source, slot, request))
         incoming[j] = entries
-    sends = [comm.Isend([piece(j), MPI.BYTE], owners[j], tag=_TAG_GATHER)
+    sends = [transport.isend(piece(j), owners[j], _TAG_GATHER)
              for j in range(k) if owners[j] != rank]
     # reduce each owned piece, adding contributions in rank order as they arrive
     for j in mine:
@@ -68,17 +71,17 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
         for _source, slot, request in incoming[j]:
             request.Wait()
             backend.combine(op, target, slot)
-    MPI.Request.Waitall(sends)
+    transport.waitall(sends)
     # send the reduced pieces back
     targets = range(n) if destinations is None else destinations
     requests = []
     for j in range(k):
         if owners[j] == rank:
-            requests += [comm.Isend([piece(j), MPI.BYTE], dest, tag=_TAG_SCATTER)
+            requests += [transport.isend(piece(j), dest, _TAG_SCATTER)
                          for dest in targets if dest != rank]
         elif rank in targets:
-            requests.append(comm.Irecv([piece(j), MPI.BYTE], owners[j], tag=_TAG_SCATTER))
-    MPI.Request.Waitall(requests)
+            requests.append(transport.irecv(piece(j), owners[j], _TAG_SCATTER))
+    transport.waitall(requests)
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,

@@ -14,7 +14,8 @@ tensor; consecutive pieces of small segments (under ``coalesce_bytes``) are copi
 staging buffer and sent as one message, so a batch of many biases and norms costs a few
 messages, not hundreds. Both sides of an exchange compute the same message boundaries
 from the segment sizes, so every rank's Source must have the same segment sizes (the
-cross-device ops agree on the batch's shapes before any data moves).
+cross-device ops agree on the batch's shapes before any data moves). Messages go through
+the backend's transport (:mod:`.staging`), so device segments can be staged.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .._mpi import mpi
 from ..ops import ReduceOp
 
 __all__ = ["Source", "COALESCE_BYTES"]
@@ -119,18 +119,18 @@ class Source:
         pieces are copied into a scratch buffer that stays valid until the next call of
         any algorithm on this backend, so wait before returning from one.
         """
-        MPI = mpi()
+        transport = backend.transport(comm)
         requests = []
         stage = None
         for start, stop, staged in self.messages(lo, hi):
             if data is not None:
                 view = backend.comm_view(data[start:stop])
-                requests.append(comm.Isend([view, MPI.BYTE], dest, tag=tag))
+                requests.append(transport.isend(view, dest, tag))
                 continue
             if not staged:
                 index, a, b, _ = next(self.pieces(start, stop))
                 view = backend.comm_view(self.segments[index][a:b])
-                requests.append(comm.Isend([view, MPI.BYTE], dest, tag=tag))
+                requests.append(transport.isend(view, dest, tag))
                 continue
             if stage is None:
                 stage = backend.scratch("source-stage", self._stage_size, self.dtype)
@@ -140,18 +140,18 @@ class Source:
                 first = at if first is None else first
                 backend.copy(stage[at:at + b - a], self.segments[index][a:b])
             view = backend.comm_view(stage[first:first + stop - start])
-            requests.append(comm.Isend([view, MPI.BYTE], dest, tag=tag))
+            requests.append(transport.isend(view, dest, tag))
         return requests
 
     def irecv(self, comm: Any, out: Any, lo: int, hi: int, source: int, tag: int,
               backend: Any, at: int | None = None) -> list[Any]:
         """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`) into
         ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
-        MPI = mpi()
+        transport = backend.transport(comm)
         shift = (lo if at is None else at) - lo
         raw = backend.comm_view(out)
         size = out.itemsize
-        return [comm.Irecv([raw[(a + shift) * size:(b + shift) * size], MPI.BYTE], source, tag=tag)
+        return [transport.irecv(raw[(a + shift) * size:(b + shift) * size], source, tag)
                 for a, b, _ in self.messages(lo, hi)]
 
     def receive_and_combine(self, op: ReduceOp, requests: list[Any], out: Any, lo: int,

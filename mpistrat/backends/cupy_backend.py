@@ -11,7 +11,8 @@ algorithms run unchanged on device arrays. Design choices:
   (:meth:`recycled`) come from CuPy's own memory pool, which already reuses freed
   device memory without a ``cudaMalloc``;
 * :meth:`comm_view` is a CuPy ``uint8`` view: mpi4py passes it to a CUDA-aware MPI
-  through ``__cuda_array_interface__``.
+  through ``__cuda_array_interface__``; for other MPI libraries the algorithms move
+  device bytes through :mod:`mpistrat.algorithms.staging` (see :meth:`transport`).
 
 CuPy is imported when the backend is created, never at ``import mpistrat``.
 """
@@ -38,6 +39,7 @@ class CupyBackend:
         self._pool: dict[str, Any] = {}
         self._ufuncs = {ReduceOp.SUM: cupy.add, ReduceOp.MIN: cupy.minimum,
                         ReduceOp.MAX: cupy.maximum}
+        self._mover: Any = None
 
     @staticmethod
     def owns(array: Any) -> bool:
@@ -115,6 +117,28 @@ class CupyBackend:
         with self._on():
             self.xp.cuda.get_current_stream().synchronize()
 
+    def transport(self, comm: Any) -> Any:
+        """How the algorithms move this backend's buffers over ``comm``: straight through
+        a CUDA-aware MPI, else staged through pinned host memory (decided once per
+        communicator, the same on every rank; see :mod:`mpistrat.algorithms.staging`)."""
+        from ..algorithms.staging import DirectTransport, StagedTransport
+        from .capabilities import device_buffers_to_mpi
+
+        if device_buffers_to_mpi(comm):
+            # MPI reads device memory: the kernels queued before a send must be done
+            return DirectTransport(comm, before=self.synchronize)
+        return StagedTransport(comm, self.mover())
+
+    def mover(self) -> Any:
+        """This device's :class:`~mpistrat.algorithms.staging.CudaMover` (created once)."""
+        from ..algorithms.staging import CudaMover
+
+        if self._mover is None:
+            self._mover = CudaMover(self.device)
+        return self._mover
+
     def release(self) -> None:
         """Drop the scratch pool (its device memory goes back to CuPy's pool)."""
         self._pool.clear()
+        if self._mover is not None:
+            self._mover.release()

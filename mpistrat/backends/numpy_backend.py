@@ -104,6 +104,13 @@ class NumpyBackend:
     def synchronize() -> None:
         """Host arrays are always ready."""
 
+    @staticmethod
+    def transport(comm: Any) -> Any:
+        """How the algorithms move host buffers over ``comm``: straight to MPI."""
+        from ..algorithms.staging import DirectTransport
+
+        return DirectTransport(comm)
+
     def release(self) -> None:
         """Drop the scratch and recycling pools."""
         self._pool.clear()
