@@ -49,13 +49,15 @@ from .cross_device_ops import (  # noqa: E402
     NcclAllReduce,
     ReductionToOneDevice,
 )
-from .errors import CollectiveTimeoutError  # noqa: E402
+from .errors import CollectiveAbortedError, CollectiveTimeoutError  # noqa: E402
+from .shared import free_shared, is_shared, shared_empty, shared_zeros  # noqa: E402
 from .values import DistributedValues, Mirrored, PerReplica  # noqa: E402
 
 __all__ += [
     "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "NcclAllReduce",
     "HierarchicalCopyAllReduce", "MultiWorkerAllReduce", "CollectiveTimeoutError",
+    "CollectiveAbortedError", "shared_empty", "shared_zeros", "free_shared", "is_shared",
     "DistributedValues", "PerReplica", "Mirrored",
 ]
 

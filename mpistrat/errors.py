@@ -16,6 +16,7 @@ __all__ = [
     "BackendUnavailable",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CollectiveAbortedError",
 ]
 
 
@@ -58,3 +59,19 @@ class CollectiveTimeoutError(MpistratError, TimeoutError):
     def __init__(self, message: str, missing: list[int]) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+class CollectiveAbortedError(MpistratError, RuntimeError):
+    """Another rank failed inside a collective this rank was taking part in.
+
+    Raised by the shared-memory all-reduce on the ranks of a node group when one of them
+    raised during the reduction: instead of waiting for a rank that will not come, every
+    rank stops. The failing rank raises its own exception.
+
+    Attributes:
+        failed: the ranks (of the node group) that failed.
+    """
+
+    def __init__(self, message: str, failed: list[int]) -> None:
+        super().__init__(message)
+        self.failed = failed

@@ -113,6 +113,14 @@ def check_spec(spec: SpecLike, layout: Layout) -> list[Finding]:
                 f"({layout.describe()}); use a CPU algorithm such as 'xring', 'rechd', "
                 f"'pscpu' or 'pscpu/pscpu', or give the workers GPUs (--gpus-per-worker)"
             )))
+        if info.single_node and layout.nodes > 1:
+            across = ", ".join(repr(n) for n in algorithms.names()
+                               if algorithms.get(n).intra == alg)
+            errors.append(Finding("error", index, (
+                f"{where} works inside one node (shared memory), but the job has "
+                f"{layout.nodes} nodes ({layout.describe()}); use a hierarchical form "
+                f"({across}: {alg} inside each node, the second algorithm across nodes)"
+            )))
         if info.pool is not None and not (info.hierarchical and layout.nodes == 1):
             # (on one node a hierarchical algorithm skips its cross-node stage, where
             # the shards apply: the warning below says so)

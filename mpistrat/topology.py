@@ -17,12 +17,13 @@ sub-communicators are freed together with the communicator.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from ._commcache import comm_cache
 from ._mpi import mpi, world
-from .config import Settings
+from .config import RANKS_PER_NODE, Settings
 from .errors import TopologyError
 from .layout import Layout
 
@@ -84,6 +85,20 @@ class Topology:
                 sub.Free()
 
 
+_PARSED: dict[str | None, int | None] = {}
+
+
+def _env_ranks_per_node() -> int | None:
+    """``MPISTRAT_RANKS_PER_NODE`` parsed (once per distinct value: this runs on every
+    collective, so it reads one variable instead of building the whole Settings)."""
+    text = os.environ.get(RANKS_PER_NODE)
+    try:
+        return _PARSED[text]
+    except KeyError:
+        value = _PARSED[text] = Settings.from_env().ranks_per_node
+        return value
+
+
 def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topology:
     """Return the node topology of ``comm`` (collective on first call, cached after).
 
@@ -98,7 +113,7 @@ def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topolog
     """
     comm = world() if comm is None else comm
     if ranks_per_node is None:
-        ranks_per_node = Settings.from_env().ranks_per_node
+        ranks_per_node = _env_ranks_per_node()
     local_ok = ranks_per_node is None or (
         isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
         and ranks_per_node >= 1

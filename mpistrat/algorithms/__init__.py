@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
-from . import halving_doubling, native, ring, shuffle
+from . import halving_doubling, native, ring, shm, shuffle
 from .hierarchical import Implementation, hierarchical
 from .registry import AlgorithmInfo, Pool, Shards, get, names, register
 from .source import Source
@@ -30,6 +30,8 @@ _FLAT: dict[str, Implementation] = {
     "rechd": Implementation(halving_doubling.all_reduce, out_of_place=True),
     "pscpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root),
     "native": Implementation(native.all_reduce, out_of_place=True),
+    "shm": Implementation(shm.all_reduce, shm.reduce_to_root, out_of_place=True,
+                          broadcast=shm.broadcast),
 }
 
 
@@ -98,7 +100,12 @@ def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backen
         compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
                                         rotation=rotation, ranks_per_node=ranks_per_node)
     else:
-        check_fits(name, shards, comm.Get_size(), 1)
+        nodes = 1
+        if info.single_node:
+            from ..topology import get_topology
+
+            nodes = get_topology(comm, ranks_per_node).num_nodes
+        check_fits(name, shards, comm.Get_size(), nodes)
         flat = implementation(name)
         if source is None:
             flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation)

@@ -50,6 +50,8 @@ class AlgorithmInfo:
         intra: for a hierarchical ``a/b`` name, the stage run inside each node.
         inter: for a hierarchical ``a/b`` name, the stage run across node leaders.
         from_tf: True for the names TensorFlow's ``MultiWorkerAllReduce`` accepted.
+        single_node: True when every rank must be on one node (shared memory); across
+            nodes it runs as the intra-node stage of a hierarchical name.
     """
 
     name: str
@@ -60,6 +62,7 @@ class AlgorithmInfo:
     intra: str | None = None
     inter: str | None = None
     from_tf: bool = True
+    single_node: bool = False
 
     @property
     def hierarchical(self) -> bool:
@@ -145,9 +148,17 @@ register(AlgorithmInfo(
 register(AlgorithmInfo(
     "native", "the MPI library's own Allreduce (the baseline)",
     Shards.IGNORED, from_tf=False))
+register(AlgorithmInfo(
+    "shm", "shared memory inside one node: each rank reduces its slice of every rank's "
+    "buffer in place, then copies the others' (MPI-3 shared windows)",
+    Shards.IGNORED, from_tf=False, single_node=True))
 
 # The hierarchical combinations TensorFlow offered.
 register(_hierarchical("nccl", "xring"))
 register(_hierarchical("nccl", "rechd"))
 register(_hierarchical("nccl", "pscpu"))
 register(_hierarchical("pscpu", "pscpu"))
+# Shared memory inside each node, any host algorithm across node leaders.
+register(_hierarchical("shm", "xring", from_tf=False))
+register(_hierarchical("shm", "rechd", from_tf=False))
+register(_hierarchical("shm", "pscpu", from_tf=False))

@@ -159,6 +159,8 @@ class BenchConfig:
         local_replicas, gpus_per_rank: replicas per rank (G); the bus factor counts
             ``ranks * G`` participants, as nccl-tests counts processes x GPUs.
         ranks_per_node: virtual node size for hierarchical algorithms.
+        shared: allocate the buffers with :func:`mpistrat.shared_empty`, so ``shm``
+            reads them in place (its zero-copy mode); host buffers only.
         compare: peers to measure beside mpistrat (``("torch",)``).
         quiet: no progress output.
     """
@@ -181,6 +183,7 @@ class BenchConfig:
     local_replicas: int = 1
     gpus_per_rank: int = 0
     ranks_per_node: int | None = None
+    shared: bool = False
     compare: tuple[str, ...] = ()
     quiet: bool = False
 
@@ -204,6 +207,9 @@ class BenchConfig:
         if self.local_replicas > 1 and self.gpus_per_rank:
             raise ValueError("--local-replicas and --gpus-per-rank exclude each other: a "
                              "rank has CPU replicas or GPUs")
+        if self.shared and self.gpus_per_rank:
+            raise ValueError("--shared allocates host buffers in shared memory; it does not "
+                             "apply with --gpus-per-rank")
         unknown = [c for c in self.compare if c != "torch"]
         if unknown:
             raise ValueError(f"--compare knows 'torch' (torch.distributed with gloo), got "

@@ -99,6 +99,17 @@ def _shard_values(alg: str, wanted: Sequence[int | None], layout: Layout,
     return values
 
 
+def _fits_nodes(info: algorithms.AlgorithmInfo, layout: Layout) -> bool:
+    """Whether a default sweep measures ``info`` on this layout: not a single-node algorithm
+    across nodes, and not its hierarchical forms on one node (only their intra stage
+    would run: the flat algorithm plus a broadcast)."""
+    if info.single_node:
+        return layout.nodes == 1
+    if info.hierarchical and algorithms.get(info.intra).single_node:
+        return layout.nodes > 1
+    return True
+
+
 def select_entries(layout: Layout, names: Sequence[str] | None = None,
                    shards: Sequence[int | None] | None = None, specs: Iterable[str] = (),
                    compare: Iterable[str] = ()) -> tuple[list[Entry], list[str]]:
@@ -128,10 +139,15 @@ def select_entries(layout: Layout, names: Sequence[str] | None = None,
 
     if names is None:
         candidates = [(name, 1, False) for name in algorithms.names()
-                      if not specs and (layout.gpus or not algorithms.get(name).needs_gpu)]
+                      if not specs and (layout.gpus or not algorithms.get(name).needs_gpu)
+                      and _fits_nodes(algorithms.get(name), layout)]
         skipped = [name for name in algorithms.names() if algorithms.get(name).needs_gpu]
         if candidates and skipped and not layout.gpus:
             notes.append(f"GPU algorithms not measured (CPU replicas): {', '.join(skipped)}")
+        one_node = [name for name in algorithms.names() if algorithms.get(name).single_node]
+        if candidates and one_node and layout.nodes > 1:
+            notes.append(f"single-node algorithms not measured ({layout.nodes} nodes; their "
+                         f"hierarchical forms are): {', '.join(one_node)}")
     else:
         candidates = [_one_entry(token) for token in names]
         if not candidates:

@@ -133,7 +133,31 @@ class Sweep:
             fill_pattern(buf, self.rank * self.replicas + d)
             host.append(buf)
         pristine = _on_devices(host) if config.gpus_per_rank else host
-        work = [p.copy() for p in pristine]
+        if config.shared:
+            return self._measure_shared(nbytes, started, host, pristine)
+        return self._measure(nbytes, started, host, pristine, [p.copy() for p in pristine])
+
+    def _measure_shared(self, nbytes: int, started: float, host: list[np.ndarray],
+                        pristine: list[Any]) -> tuple[list[Point] | None, dict[str, Any]]:
+        """:meth:`_measure` on buffers in shared windows (``--shared``), freed afterwards."""
+        from ..shared import free_shared, shared_empty
+
+        work = [shared_empty(p.shape, p.dtype, self.comm, self.config.ranks_per_node)
+                for p in pristine]
+        try:
+            return self._measure(nbytes, started, host, pristine, work)
+        finally:
+            for buffer in reversed(work):
+                free_shared(buffer)
+
+    def _measure(self, nbytes: int, started: float, host: list[np.ndarray],
+                 pristine: list[Any], work: list[Any]
+                 ) -> tuple[list[Point] | None, dict[str, Any]]:
+        from ..backends import get_backend
+
+        comm, MPI, config = self.comm, self.MPI, self.config
+        E = len(self.entries)
+        count = nbytes // self.dtype.itemsize
         backend = get_backend(work[0])
         ref = reference(comm, host, self.op, get_backend(host[0]), self.participants)
         calls = [self._call(e, work, backend, nbytes) for e in self.entries]

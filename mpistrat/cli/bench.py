@@ -72,7 +72,7 @@ def _sweep_config(p: dict[str, Any]) -> Any:
         iters=p["iters"], time_per_point=p["time_per_point"], min_iters=p["min_iters"],
         max_iters=p["max_iters"], check_every=p["check"], local_replicas=p["local_replicas"],
         gpus_per_rank=p["gpus_per_rank"], ranks_per_node=p["ranks_per_node"],
-        compare=tuple(p["compare"]), quiet=p["quiet"])
+        shared=p["shared"], compare=tuple(p["compare"]), quiet=p["quiet"])
 
 
 def _batch_config(p: dict[str, Any]) -> Any:
@@ -160,6 +160,9 @@ Examples:
 @click.option("--ranks-per-node", type=click.IntRange(min=1), metavar="R",
               help="Virtual nodes of R ranks (as MPISTRAT_RANKS_PER_NODE), and the ranks per "
                    "node of --predict-ranks.")
+@click.option("--shared", is_flag=True,
+              help="Allocate the buffers in shared memory (mpistrat.shared_empty), so 'shm' "
+                   "reads them in place: its zero-copy mode.")
 @click.option("--batch", metavar="resnet50|FILE.json",
               help="Reduce a whole gradient batch through batch_reduce instead of a sweep.")
 @click.option("--num-packs", default="1,2,4", show_default=True, metavar="LIST",

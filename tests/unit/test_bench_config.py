@@ -112,15 +112,27 @@ def labels(entries):
 def test_default_entries_on_two_ranks_one_node():
     entries, notes = select_entries(Layout(2, 1, False, 1))
     assert labels(entries) == ["native", "xring", "xring#2", "rechd", "pscpu", "pscpu#2",
-                               "pscpu/pscpu"]
+                               "shm", "pscpu/pscpu"]
     assert any("GPU algorithms not measured" in n and "nccl" in n for n in notes)
     assert any("pscpu/pscpu" in n and "one node" in n for n in notes)
 
 
 def test_default_entries_on_four_ranks_two_nodes_use_every_gather_rank():
-    entries, _ = select_entries(Layout(4, 1, False, 2))
+    entries, notes = select_entries(Layout(4, 1, False, 2))
     assert "pscpu#4" in labels(entries)
     assert "pscpu/pscpu#2" in labels(entries)  # 'all' = the 2 node leaders
+    # shared memory only inside nodes: the hierarchical forms, not plain shm
+    assert "shm" not in labels(entries)
+    assert {"shm/xring", "shm/rechd", "shm/pscpu", "shm/pscpu#2"} <= set(labels(entries))
+    assert any("single-node algorithms not measured" in n and "shm" in n for n in notes)
+
+
+def test_plain_shm_across_nodes_is_an_error_naming_the_hierarchical_forms():
+    with pytest.raises(ValueError, match="works inside one node.*'shm/xring', 'shm/rechd', "
+                                         "'shm/pscpu'"):
+        select_entries(Layout(4, 1, False, 2), ["shm"])
+    entries, _ = select_entries(Layout(4, 1, False, 1), ["shm"])
+    assert labels(entries) == ["native", "shm"]
 
 
 def test_named_algorithms_with_shards():

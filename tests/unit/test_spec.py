@@ -29,6 +29,7 @@ K, M, G, TB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 EXPECTED_ALGORITHMS = {
     "nccl", "nccl/xring", "nccl/rechd", "nccl/pscpu",
     "xring", "rechd", "pscpu", "psgpu", "pscpu/pscpu", "native",
+    "shm", "shm/xring", "shm/rechd", "shm/pscpu",
 }
 
 

@@ -1,0 +1,260 @@
+"""Arrays that every rank of a node can read: MPI-3 shared windows.
+
+``shared_empty(shape, dtype, comm)`` returns a NumPy array that lives in a shared window
+(``MPI_Win_allocate_shared``) over the node group of ``comm``. The ``shm`` all-reduce
+reads such an array where it lies (no copy into shared memory first): that is its
+zero-copy mode. Any NumPy code can use the array as an ordinary one.
+
+Design:
+
+* A :class:`Block` is one shared window over one node communicator: every rank owns one
+  segment (page-aligned, ``alloc_shared_noncontig``, first touched by its owner so its
+  pages sit on the owner's NUMA node) and maps every peer's segment (``Shared_query``).
+* Every block gets a *uid* that the ranks of its node group agree on when they allocate
+  it (one small ``allreduce``), so a rank can tell its peers "my data is in block *u* at
+  offset *o*" through shared memory and each peer finds its own mapping of that segment.
+* Allocation and freeing are collective over the node group, so a block is never freed
+  when an array is garbage collected (ranks collect at different times). Blocks live
+  until :func:`free_shared`, until the communicator they were made for is freed, or
+  until the process exits; the exit hook frees the blocks still alive in the order they
+  were made (the order every rank made them in), before MPI is finalised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._commcache import comm_cache
+from ._mpi import mpi, world
+from .errors import TopologyError
+
+__all__ = ["Block", "shared_empty", "shared_zeros", "free_shared", "allocate", "locate",
+           "is_shared"]
+
+_PAGE = 4096
+_BLOCKS: dict[int, Block] = {}  # uid -> live block, in creation order
+_UID_FLOOR = 0  # the highest uid agreed so far on this rank
+
+
+@dataclass(eq=False)
+class Block:
+    """One shared window over a node communicator and every rank's mapping of it.
+
+    Attributes:
+        uid: the id the ranks of ``comm`` agreed on for this block.
+        comm: the node communicator (a duplicate owned by the block).
+        win: the MPI window (a passive-target ``Lock_all`` epoch is open for its life).
+        rank, size: this rank in ``comm`` and its size.
+        nbytes: the size of every rank's segment.
+        segments: ``segments[q]`` is rank ``q``'s segment as a ``uint8`` array.
+        base: the address of this rank's own segment.
+        owner: what the block was made for (``"user"`` or an internal name).
+    """
+
+    uid: int
+    comm: Any
+    win: Any
+    rank: int
+    size: int
+    nbytes: int
+    segments: list[np.ndarray]
+    base: int
+    owner: str
+    _group_ok: dict[int, bool] = field(default_factory=dict)
+
+    def sync(self) -> None:
+        """A memory barrier for this window (``MPI_Win_sync``): stores before it are
+        visible to the peers before stores after it."""
+        self.win.Sync()
+
+    def serves(self, comm: Any) -> bool:
+        """True when ``comm`` has exactly this block's ranks in the same order (cached)."""
+        key = comm.py2f()
+        known = self._group_ok.get(key)
+        if known is None:
+            MPI = mpi()
+            if comm.Get_size() != self.size:
+                known = False
+            else:
+                mine, theirs = self.comm.Get_group(), comm.Get_group()
+                try:
+                    known = MPI.Group.Compare(mine, theirs) == MPI.IDENT
+                finally:
+                    mine.Free()
+                    theirs.Free()
+            self._group_ok[key] = known
+        return known
+
+    def free(self) -> None:
+        """Free the window (collective over ``comm``); idempotent."""
+        if _BLOCKS.pop(self.uid, None) is None:
+            return
+        MPI = mpi()
+        self.segments = []
+        if MPI.Is_finalized():
+            return
+        self.win.Unlock_all()
+        self.win.Free()
+        self.comm.Free()
+
+
+def _agree_uid(comm: Any) -> int:
+    global _UID_FLOOR
+    _UID_FLOOR = comm.allreduce(_UID_FLOOR + 1, op=mpi().MAX)
+    return _UID_FLOOR
+
+
+def allocate(node_comm: Any, nbytes: int, owner: str = "user") -> Block:
+    """Allocate a shared window of ``nbytes`` per rank over ``node_comm`` (collective).
+
+    Every rank of ``node_comm`` must share memory with the others (one node) and pass
+    the same ``nbytes``.
+
+    Raises:
+        TopologyError: on every rank, when the ranks of ``node_comm`` are not all on one
+            node (their memory cannot be shared).
+    """
+    MPI = mpi()
+    physical = node_comm.Split_type(MPI.COMM_TYPE_SHARED, key=node_comm.Get_rank())
+    try:
+        together = physical.Get_size() == node_comm.Get_size()
+    finally:
+        physical.Free()
+    together = node_comm.allreduce(together, op=MPI.LAND)
+    if not together:
+        raise TopologyError(
+            f"the {node_comm.Get_size()} ranks of this communicator are not all on one node, "
+            f"so they cannot share memory; use the node group of the communicator "
+            f"(mpistrat.topology.get_topology(comm).node_comm), or a hierarchical algorithm "
+            f"such as 'shm/xring' across nodes"
+        )
+    comm = node_comm.Dup()
+    size = max(_PAGE, -(-int(nbytes) // _PAGE) * _PAGE)
+    info = MPI.Info.Create()
+    info.Set("alloc_shared_noncontig", "true")
+    try:
+        win = MPI.Win.Allocate_shared(size, 1, info=info, comm=comm)
+    finally:
+        info.Free()
+    win.Lock_all(MPI.MODE_NOCHECK)
+    rank = comm.Get_rank()
+    segments = []
+    for q in range(comm.Get_size()):
+        memory, _unit = win.Shared_query(q)
+        segments.append(np.frombuffer(memory, dtype=np.uint8, count=size))
+    segments[rank].fill(0)  # first touch by the owner: pages on its NUMA node, faulted in now
+    win.Sync()
+    uid = _agree_uid(comm)
+    block = Block(uid, comm, win, rank, comm.Get_size(), size, segments,
+                  segments[rank].__array_interface__["data"][0], owner)
+    _BLOCKS[uid] = block
+    return block
+
+
+def block(uid: int) -> Block | None:
+    """The live block with this uid on this rank, or None."""
+    return _BLOCKS.get(uid)
+
+
+def locate(array: np.ndarray) -> tuple[Block, int] | None:
+    """The block holding all of ``array`` in this rank's own segment, and the byte offset
+    of its first element, or None when it is not (all) in shared memory."""
+    if not _BLOCKS or not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+        return None
+    start = array.__array_interface__["data"][0]
+    end = start + array.nbytes
+    for candidate in _BLOCKS.values():
+        if candidate.base <= start and end <= candidate.base + candidate.nbytes:
+            return candidate, start - candidate.base
+    return None
+
+
+def is_shared(array: Any) -> bool:
+    """True when ``array`` lives in a shared window made by :func:`shared_empty` (or by
+    mpistrat internally), so the ``shm`` all-reduce can read it in place."""
+    return locate(array) is not None
+
+
+class _UserBlocks:
+    """The user blocks made over one node communicator; freed with it."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+
+    def release(self) -> None:
+        for item in self.blocks:
+            item.free()
+        self.blocks.clear()
+
+
+def shared_empty(shape: Any, dtype: Any = float, comm: Any = None,
+                 ranks_per_node: int | None = None) -> np.ndarray:
+    """A new uninitialised array in memory shared by the ranks of this rank's node group.
+
+    Collective over the node group of ``comm``: every rank of ``comm`` calls it with the
+    same shape and dtype, in the same order as its other collectives. The array is an
+    ordinary C-contiguous ``numpy.ndarray``; passing it to an all-reduce whose spec uses
+    ``shm`` (or ``shm/<b>``) lets the algorithm read and write it in place.
+
+    Args:
+        shape: an int or a tuple of ints, as for ``numpy.empty``.
+        dtype: any NumPy dtype (default float64, as ``numpy.empty``).
+        comm: the communicator whose node groups share the memory (default ``COMM_WORLD``).
+        ranks_per_node: the virtual node size (default ``MPISTRAT_RANKS_PER_NODE``, else
+            physical nodes), as for hierarchical algorithms.
+
+    Returns:
+        The array. Its memory is freed by :func:`free_shared`, when ``comm``'s node
+        communicator is freed, or at exit.
+    """
+    from .topology import get_topology
+
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimensions are not allowed in shape {shape}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    node_comm = get_topology(world() if comm is None else comm, ranks_per_node).node_comm
+    made = allocate(node_comm, nbytes)
+    comm_cache(node_comm).setdefault("shared_user_blocks", _UserBlocks()).blocks.append(made)
+    own = made.segments[made.rank]
+    return own[:nbytes].view(dtype).reshape(shape)
+
+
+def shared_zeros(shape: Any, dtype: Any = float, comm: Any = None,
+                 ranks_per_node: int | None = None) -> np.ndarray:
+    """Like :func:`shared_empty`, filled with zeros."""
+    array = shared_empty(shape, dtype, comm, ranks_per_node)
+    array.fill(0)
+    return array
+
+
+def free_shared(array: np.ndarray) -> None:
+    """Free the shared memory behind an array from :func:`shared_empty` (collective over
+    its node group, like the allocation). The array, and every view of it, must not be
+    used afterwards.
+
+    Raises:
+        ValueError: ``array`` is not the whole of a block from :func:`shared_empty`.
+    """
+    found = locate(array)
+    if found is None or found[0].owner != "user" or found[1] != 0:
+        raise ValueError("free_shared takes an array returned by mpistrat.shared_empty "
+                         "(not a view into one, nor an ordinary array)")
+    found[0].free()
+
+
+@atexit.register
+def _free_at_exit() -> None:
+    if not _BLOCKS:  # (also true when MPI was never started: nothing imports it here)
+        return
+    MPI = mpi()
+    if MPI.Is_finalized():
+        return
+    for item in list(_BLOCKS.values()):
+        item.free()
