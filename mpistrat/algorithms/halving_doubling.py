@@ -57,6 +57,8 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
         if source is not None:
             source.copy_into(buf, backend=backend)
         return
+    if backend.name == "cupy":
+        _require_direct(comm)
     MPI = mpi()
     rank = comm.Get_rank()
     p = 1 << (n.bit_length() - 1)
@@ -147,6 +149,18 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             comm.Recv([raw, MPI.BYTE], rank + 1, tag=_TAG)
         else:
             comm.Send([raw, MPI.BYTE], rank - 1, tag=_TAG)
+
+
+def _require_direct(comm: Any) -> None:
+    """Device buffers reach this algorithm's MPI calls as they are: only with CUDA-aware MPI."""
+    from ..backends.capabilities import device_buffers_to_mpi
+    from ..errors import BackendUnavailable
+
+    if not device_buffers_to_mpi(comm):
+        raise BackendUnavailable(
+            "'rechd' on GPU buffers needs a CUDA-aware MPI (its staged transport is not "
+            "written yet); use 'xring', 'psgpu' or 'nccl' on GPU buffers, or force "
+            "MPISTRAT_CUDA_AWARE_MPI=1 if your MPI library is CUDA-aware")
 
 
 def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
