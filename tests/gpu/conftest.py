@@ -3,6 +3,8 @@ one process (pytest) and under mpiexec (``bin/gputest`` runs both)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -14,8 +16,10 @@ def _usable() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = _usable()
-    for item in items:
+    here = Path(__file__).parent
+    mine = [item for item in items if here in Path(str(item.fspath)).parents]
+    reason = _usable() if mine else ""
+    for item in mine:  # (this hook sees the whole session's items)
         item.add_marker(pytest.mark.gpu)
         if reason:
             item.add_marker(pytest.mark.skip(reason=f"needs CuPy and a CUDA device: {reason}"))
