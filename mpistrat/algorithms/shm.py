@@ -127,6 +127,7 @@ class _Node:
         self.scratch: shared.Block | None = None
         self.epoch = 0
         self.broken: str | None = None
+        self.failed: list[int] = []
         self._chunk_tmp = np.empty(0, dtype=np.uint8)
         self.sync = self.ctrl.win.Sync
 
@@ -155,10 +156,17 @@ class _Node:
     def check_abort(self) -> None:
         failed = [q for q in range(self.size) if self.flags[q][_ABORT]]
         if failed:
+            self.failed = failed
             self.broken = (
                 f"rank(s) {failed} of this node group failed inside a shared-memory "
                 f"all-reduce; this rank stops too (the failing rank's own error says why)")
-            raise CollectiveAbortedError(self.broken, failed)
+            raise self.aborted()
+
+    def aborted(self) -> CollectiveAbortedError:
+        """The error every call raises once a rank of this node group has failed."""
+        return CollectiveAbortedError(
+            f"{self.broken}; the shared windows of this communicator are unusable — "
+            f"continue on a fresh communicator (e.g. comm.Dup())", self.failed)
 
     def wait(self, q: int, word: int, target: int, what: str) -> None:
         """Return once rank ``q``'s counter ``word`` reaches ``target``."""
@@ -334,17 +342,22 @@ def _arrive(node: _Node, kind: int, buf: np.ndarray, op: ReduceOp, root: int,
     return lines
 
 
-def _begin(comm: Any, backend: Any) -> _Node:
+def _host_only(backend: Any) -> None:
     if getattr(backend, "name", None) != "numpy":
         raise BackendUnavailable(
             "the 'shm' algorithm reduces host memory (NumPy arrays); for GPU buffers use "
             "'nccl' or a staged algorithm such as 'xring'")
+
+
+def _begin(comm: Any) -> _Node:
     node = _node(comm)
+    if node.broken is None:
+        try:
+            node.check_abort()  # a peer failed after this rank finished its last call
+        except CollectiveAbortedError:
+            pass
     if node.broken is not None:
-        raise CollectiveAbortedError(
-            f"{node.broken}; the shared windows of this communicator are unusable — "
-            f"continue on a fresh communicator (e.g. comm.Dup())", [])
-    node.check_abort()
+        raise node.aborted()
     node.epoch += 1
     return node
 
@@ -442,8 +455,8 @@ def _finish(node: _Node, tag: int) -> None:
 def _guarded(node: _Node, body: Any, *args: Any) -> None:
     try:
         body(node, *args)
-    except CollectiveMismatchError:
-        raise
+    except (CollectiveMismatchError, CollectiveAbortedError):
+        raise  # every rank raises the first; the second is already a peer's failure
     except BaseException:
         node.fail()
         raise
@@ -454,6 +467,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     """All-reduce ``buf`` in place over the ranks of ``comm`` (one node) through shared
     memory — or reduce a one-segment ``source`` into ``buf`` (``shards``, ``rotation``
     ignored)."""
+    _host_only(backend)
     if source is not None and not source.contiguous:
         source.copy_into(buf, backend=backend)
         source = None
@@ -462,16 +476,17 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
         if x is not buf:
             buf[...] = x
         return
-    node = _begin(comm, backend)
+    node = _begin(comm)
     _guarded(node, _reduce, x, buf, op, None)
 
 
 def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0) -> None:
     """Reduce ``buf`` onto ``root`` through shared memory (other ranks skip the copy-out;
     their buffers are left partly reduced)."""
+    _host_only(backend)
     if comm.Get_size() == 1 or buf.size == 0:
         return
-    node = _begin(comm, backend)
+    node = _begin(comm)
     _guarded(node, _reduce, buf, buf, op, root)
 
 
@@ -508,7 +523,8 @@ def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
 
 def broadcast(comm: Any, buf: Any, *, backend: Any, root: int = 0) -> None:
     """Copy ``root``'s ``buf`` to every rank of ``comm`` (one node) through shared memory."""
+    _host_only(backend)
     if comm.Get_size() == 1 or buf.size == 0:
         return
-    node = _begin(comm, backend)
+    node = _begin(comm)
     _guarded(node, _broadcast, buf, root)

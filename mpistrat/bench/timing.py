@@ -121,10 +121,7 @@ class Sweep:
             The points (on rank 0; None elsewhere) and facts about the run (iterations,
             warm-up rounds, seconds).
         """
-        from ..backends import get_backend
-
-        comm, MPI, config = self.comm, self.MPI, self.config
-        E = len(self.entries)
+        config = self.config
         started = time.perf_counter()
         count = nbytes // self.dtype.itemsize
         host = []

@@ -122,6 +122,12 @@ CASES = [
     Case("rechd/pscpu@2", ("rechd", "pscpu"), 2),
     Case("native/xring@2", ("native", "xring"), 2),
     Case("pscpu/native@3", ("pscpu", "native"), 3),
+    Case("shm", "shm"),
+    Case("shm/xring", "shm/xring"),  # one physical node: the intra stage and the broadcast
+    Case("shm/xring@1", "shm/xring", 1),
+    Case("shm/rechd@2", "shm/rechd", 2),
+    Case("shm/pscpu@2", "shm/pscpu", 2),
+    Case("shm/native@3", ("shm", "native"), 3),
 ]
 CASE_IDS = [c.id for c in CASES]
 
@@ -215,7 +221,8 @@ LARGE = (16 << 20) // 4 + 3  # float32 elements: a little over 16 MiB, odd lengt
 @pytest.mark.parametrize(
     ("case", "shards"),
     [(Case("xring", "xring"), 2), (Case("rechd", "rechd"), 1), (Case("pscpu", "pscpu"), 3),
-     (Case("native", "native"), 1), (Case("pscpu/pscpu@2", "pscpu/pscpu", 2), 2)],
+     (Case("native", "native"), 1), (Case("pscpu/pscpu@2", "pscpu/pscpu", 2), 2),
+     (Case("shm", "shm"), 1), (Case("shm/xring@2", "shm/xring", 2), 2)],
     ids=lambda value: value.id if isinstance(value, Case) else f"shards{value}",
 )
 def test_large_buffer(world, case, shards):
@@ -236,7 +243,7 @@ def test_complex_sum(comm):
     problems: list[str] = []
     digests: list[tuple[str, str]] = []
     expected = sum(contribution(r, 11, np.dtype(np.float64)) * (1 - 2j) for r in range(n))
-    for name in ("xring", "rechd", "pscpu", "native"):
+    for name in ("xring", "rechd", "pscpu", "native", "shm"):
         buf = contribution(comm.rank, 11, np.dtype(np.float64)) * (1 - 2j)
         algorithms.run(name, comm, buf, op=ReduceOp.SUM, backend=get_backend(buf))
         if not np.allclose(buf, expected, rtol=1e-12, atol=1e-12):

@@ -1,0 +1,321 @@
+"""The shared-memory all-reduce (``shm``, ``shm/<b>``) and shared arrays (``shared_empty``).
+
+Beyond the property tests every algorithm gets in test_algorithms.py (small lengths:
+the one-step path), these cover the chunked path (lengths around the small limit, the
+chunk size and the slice boundaries), zero-copy and mixed buffers, out-of-place calls,
+windows on several communicators at once, communicators freed and re-created, sizes
+growing across calls, mismatched calls, and a rank that raises inside the reduction.
+
+As elsewhere, ranks record problems and assert only after a final agreement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _checks import digest, finish, problem
+from mpi4py import MPI
+from test_algorithms import contribution, reference
+
+import mpistrat
+from mpistrat import ReduceOp, algorithms, shared
+from mpistrat.algorithms import Source, shm
+from mpistrat.backends import get_backend
+from mpistrat.errors import CollectiveAbortedError, CollectiveMismatchError, TopologyError
+
+BACKEND = get_backend(np.zeros(1))
+
+
+def _lengths(n: int, dtype: np.dtype) -> list[int]:
+    """Element counts around the small limit, one chunk per slice, and several chunks."""
+    item = dtype.itemsize
+    small = shm.SMALL_BYTES // item
+    chunk = shm.CHUNK_BYTES // item
+    return sorted({small, small + 1, n * chunk - 1, n * chunk + 1, 3 * n * chunk + 17,
+                   n * (2 * chunk + 5) + 3})
+
+
+def _run_and_check(comm, alg, buf, op, dtype, label, problems, digests, *,
+                   ranks_per_node=None, source=None, expected_length=None):
+    n = comm.size
+    length = buf.size if expected_length is None else expected_length
+    try:
+        algorithms.run(alg, comm, buf, op=op, backend=BACKEND, ranks_per_node=ranks_per_node,
+                       source=source)
+    except Exception as exc:  # record, keep the ranks in step
+        problems.append(f"{label}: raised {exc!r}")
+        return
+    found = problem(buf, *reference(op, n, length, dtype), dtype, label)
+    if found:
+        problems.append(found)
+    digests.append((label, digest(buf)))
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float64", "int32", "float16"])
+def test_chunked_path_every_length_and_op(comm, dtype_name):
+    dtype = np.dtype(dtype_name)
+    problems, digests = [], []
+    for i, length in enumerate(_lengths(comm.size, dtype)):
+        op = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN)[i % 3]
+        buf = contribution(comm.rank, length, dtype)
+        _run_and_check(comm, "shm", buf, op, dtype, f"shm {dtype} {op} length={length}",
+                       problems, digests)
+    finish(comm, problems, digests)
+
+
+@pytest.mark.parametrize("layout", ["all", "rank0", "odd"])
+def test_zero_copy_and_mixed_buffers(comm, layout):
+    """Inputs in shared windows are read in place; ranks may mix shared and private."""
+    dtype = np.dtype(np.float64)
+    problems, digests = [], []
+    spied = []
+    for length in _lengths(comm.size, dtype)[1:4]:
+        share = {"all": True, "rank0": comm.rank == 0, "odd": comm.rank % 2 == 1}[layout]
+        buf = mpistrat.shared_empty(length, dtype, comm)  # collective: every rank makes one
+        values = contribution(comm.rank, length, dtype)
+        if share:
+            buf[:] = values
+            target = buf
+        else:
+            target = values.copy()
+        spied.append(shm._location(shm._node(comm), target)[0] != 0)
+        _run_and_check(comm, "shm", target, ReduceOp.SUM, dtype,
+                       f"shm {layout} length={length}", problems, digests)
+        mpistrat.free_shared(buf)
+    if spied != [share] * len(spied):
+        problems.append(f"rank {comm.rank}: shared buffer located {spied}, expected {share}")
+    finish(comm, problems, digests)
+
+
+def test_out_of_place_from_a_source(comm):
+    """A one-segment Source is reduced into a separate output; the input is untouched."""
+    dtype = np.dtype(np.float32)
+    problems, digests = [], []
+    for length in (5, _lengths(comm.size, dtype)[3]):
+        values = contribution(comm.rank, length, dtype)
+        before = values.copy()
+        out = np.empty(length, dtype)
+        _run_and_check(comm, "shm", out, ReduceOp.SUM, dtype, f"source length={length}",
+                       problems, digests, source=Source.of(values))
+        if not np.array_equal(values, before):
+            problems.append(f"length={length}: the source was modified")
+    finish(comm, problems, digests)
+
+
+@pytest.mark.parametrize("alg,ranks_per_node", [("shm/xring", 1), ("shm/rechd", 2),
+                                                ("shm/pscpu", 2), ("shm/xring", 3),
+                                                ("shm/rechd", None)])
+def test_hierarchical_forms_cross_virtual_nodes(world, alg, ranks_per_node):
+    dtype = np.dtype(np.float32)
+    problems, digests = [], []
+    for length in (7, _lengths(world.size, dtype)[2], _lengths(world.size, dtype)[-1]):
+        for zero_copy in (False, True):
+            values = contribution(world.rank, length, dtype)
+            if zero_copy:
+                buf = mpistrat.shared_empty(length, dtype, world, ranks_per_node)
+                buf[:] = values
+            else:
+                buf = values
+            _run_and_check(world, alg, buf, ReduceOp.SUM, dtype,
+                           f"{alg}@{ranks_per_node} length={length} zero-copy={zero_copy}",
+                           problems, digests, ranks_per_node=ranks_per_node)
+            if zero_copy:
+                mpistrat.free_shared(buf)
+    finish(world, problems, digests)
+
+
+def test_all_reduce_with_local_replicas_and_mean(comm):
+    """The public all_reduce with G=2 local replicas and MEAN, through shm."""
+    n = comm.size
+    problems = []
+    for length in (3, 3 * shm.CHUNK_BYTES // 8 + 1):
+        a = contribution(comm.rank, length, np.dtype(np.float64), 0)
+        b = contribution(comm.rank, length, np.dtype(np.float64), 1)
+        out = mpistrat.all_reduce([a, b], "mean", "shm", comm)
+        ref, tol = reference(ReduceOp.MEAN, n, length, np.dtype(np.float64), replicas=2)
+        for g, result in enumerate(out):
+            found = problem(result, ref, tol, np.dtype(np.float64), f"replica {g} {length}")
+            if found:
+                problems.append(found)
+    finish(comm, problems, [("all_reduce", digest(out[0]))])
+
+
+def test_two_communicators_interleaved(world):
+    """Windows of two communicators in use at the same time do not interfere."""
+    dup = world.Dup()
+    half = world.Split(world.rank % 2, world.rank)
+    problems, digests, half_digests = [], [], []
+    try:
+        dtype = np.dtype(np.int64)
+        for step in range(4):
+            length = (5, 40_000, 9, 70_001)[step]
+            for name, comm in (("dup", dup), ("half", half), ("world", world)):
+                buf = contribution(comm.rank, length, dtype)
+                _run_and_check(comm, "shm", buf, ReduceOp.SUM, dtype, f"{name} step={step}",
+                               problems, half_digests if comm is half else digests)
+        finish(half, [], half_digests)  # (the halves reduce different things)
+        finish(world, problems, digests)
+    finally:
+        half.Free()
+        dup.Free()
+
+
+def test_freed_and_recreated_communicators_do_not_leak(world):
+    """Each communicator's windows are freed with it; sizes growing across calls replace
+    the scratch window instead of adding one."""
+    before = len(shared._BLOCKS)
+    problems, digests = [], []
+    dtype = np.dtype(np.float32)
+    for round_ in range(3):
+        comm = world.Dup()
+        try:
+            scratch_sizes = []
+            for length in (1 << 10, 1 << 16, 1 << 19, (1 << 21) + 3):
+                buf = contribution(comm.rank, length, dtype)
+                _run_and_check(comm, "shm", buf, ReduceOp.SUM, dtype,
+                               f"round {round_} length={length}", problems, digests)
+                node = shm._node(comm)
+                scratch_sizes.append(node.scratch.nbytes if node.scratch else 0)
+            if world.size > 1 and (scratch_sizes != sorted(scratch_sizes)
+                                   or scratch_sizes[-1] < (1 << 23)):
+                problems.append(f"scratch sizes {scratch_sizes}: expected growth to 8 MiB")
+            live = len(shared._BLOCKS) - before
+            if world.size > 1 and live != 2:  # the control window and one scratch window
+                problems.append(f"round {round_}: {live} blocks alive, expected 2")
+        finally:
+            comm.Free()
+        if len(shared._BLOCKS) != before:
+            problems.append(f"round {round_}: {len(shared._BLOCKS) - before} blocks leaked")
+    finish(world, problems, digests)
+
+
+def _outcome(call):
+    """Run ``call``; return None or the exception (recorded, not raised mid-test)."""
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("length", [4, 100_000])
+def test_mismatched_calls_raise_on_every_rank(world, length):
+    """Ranks passing different sizes all raise CollectiveMismatchError; the windows stay
+    usable afterwards."""
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    comm = world.Dup()
+    problems = []
+    try:
+        buf = np.ones(length + (world.rank == 1), np.float32)
+        got = _outcome(lambda: shm.all_reduce(comm, buf, op=ReduceOp.SUM, backend=BACKEND))
+        if not (isinstance(got, CollectiveMismatchError)
+                and "asked for different calls" in str(got)):
+            problems.append(f"rank {world.rank}: mismatched call gave {got!r}")
+        again = np.ones(length, np.float32)
+        got = _outcome(lambda: shm.all_reduce(comm, again, op=ReduceOp.SUM, backend=BACKEND))
+        if got is not None or not np.all(again == world.size):
+            problems.append(f"rank {world.rank}: the next call gave {got!r}, {again[:3]}")
+    finally:
+        comm.Free()
+    finish(world, problems, [])
+
+
+@pytest.mark.parametrize("length", [4, 100_000])
+def test_a_rank_raising_inside_the_reduction_does_not_hang_the_others(world, monkeypatch,
+                                                                       length):
+    """The failing rank raises its own error; its peers raise CollectiveAbortedError (the
+    chunked path waits for the failing rank's slice) or — in the one-step path, where they
+    may need nothing more from it — finish and raise at their next call. After that every
+    call on the communicator raises on every rank; a fresh communicator works."""
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    comm = world.Dup()
+    failing = world.size - 1
+    problems = []
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    def call(target):
+        return _outcome(lambda: shm.all_reduce(target, np.ones(length, np.float32),
+                                               op=ReduceOp.SUM, backend=BACKEND))
+
+    try:
+        call(comm)
+        if world.rank == failing:
+            monkeypatch.setattr(shm, "_reduce_into", broken)
+        got = call(comm)
+        monkeypatch.undo()
+        if world.rank == failing:
+            if not (isinstance(got, RuntimeError) and "injected" in str(got)):
+                problems.append(f"failing rank got {got!r}")
+        elif isinstance(got, CollectiveAbortedError):
+            if failing not in got.failed:
+                problems.append(f"rank {world.rank}: {got.failed} named, not {failing}")
+        elif got is not None or length * 4 > shm.SMALL_BYTES:
+            problems.append(f"rank {world.rank}: the failed call gave {got!r}")
+        got = call(comm)
+        if not (isinstance(got, CollectiveAbortedError) and "fresh communicator" in str(got)):
+            problems.append(f"rank {world.rank}: the call after the failure gave {got!r}")
+        fresh = world.Dup()
+        try:
+            ok = np.ones(length, np.float32)
+            got = _outcome(lambda: shm.all_reduce(fresh, ok, op=ReduceOp.SUM,
+                                                  backend=BACKEND))
+            if got is not None or not np.all(ok == world.size):
+                problems.append(f"rank {world.rank}: a fresh communicator gave {got!r}")
+        finally:
+            fresh.Free()
+    finally:
+        comm.Free()
+    finish(world, problems, [])
+
+
+def test_plain_shm_across_virtual_nodes_is_an_error_everywhere(world):
+    if world.size == 1:
+        pytest.skip("one rank is one node")
+    buf = np.ones(8, np.float32)
+    with pytest.raises(TopologyError, match="shm/xring"):
+        algorithms.run("shm", world, buf, op=ReduceOp.SUM, backend=BACKEND, ranks_per_node=1)
+
+
+def test_broadcast_from_any_root(comm):
+    problems = []
+    for length in (3, 100_003):
+        for root in range(comm.size):
+            buf = np.full(length, comm.rank, np.int32)
+            if comm.rank == root:
+                buf[:] = np.arange(length)
+            shm.broadcast(comm, buf, backend=BACKEND, root=root)
+            if not np.array_equal(buf, np.arange(length, dtype=np.int32)):
+                problems.append(f"length={length} root={root}: wrong values")
+    finish(comm, problems, [])
+
+
+def test_shared_arrays(comm):
+    a = mpistrat.shared_zeros((3, 5), np.float32, comm)
+    b = mpistrat.shared_empty(7, "int16", comm)
+    problems = []
+    if a.shape != (3, 5) or a.dtype != np.float32 or a.any():
+        problems.append(f"shared_zeros gave {a.shape} {a.dtype} {a}")
+    if not (mpistrat.is_shared(a) and mpistrat.is_shared(b[2:]) and a.flags.c_contiguous):
+        problems.append("shared arrays not recognised as shared")
+    if mpistrat.is_shared(np.zeros(3)):
+        problems.append("a private array recognised as shared")
+    with pytest.raises(ValueError, match="returned by mpistrat.shared_empty"):
+        mpistrat.free_shared(b[1:])
+    mpistrat.free_shared(b)
+    mpistrat.free_shared(a)
+    if mpistrat.is_shared(a):
+        problems.append("a freed array still recognised as shared")
+    finish(comm, problems, [])
+
+
+def test_shm_refuses_device_buffers():
+    class FakeBackend:
+        name = "cupy"
+
+    with pytest.raises(mpistrat.BackendUnavailable, match="host memory"):
+        shm.all_reduce(MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else MPI.COMM_SELF,
+                       np.ones(3), op=ReduceOp.SUM, backend=FakeBackend())
