@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
-from . import halving_doubling, native, ring, shm, shuffle
+from . import gpu, halving_doubling, native, ring, shm, shuffle
 from .hierarchical import Implementation, hierarchical
 from .registry import AlgorithmInfo, Pool, Shards, get, names, register
 from .source import Source
@@ -46,19 +46,16 @@ def implementation(name: str) -> Implementation:
     info = get(name)
     if name in _FLAT:
         return _FLAT[name]
-    if info.needs_gpu and _gpu_implementation is not None:
-        return _gpu_implementation(name)
     if info.needs_gpu:
-        raise BackendUnavailable(
-            f"algorithm {name!r} runs on GPU buffers through CuPy/NCCL; these are host "
-            f"(NumPy) buffers — use a CPU algorithm such as 'xring', 'rechd', 'pscpu' or "
-            f"'pscpu/pscpu'"
-        )
-    raise BackendUnavailable(f"algorithm {name!r} has no host implementation")
+        return gpu.implementation(name)  # (raises BackendUnavailable saying what is missing)
+    raise BackendUnavailable(f"algorithm {name!r} has no implementation")
 
 
-# The GPU algorithms (``nccl``, ``psgpu``) plug in here; they import CuPy lazily.
-_gpu_implementation: Callable[[str], Implementation] | None = None
+def _host_buffers_for_gpu_algorithm(name: str) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"algorithm {name!r} runs on GPU buffers through CuPy/NCCL; these are host "
+        f"(NumPy) buffers — use a CPU algorithm such as 'xring', 'rechd', 'pscpu', 'shm' or "
+        f"'pscpu/pscpu'")
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +87,8 @@ def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backen
     everywhere instead of leaving some ranks waiting.
     """
     info = get(name)
+    if info.needs_gpu and getattr(backend, "name", None) == "numpy":
+        raise _host_buffers_for_gpu_algorithm(name)
     if info.hierarchical:
         from ..topology import get_topology
 

@@ -8,6 +8,9 @@ naming what is missing. It is the seam ``mpistrat.algorithms._gpu_implementation
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from ..backends.capabilities import probe_gpus
 from ..errors import BackendUnavailable
 from . import nccl, shuffle
@@ -23,6 +26,12 @@ _IMPLEMENTATIONS = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _probe() -> Any:
+    """What CuPy sees, probed once per process (run() asks on every call)."""
+    return probe_gpus()
+
+
 def implementation(name: str) -> Implementation:
     """The implementation of GPU algorithm ``name`` ('nccl' or 'psgpu').
 
@@ -33,7 +42,7 @@ def implementation(name: str) -> Implementation:
     if name not in _IMPLEMENTATIONS:
         raise KeyError(f"{name!r} is not a GPU algorithm; expected one of "
                        f"{sorted(_IMPLEMENTATIONS)}")
-    probe = probe_gpus()
+    probe = _probe()
     if probe.cupy is None or not probe.devices:
         raise BackendUnavailable(
             f"algorithm {name!r} needs a CUDA GPU through CuPy: {probe.reason}; use a CPU "

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._mpi import mpi
 from ..ops import ReduceOp
 
 __all__ = ["Implementation", "hierarchical"]
@@ -69,4 +68,4 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
             intra.broadcast(node_comm, buf, backend=backend, root=0)
         else:
             backend.synchronize()
-            node_comm.Bcast([backend.comm_view(buf), mpi().BYTE], root=0)
+            backend.transport(node_comm).bcast(backend.comm_view(buf), 0)
