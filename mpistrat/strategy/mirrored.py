@@ -5,10 +5,13 @@ Local devices: CPU replicas ``/cpu:0 .. /cpu:K-1`` (``local_replicas=K``, defaul
 ``MPISTRAT_LOCAL_REPLICAS``). GPU replicas hold CuPy arrays and need the GPU backend;
 on a host without CuPy and a GPU, asking for them is a clear error.
 
-Communication (``MultiWorkerMirroredStrategy``): AUTO picks NCCL when every rank has GPU
-replicas and NCCL works, else RING; RING is mpistrat's host all-reduce — ``rechd`` for
-tensors up to 64 KiB (latency), ``xring`` above (a ring, as the name promises) — over one
-pack per batch (``num_packs=1``: the fastest packing measured, docs/batch_reduce.md).
+Communication (``MultiWorkerMirroredStrategy``): RING is mpistrat's host all-reduce —
+``rechd`` for tensors up to 64 KiB (latency), ``xring`` above (a ring, as the name
+promises) — over one pack per batch (``num_packs=1``: the fastest packing measured,
+docs/batch_reduce.md). AUTO on host replicas picks by topology: on one node the
+shared-memory ``shm`` where it measured fastest (:data:`AUTO_SPEC_ONE_NODE`); across
+nodes with several ranks per node ``shm/rechd`` (:data:`AUTO_SPEC_NODES`); otherwise
+RING's spec. GPU replicas are the GPU backend's (NCCL).
 Any :class:`~mpistrat.CrossDeviceOps` may be given instead (e.g. a
 ``MultiWorkerAllReduce`` with a spec from ``mpistrat bench --recommend``).
 """
@@ -29,9 +32,16 @@ from ..values import default_devices, parse_device
 from .base import Strategy, StrategyExtended
 
 __all__ = ["MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy",
-           "RING_SPEC", "LOCAL_REPLICAS"]
+           "RING_SPEC", "AUTO_SPEC_ONE_NODE", "AUTO_SPEC_NODES", "LOCAL_REPLICAS"]
 
 RING_SPEC = "rechd:64K:xring"
+# AUTO on host replicas. One node: shared memory where it measured faster than the MPI
+# library and the rings (16 KiB - 16 MiB, 1.1-1.2x native on 2 ranks; docs/benchmarks.md);
+# rechd below (latency) and above (MPICH's single-copy point-to-point beats shm's copy-in
+# and copy-out there). Several nodes with several ranks on a node: shared memory inside
+# each node, rechd across node leaders.
+AUTO_SPEC_ONE_NODE = "rechd:16K:shm:16M:rechd"
+AUTO_SPEC_NODES = "rechd:16K:shm/rechd"
 LOCAL_REPLICAS = "MPISTRAT_LOCAL_REPLICAS"
 
 
@@ -69,10 +79,20 @@ def _require_gpu_replicas(count: int) -> None:
         f"GPUs were found ({len(probe.devices)}) but strategies reduce host arrays only")
 
 
-def _ring_ops(comm: Any) -> Any:
+def _host_ops(comm: Any, implementation: CommunicationImplementation) -> Any:
+    """The cross-device ops of host replicas: RING's spec, or AUTO's choice by topology
+    (collective: every rank builds the same)."""
     from ..cross_device_ops import MultiWorkerAllReduce
+    from ..topology import get_topology
 
-    return MultiWorkerAllReduce(all_reduce_spec=RING_SPEC, num_packs=1, comm=comm)
+    spec = RING_SPEC
+    if implementation is CommunicationImplementation.AUTO and comm.Get_size() > 1:
+        topology = get_topology(comm)
+        if topology.num_nodes == 1:
+            spec = AUTO_SPEC_ONE_NODE
+        elif any(len(ranks) > 1 for ranks in topology.node_ranks):
+            spec = AUTO_SPEC_NODES
+    return MultiWorkerAllReduce(all_reduce_spec=spec, num_packs=1, comm=comm)
 
 
 def _same_comm(a: Any, b: Any) -> bool:
@@ -153,7 +173,7 @@ class MultiWorkerMirroredStrategy(Strategy):
               hint="the same number of local replicas and the same communication")
         info = resolve_cluster(cluster_resolver, comm)
         if cross_device_ops is None:
-            cross_device_ops = _ring_ops(comm)
+            cross_device_ops = _host_ops(comm, implementation)
         self._cluster_resolver = info.resolver
         self._cluster = info
         self._communication = (CommunicationImplementation.RING

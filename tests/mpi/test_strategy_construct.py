@@ -15,6 +15,7 @@ import pytest
 from _checks import spy_algorithms
 
 import mpistrat as ms
+from mpistrat.strategy import mirrored
 from mpistrat import (
     BackendUnavailable,
     CollectiveCommunication,
@@ -23,6 +24,7 @@ from mpistrat import (
     MultiWorkerAllReduce,
     PerReplica,
     TFConfigClusterResolver,
+    parse_spec,
 )
 
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -47,6 +49,38 @@ def test_communication_choices(world):
     assert s.communication is CommunicationImplementation.RING
     assert s.extended._options is options  # the default options of every reduction
     assert s.reduce("mean", np.arange(3.0)).tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 1, 2])
+def test_auto_picks_shared_memory_by_topology(world, monkeypatch, ranks_per_node):
+    """AUTO on host replicas: shm on one node, shm/rechd across nodes of several ranks,
+    RING's spec otherwise; RING keeps its ring. Results are the same."""
+    if ranks_per_node is None:
+        monkeypatch.delenv("MPISTRAT_RANKS_PER_NODE", raising=False)
+    else:
+        monkeypatch.setenv("MPISTRAT_RANKS_PER_NODE", str(ranks_per_node))
+    comm = world.Dup()  # a fresh topology for this setting
+    try:
+        auto = ms.MultiWorkerMirroredStrategy("auto", comm=comm)
+        ring = ms.MultiWorkerMirroredStrategy("ring", comm=comm)
+        nodes = -(-world.size // (ranks_per_node or world.size))
+        if world.size == 1:
+            expected = mirrored.RING_SPEC
+        elif nodes == 1:
+            expected = mirrored.AUTO_SPEC_ONE_NODE
+        elif ranks_per_node and ranks_per_node > 1:
+            expected = mirrored.AUTO_SPEC_NODES
+        else:
+            expected = mirrored.RING_SPEC
+        assert str(auto.extended.cross_device_ops.spec) == str(parse_spec(expected))
+        assert str(ring.extended.cross_device_ops.spec) == str(parse_spec(mirrored.RING_SPEC))
+        for n in (3, 40_000):  # the one-step and the chunked shared-memory paths
+            value = np.arange(n, dtype=np.float64) * (world.rank + 1)
+            total = np.arange(n, dtype=np.float64) * world.size * (world.size + 1) / 2
+            for strategy in (auto, ring):
+                assert np.array_equal(strategy.reduce("sum", value, axis=None), total)
+    finally:
+        comm.Free()
 
 
 def test_nccl_without_gpus_is_a_clear_error_on_every_rank(world):
