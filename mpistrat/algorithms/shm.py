@@ -93,7 +93,7 @@ from .source import Source
 __all__ = ["all_reduce", "reduce_to_root", "broadcast", "SMALL_BYTES", "CHUNK_BYTES"]
 
 SMALL_BYTES = 32 * 1024  # up to this, one step: every rank reduces the whole buffer
-CHUNK_BYTES = 128 * 1024  # bytes of one slice handled per pipeline step
+CHUNK_BYTES = 1 << 20  # bytes of a slice per pipeline step: the best of 64 KiB - 4 MiB measured
 _MIN_SCRATCH = 1 << 20
 
 _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
