@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import atexit
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,7 +65,6 @@ class Block:
     segments: list[np.ndarray]
     base: int
     owner: str
-    _group_ok: dict[int, bool] = field(default_factory=dict)
 
     def sync(self) -> None:
         """A memory barrier for this window (``MPI_Win_sync``): stores before it are
@@ -73,9 +72,10 @@ class Block:
         self.win.Sync()
 
     def serves(self, comm: Any) -> bool:
-        """True when ``comm`` has exactly this block's ranks in the same order (cached)."""
-        key = comm.py2f()
-        known = self._group_ok.get(key)
+        """True when ``comm`` has exactly this block's ranks in the same order (cached on
+        ``comm``, whose cache dies with it: a freed communicator's handle may be reused)."""
+        answers = comm_cache(comm).setdefault("shared_blocks_served", {})
+        known = answers.get(self.uid)
         if known is None:
             MPI = mpi()
             if comm.Get_size() != self.size:
@@ -87,7 +87,7 @@ class Block:
                 finally:
                     mine.Free()
                     theirs.Free()
-            self._group_ok[key] = known
+            answers[self.uid] = known
         return known
 
     def free(self) -> None:
