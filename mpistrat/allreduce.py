@@ -31,7 +31,6 @@ from . import algorithms
 from ._commcache import comm_cache
 from ._mpi import world
 from .backends import get_backend
-from .config import Settings
 from ._agreement import agree
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
@@ -57,9 +56,11 @@ class _Call:
         text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
                 f"op={self.op.name} spec={self.spec} inplace={self.inplace}")
         if algorithms.get(self.entry.alg).hierarchical:
+            from .topology import env_ranks_per_node
+
             # ranks must agree on the node grouping too (a cached topology would hide it)
             effective = self.ranks_per_node if self.ranks_per_node is not None \
-                else Settings.from_env().ranks_per_node
+                else env_ranks_per_node()  # (the same parse get_topology uses)
             text += f" ranks_per_node={effective}"
         return text
 

@@ -27,7 +27,7 @@ from .config import RANKS_PER_NODE, Settings
 from .errors import TopologyError
 from .layout import Layout
 
-__all__ = ["Topology", "get_topology"]
+__all__ = ["Topology", "get_topology", "env_ranks_per_node"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +88,7 @@ class Topology:
 _PARSED: dict[str | None, int | None] = {}
 
 
-def _env_ranks_per_node() -> int | None:
+def env_ranks_per_node() -> int | None:
     """``MPISTRAT_RANKS_PER_NODE`` parsed (once per distinct value: this runs on every
     collective, so it reads one variable instead of building the whole Settings)."""
     text = os.environ.get(RANKS_PER_NODE)
@@ -113,7 +113,7 @@ def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topolog
     """
     comm = world() if comm is None else comm
     if ranks_per_node is None:
-        ranks_per_node = _env_ranks_per_node()
+        ranks_per_node = env_ranks_per_node()
     local_ok = ranks_per_node is None or (
         isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
         and ranks_per_node >= 1

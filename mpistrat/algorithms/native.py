@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._mpi import mpi
+from ..backends.numpy_backend import UFUNCS
 from ..ops import ReduceOp
 from .source import Source
 
@@ -25,7 +26,7 @@ __all__ = ["all_reduce"]
 @functools.lru_cache(maxsize=None)
 def _custom(dtype: np.dtype, op: ReduceOp) -> tuple[Any, Any]:
     MPI = mpi()
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+    ufunc = UFUNCS[op]
 
     def apply(inbuf, inoutbuf, datatype):
         source = np.frombuffer(inbuf, dtype=dtype)

@@ -80,6 +80,7 @@ import numpy as np
 
 from .. import _stall, shared
 from .._commcache import comm_cache
+from ..backends.numpy_backend import UFUNCS
 from ..errors import (
     BackendUnavailable,
     CollectiveAbortedError,
@@ -96,7 +97,6 @@ SMALL_BYTES = 32 * 1024  # up to this, one step: every rank reduces the whole bu
 CHUNK_BYTES = 1 << 20  # bytes of a slice per pipeline step: the best of 64 KiB - 4 MiB measured
 _MIN_SCRATCH = 1 << 20
 
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 # Control segment layout, in int64 words; every line is 64 bytes, written by its owner only.
 _W = 8  # words per line
@@ -277,7 +277,7 @@ class _SmallPlan:
         self.signature = _signature(kind, out, op, root)
         self.views = [[node.slots[q][p][:out.nbytes].view(out.dtype) for q in range(node.size)]
                       for p in (0, 1)]
-        self.ufunc = _UFUNCS[op.primitive]
+        self.ufunc = UFUNCS[op.primitive]
 
 
 def _small(node: _Node, kind: int, x: np.ndarray, out: np.ndarray, op: ReduceOp,
@@ -321,10 +321,11 @@ def _mismatch() -> None:
 
 
 def _arrive(node: _Node, kind: int, buf: np.ndarray, op: ReduceOp, root: int,
-            locations: tuple[int, int, int, int]) -> list[np.ndarray]:
+            locations: tuple[int, int, int, int]) -> list[tuple[int, ...]]:
     """Publish this rank's call, wait for every peer's, and check they match.
 
-    Returns every rank's arrival line (rank order)."""
+    Returns every rank's arrival line (rank order) as ints: epoch, signature, input uid
+    and offset, output uid and offset."""
     epoch = node.epoch
     line = _ARRIVE[epoch & 1] * _W
     mine = node.mine
@@ -336,8 +337,8 @@ def _arrive(node: _Node, kind: int, buf: np.ndarray, op: ReduceOp, root: int,
         if q != node.rank:
             node.wait(q, line, epoch, "arrival")
     node.sync()
-    lines = [node.flags[q][line:line + 6] for q in range(node.size)]
-    if len({int(entry[1]) for entry in lines}) > 1:
+    lines = [tuple(node.flags[q][line:line + 6].tolist()) for q in range(node.size)]
+    if len({entry[1] for entry in lines}) > 1:
         _mismatch()  # every rank raises here, alike; the windows stay consistent
     return lines
 
@@ -376,26 +377,25 @@ def _reduce(node: _Node, x: np.ndarray, out: np.ndarray, op: ReduceOp,
     """The all-reduce (``root`` None) or reduce-to-root of ``x`` into ``out``."""
     n, r = node.size, node.rank
     kind = _KIND_ALL if root is None else _KIND_ROOT
-    ufunc = _UFUNCS[op.primitive]
     nbytes = out.nbytes
     epoch = node.epoch
     if nbytes <= SMALL_BYTES:
         _small(node, kind, x, out, op, root or 0)
         return
+    ufunc = UFUNCS[op.primitive]
 
     in_uid, in_off = _location(node, x)
     out_uid, out_off = _location(node, out)
     lines = _arrive(node, kind, out, op, root or 0, (in_uid, in_off, out_uid, out_off))
-    if any(int(entry[2]) == 0 or int(entry[4]) == 0 for entry in lines):
+    if any(entry[2] == 0 or entry[4] == 0 for entry in lines):
         node.ensure_scratch(nbytes)  # the same decision on every rank: all see all lines
     count, dtype = out.size, out.dtype
-    inputs = [x if q == r else _peer_view(node, q, int(lines[q][2]), int(lines[q][3]),
-                                          count, dtype)
+    inputs = [x if q == r else _peer_view(node, q, lines[q][2], lines[q][3], count, dtype)
               for q in range(n)]
-    results = [_peer_view(node, q, int(lines[q][4]), int(lines[q][5]), count, dtype)
+    results = [_peer_view(node, q, lines[q][4], lines[q][5], count, dtype)
                for q in range(n)]
     copy_in = in_uid == 0
-    staged = [q for q in range(n) if q != r and int(lines[q][2]) == 0]
+    staged = [q for q in range(n) if q != r and lines[q][2] == 0]
     # my scratch, where peers read their slices of my input when it is not shared
     own_staging = _peer_view(node, r, 0, 0, count, dtype) if copy_in else None
     bounds, chunk, nchunks = _slices(count, n, out.itemsize)
@@ -498,7 +498,7 @@ def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
         return
     uid, offset = _location(node, buf) if r == root else (0, 0)
     lines = _arrive(node, _KIND_BCAST, buf, ReduceOp.SUM, root, (uid, offset, 0, 0))
-    root_uid = int(lines[root][2])
+    root_uid = lines[root][2]
     if root_uid == 0:
         node.ensure_scratch(nbytes)
     tag = epoch << 32
@@ -512,7 +512,7 @@ def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
                 node.sync()
                 node.mine[_COPIED] = tag + k + 1
     else:
-        source = _peer_view(node, root, root_uid, int(lines[root][3]), count, buf.dtype)
+        source = _peer_view(node, root, root_uid, lines[root][3], count, buf.dtype)
         for k, lo in enumerate(range(0, count, step)):
             if root_uid == 0:
                 node.wait(root, _COPIED, tag + k + 1, "broadcast")

@@ -15,9 +15,10 @@ import numpy as np
 
 from ..ops import ReduceOp
 
-__all__ = ["NumpyBackend"]
+__all__ = ["NumpyBackend", "UFUNCS"]
 
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+# The ufunc of each primitive reduction (MEAN runs as SUM), for every host algorithm.
+UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 
 class NumpyBackend:
@@ -81,7 +82,7 @@ class NumpyBackend:
     @staticmethod
     def combine(op: ReduceOp, dst: np.ndarray, src: np.ndarray) -> None:
         """``dst = op(dst, src)`` element-wise, in place (MEAN combines as SUM)."""
-        _UFUNCS[op.primitive](dst, src, out=dst)
+        UFUNCS[op.primitive](dst, src, out=dst)
 
     @staticmethod
     def divide(array: np.ndarray, count: int) -> np.ndarray:
