@@ -50,14 +50,17 @@ from .cross_device_ops import (  # noqa: E402
     ReductionToOneDevice,
 )
 from .errors import CollectiveAbortedError, CollectiveTimeoutError  # noqa: E402
-from .shared import free_shared, is_shared, shared_empty, shared_zeros  # noqa: E402
+from .shared import (  # noqa: E402
+    free_shared, is_shared, shared_arrays, shared_empty, shared_zeros,
+)
 from .values import DistributedValues, Mirrored, PerReplica  # noqa: E402
 
 __all__ += [
     "CollectiveCommunication", "CommunicationImplementation", "CommunicationOptions",
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "NcclAllReduce",
     "HierarchicalCopyAllReduce", "MultiWorkerAllReduce", "CollectiveTimeoutError",
-    "CollectiveAbortedError", "shared_empty", "shared_zeros", "free_shared", "is_shared",
+    "CollectiveAbortedError", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
+    "is_shared",
     "DistributedValues", "PerReplica", "Mirrored",
 ]
 

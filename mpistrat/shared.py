@@ -33,8 +33,8 @@ from ._commcache import comm_cache
 from ._mpi import mpi, world
 from .errors import TopologyError
 
-__all__ = ["Block", "shared_empty", "shared_zeros", "free_shared", "allocate", "locate",
-           "is_shared"]
+__all__ = ["Block", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
+           "allocate", "locate", "is_shared"]
 
 _PAGE = 4096
 _BLOCKS: dict[int, Block] = {}  # uid -> live block, in creation order
@@ -234,18 +234,54 @@ def shared_zeros(shape: Any, dtype: Any = float, comm: Any = None,
     return array
 
 
+def shared_arrays(shapes: Any, dtype: Any = np.float32, comm: Any = None,
+                  ranks_per_node: int | None = None) -> list[np.ndarray]:
+    """Zeroed arrays of the given shapes, one after another in one shared array: gradient
+    buffers for zero-copy batched all-reduces.
+
+    Compute each gradient into its array (``np.matmul(a, b, out=grads[0])``,
+    ``grads[1][...] = ...``) and pass them, in this order, to ``batch_reduce`` or
+    ``ReplicaContext.all_reduce``: the tensors of a pack are then views of one shared
+    buffer, which ``shm`` (and ``shm/<b>``) reads in place instead of copying it in, and
+    which every algorithm sends as one buffer instead of tensor by tensor.
+
+    Collective over the node group of ``comm``, as :func:`shared_empty`.
+
+    Args:
+        shapes: one shape (an int or a tuple of ints) per array.
+        dtype: the arrays' dtype (default float32).
+        comm, ranks_per_node: as for :func:`shared_empty`.
+
+    Returns:
+        The arrays, in order. ``free_shared(arrays[0])`` frees them all.
+    """
+    dtype = np.dtype(dtype)
+    shapes = [(int(s),) if np.ndim(s) == 0 else tuple(int(d) for d in s) for s in shapes]
+    bad = [shape for shape in shapes if any(d < 0 for d in shape)]
+    if bad:
+        raise ValueError(f"negative dimensions are not allowed in shape {bad[0]}")
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = shared_zeros(max(1, sum(sizes)), dtype, comm, ranks_per_node)
+    out, at = [], 0
+    for shape, size in zip(shapes, sizes):
+        out.append(flat[at:at + size].reshape(shape))
+        at += size
+    return out
+
+
 def free_shared(array: np.ndarray) -> None:
-    """Free the shared memory behind an array from :func:`shared_empty` (collective over
-    its node group, like the allocation). The array, and every view of it, must not be
-    used afterwards.
+    """Free the shared memory behind an array from :func:`shared_empty` (or the first of
+    :func:`shared_arrays`), collective over its node group, like the allocation. The
+    array, and every view of it, must not be used afterwards.
 
     Raises:
         ValueError: ``array`` is not the whole of a block from :func:`shared_empty`.
     """
     found = locate(array)
     if found is None or found[0].owner != "user" or found[1] != 0:
-        raise ValueError("free_shared takes an array returned by mpistrat.shared_empty "
-                         "(not a view into one, nor an ordinary array)")
+        raise ValueError("free_shared takes an array returned by mpistrat.shared_empty, or "
+                         "the first of mpistrat.shared_arrays (not another view into one, "
+                         "nor an ordinary array)")
     found[0].free()
 
 

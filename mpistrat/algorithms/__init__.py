@@ -3,8 +3,9 @@
 Every algorithm is a function over a communicator and a contiguous 1-D buffer that it
 reduces in place: ``f(comm, buf, *, op, shards, backend, rotation)``; see each module's
 docstring for its steps, the bytes it moves and its preconditions. ``xring``, ``rechd``
-and ``native`` also reduce out of place from a :class:`Source` (tensors where they lie)
-into ``buf``; :func:`run` copies the source first for the others.
+and ``native`` and ``shm`` also reduce out of place from a :class:`Source` (tensors where
+they lie) into ``buf``; :func:`run` copies the source first for the others, and hands a
+Source whose tensors are views of one buffer, in order, over as that one buffer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..ops import ReduceOp
 from . import gpu, halving_doubling, native, ring, shm, shuffle
 from .hierarchical import Implementation, hierarchical
 from .registry import AlgorithmInfo, Pool, Shards, get, names, register
-from .source import Source
+from .source import Source, agreed_join
 
 __all__ = [
     "AlgorithmInfo", "Shards", "Pool", "get", "names", "register",
@@ -31,7 +32,7 @@ _FLAT: dict[str, Implementation] = {
     "pscpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root),
     "native": Implementation(native.all_reduce, out_of_place=True),
     "shm": Implementation(shm.all_reduce, shm.reduce_to_root, out_of_place=True,
-                          broadcast=shm.broadcast),
+                          broadcast=shm.broadcast, root_out_of_place=True),
 }
 
 
@@ -94,10 +95,9 @@ def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backen
 
         topology = get_topology(comm, ranks_per_node)
         check_fits(name, shards, topology.size, topology.num_nodes)
-        if source is not None:
-            source.copy_into(buf, backend=backend)
         compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
-                                        rotation=rotation, ranks_per_node=ranks_per_node)
+                                        rotation=rotation, ranks_per_node=ranks_per_node,
+                                        source=source)
     else:
         nodes = 1
         if info.single_node:
@@ -109,6 +109,8 @@ def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backen
         if source is None:
             flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation)
         elif flat.out_of_place:
+            if not info.single_node:  # peers cut their messages from the source's segments
+                source = agreed_join(comm, source, backend)
             flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation,
                             source=source)
         else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops import ReduceOp
+from .source import Source
 
 __all__ = ["Implementation", "hierarchical"]
 
@@ -36,26 +37,35 @@ class Implementation:
             NCCL); used for the last stage of hierarchical algorithms.
         out_of_place: ``all_reduce`` also takes ``source=`` (a :class:`.source.Source`)
             and reduces it into ``buf`` without first copying it there.
+        root_out_of_place: ``reduce_to_root`` takes ``source=`` likewise.
     """
 
     all_reduce: Callable[..., None]
     reduce_to_root: Callable[..., None] | None = None
     out_of_place: bool = False
     broadcast: Callable[..., None] | None = None
+    root_out_of_place: bool = False
 
 
 def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
                  rotation: int, intra: Implementation, inter: Implementation,
-                 ranks_per_node: int | None = None) -> None:
-    """Run ``intra`` in each node group, ``inter`` across leaders, then broadcast (in place)."""
+                 ranks_per_node: int | None = None, source: Source | None = None) -> None:
+    """Run ``intra`` in each node group, ``inter`` across leaders, then broadcast (in place,
+    or from ``source`` into ``buf``: the node stage reads the source when ``intra``
+    can, else it is copied into ``buf`` first)."""
     from ..topology import get_topology  # (topology -> layout -> spec -> this package)
 
     topology = get_topology(comm, ranks_per_node)
+    node_comm = topology.node_comm
+    if source is not None and not (intra.root_out_of_place and topology.local_size > 1):
+        source.copy_into(buf, backend=backend)
+        source = None
     if buf.size == 0 or topology.size == 1:
         return
-    node_comm = topology.node_comm
     if topology.local_size > 1:
-        if intra.reduce_to_root is not None:
+        if source is not None:
+            intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0, source=source)
+        elif intra.reduce_to_root is not None:
             intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0)
         else:
             intra.all_reduce(node_comm, buf, op=op, shards=1, backend=backend,

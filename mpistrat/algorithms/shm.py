@@ -59,6 +59,13 @@ Design choices:
 * **Zero-copy**: when a rank's input (or output) lies in a shared window of the same
   node group, it publishes the window's uid and offset instead of copying, and peers
   read (and the owner writes) it in place. Ranks may mix the two modes.
+* **Packs** (``batch_reduce``, out of place from a :class:`~.source.Source`): the
+  tensors are copied straight into the shared window, chunk by chunk — the copy into
+  the pack *is* the copy-in, so a pack costs what one buffer costs — and the rank's own
+  slice is reduced from the tensors where they lie. When the tensors are views of one
+  array in order (:func:`mpistrat.shared_arrays` gives such views in shared memory),
+  that array is the input, read in place if it is shared. The shared pack arena is the
+  scratch window, so it is only grown at a call every rank has reached.
 * **Results** are bitwise identical on every rank: each element of a large buffer is
   reduced once, by its slice's owner, and copied; small buffers are reduced by every
   rank with the same operations in the same order. Any dtype, op, length (0, 1, fewer
@@ -372,14 +379,28 @@ def _slices(count: int, size: int, itemsize: int) -> tuple[list[int], int, int]:
     return bounds, chunk, -(-per // chunk) if per else 0
 
 
-def _reduce(node: _Node, x: np.ndarray, out: np.ndarray, op: ReduceOp,
-            root: int | None) -> None:
-    """The all-reduce (``root`` None) or reduce-to-root of ``x`` into ``out``."""
+def _pieces(x: np.ndarray | None, src: Source | None, lo: int,
+            hi: int) -> list[tuple[int, int, np.ndarray]]:
+    """``(start, stop, array)`` pieces of this rank's input ``[lo, hi)``: one slice of
+    ``x``, or the pieces of the tensors of ``src``."""
+    if src is None:
+        return [(lo, hi, x[lo:hi])]
+    return [(at, at + b - a, src.segments[index][a:b]) for index, a, b, at in src.pieces(lo, hi)]
+
+
+def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
+            root: int | None, src: Source | None = None) -> None:
+    """The all-reduce (``root`` None) or reduce-to-root of ``x`` — or of the tensors of
+    ``src`` — into ``out``."""
     n, r = node.size, node.rank
     kind = _KIND_ALL if root is None else _KIND_ROOT
     nbytes = out.nbytes
     epoch = node.epoch
     if nbytes <= SMALL_BYTES:
+        if src is not None:
+            x = node.chunk_tmp(nbytes).view(out.dtype)
+            for a, b, piece in _pieces(None, src, 0, out.size):
+                x[a:b] = piece
         _small(node, kind, x, out, op, root or 0)
         return
     ufunc = UFUNCS[op.primitive]
@@ -390,7 +411,7 @@ def _reduce(node: _Node, x: np.ndarray, out: np.ndarray, op: ReduceOp,
     if any(entry[2] == 0 or entry[4] == 0 for entry in lines):
         node.ensure_scratch(nbytes)  # the same decision on every rank: all see all lines
     count, dtype = out.size, out.dtype
-    inputs = [x if q == r else _peer_view(node, q, lines[q][2], lines[q][3], count, dtype)
+    inputs = [None if q == r else _peer_view(node, q, lines[q][2], lines[q][3], count, dtype)
               for q in range(n)]
     results = [_peer_view(node, q, lines[q][4], lines[q][5], count, dtype)
                for q in range(n)]
@@ -402,7 +423,7 @@ def _reduce(node: _Node, x: np.ndarray, out: np.ndarray, op: ReduceOp,
     tag = epoch << 32
     mine, wait, sync = node.mine, node.wait, node.sync
     lo_r, hi_r = bounds[r], bounds[r + 1]
-    alias = r >= 2 and np.may_share_memory(results[r], x)
+    alias = src is None and r >= 2 and np.may_share_memory(results[r], x)
     gathers = root is None or root == r
     for k in range(nchunks + 1):
         if k < nchunks:
@@ -411,8 +432,8 @@ def _reduce(node: _Node, x: np.ndarray, out: np.ndarray, op: ReduceOp,
                     if q != r:
                         lo = bounds[q] + k * chunk
                         hi = min(lo + chunk, bounds[q + 1])
-                        if lo < hi:
-                            own_staging[lo:hi] = x[lo:hi]
+                        for a, b, piece in _pieces(x, src, lo, hi):
+                            own_staging[a:b] = piece
                 sync()
                 mine[_COPIED] = tag + k + 1
             lo = lo_r + k * chunk
@@ -423,13 +444,14 @@ def _reduce(node: _Node, x: np.ndarray, out: np.ndarray, op: ReduceOp,
                 sync()
                 dst = results[r][lo:hi]
                 if alias:  # writing my input before reading all of it: go through a temp
-                    tmp = node.chunk_tmp(dst.nbytes).view(dtype)
-                    _reduce_into(ufunc, [a[lo:hi] for a in inputs], tmp)
-                    dst[:] = tmp
-                else:
-                    _reduce_into(ufunc, [a[lo:hi] for a in inputs], dst)
+                    dst = node.chunk_tmp(dst.nbytes).view(dtype)
+                for a, b, piece in _pieces(x, src, lo, hi):
+                    _reduce_into(ufunc, [piece if q == r else inputs[q][a:b]
+                                         for q in range(n)], dst[a - lo:b - lo])
+                if alias:
+                    results[r][lo:hi] = dst
                 if out_uid == 0 and gathers:
-                    out[lo:hi] = dst
+                    out[lo:hi] = results[r][lo:hi]
             sync()
             mine[_REDUCED] = tag + k + 1
         if k and gathers:
@@ -462,32 +484,44 @@ def _guarded(node: _Node, body: Any, *args: Any) -> None:
         raise
 
 
+def _input(source: Source | None, buf: np.ndarray) -> tuple[np.ndarray | None, Source | None]:
+    """What a call reduces: ``buf`` itself, the one buffer ``source``'s tensors are views
+    of (read in place when it is shared), or ``source`` as tensors to copy in from."""
+    if source is None:
+        return buf, None
+    joined = source.joined()
+    return (joined, None) if joined is not None else (None, source)
+
+
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
                rotation: int = 0, source: Source | None = None) -> None:
     """All-reduce ``buf`` in place over the ranks of ``comm`` (one node) through shared
-    memory — or reduce a one-segment ``source`` into ``buf`` (``shards``, ``rotation``
-    ignored)."""
-    _host_only(backend)
-    if source is not None and not source.contiguous:
-        source.copy_into(buf, backend=backend)
-        source = None
-    x = buf if source is None else source.segments[0]
-    if comm.Get_size() == 1 or buf.size == 0:
-        if x is not buf:
-            buf[...] = x
-        return
-    node = _begin(comm)
-    _guarded(node, _reduce, x, buf, op, None)
-
-
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0) -> None:
-    """Reduce ``buf`` onto ``root`` through shared memory (other ranks skip the copy-out;
-    their buffers are left partly reduced)."""
+    memory — or reduce ``source`` into ``buf``: its tensors are copied straight into the
+    shared window (the copy-in), or read in place when they are views of one shared
+    array (``shards``, ``rotation`` ignored)."""
     _host_only(backend)
     if comm.Get_size() == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
         return
     node = _begin(comm)
-    _guarded(node, _reduce, buf, buf, op, root)
+    x, src = _input(source, buf)
+    _guarded(node, _reduce, x, buf, op, None, src)
+
+
+def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0,
+                   source: Source | None = None) -> None:
+    """Reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``'s ``buf``
+    through shared memory (other ranks skip the copy-out; their buffers are left partly
+    reduced)."""
+    _host_only(backend)
+    if comm.Get_size() == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
+        return
+    node = _begin(comm)
+    x, src = _input(source, buf)
+    _guarded(node, _reduce, x, buf, op, root, src)
 
 
 def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:

@@ -24,11 +24,45 @@ import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
+from .. import _stall
+from .._mpi import mpi
 from ..ops import ReduceOp
 
-__all__ = ["Source", "COALESCE_BYTES"]
+__all__ = ["Source", "COALESCE_BYTES", "JOIN_BYTES", "agreed_join"]
 
 COALESCE_BYTES = 1 << 20  # segments below this are staged and sent together
+JOIN_BYTES = 1 << 20  # from this size, ranks agree whether their Sources are one buffer
+
+
+def _join(segments: list[Any]) -> Any:
+    """One 1-D view over all ``segments`` when they are NumPy views that follow one
+    another in one array's memory (tensors kept as views of one flat gradient buffer, in
+    order), else None."""
+    first = segments[0]
+    if not isinstance(first, np.ndarray):
+        return None
+    root = _root(first)
+    end = _address(first) + first.nbytes
+    for segment in segments[1:]:
+        if not isinstance(segment, np.ndarray) or _address(segment) != end \
+                or segment.dtype != first.dtype or _root(segment) is not root:
+            return None
+        end += segment.nbytes
+    return np.lib.stride_tricks.as_strided(first, shape=(sum(s.size for s in segments),),
+                                           strides=(first.itemsize,), writeable=False)
+
+
+def _address(array: Any) -> int:
+    return array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else -1
+
+
+def _root(array: np.ndarray) -> Any:
+    """The object that owns ``array``'s memory (the end of its chain of bases)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return array
 
 
 class Source:
@@ -74,6 +108,19 @@ class Source:
     def contiguous(self) -> bool:
         """True when the Source is one segment (one array)."""
         return len(self.segments) == 1
+
+    def joined(self) -> Any:
+        """This rank's segments as one 1-D read-only view when they lie one after another
+        in one array's memory, else None. Depends on this rank's memory only: algorithms
+        whose peers compute message boundaries from the Source must agree before using
+        it (:func:`mpistrat.algorithms.run` does)."""
+        if len(self.segments) == 1:
+            return self.segments[0]
+        return _join(self.segments) if self.segments else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize if self.dtype is not None else 0
 
     def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
         """``(segment index, start, stop, position)`` of each piece of ``[lo, hi)``:
@@ -175,3 +222,26 @@ class Source:
 
     def __repr__(self) -> str:
         return f"Source({len(self.segments)} segment(s), {self.size} x {self.dtype})"
+
+
+def agreed_join(comm: Any, source: Source, backend: Any) -> Source:
+    """``source`` as one contiguous Source when every rank's segments are views of one
+    buffer in order (:meth:`Source.joined`), else ``source`` unchanged.
+
+    Algorithms that exchange pieces of the Source compute message boundaries from its
+    segments, so the ranks must make the same choice: from :data:`JOIN_BYTES` up they
+    agree with one small all-reduce (cheap next to the all-reduce of a MiB or more);
+    below it, or for a Source of one segment, nothing is exchanged.
+    """
+    if source.contiguous or source.nbytes < JOIN_BYTES \
+            or getattr(backend, "name", None) != "numpy":
+        return source
+    joined = source.joined()
+    flag = np.array([0 if joined is not None else 1], dtype=np.int64)
+    if comm.Get_size() > 1:
+        watch = _stall.current()
+        if watch is None:
+            comm.Iallreduce(mpi().IN_PLACE, flag, op=mpi().MAX).Wait()
+        else:
+            watch.allreduce(comm, flag, "the layout of a batch_reduce pack")
+    return Source.of(joined) if not flag[0] else source

@@ -102,6 +102,97 @@ def test_out_of_place_from_a_source(comm):
     finish(comm, problems, digests)
 
 
+def _cut(values: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    out, at = [], 0
+    for size in sizes:
+        out.append(values[at:at + size])
+        at += size
+    return out
+
+
+def _tensor_sizes(length: int) -> list[int]:
+    """Tensor sizes of a pack: small ones, empty ones and large ones, cut anywhere by the
+    slices and chunks."""
+    sizes = [3, 0, length // 7, 1, length // 3, 5, 0, length // 4 + 1, 1]
+    return sizes + [length - sum(sizes)]
+
+
+@pytest.mark.parametrize("layout", ["scattered", "one-buffer", "shared", "mixed"])
+def test_pack_of_tensors(world, layout):
+    """A pack given as tensors (a multi-segment Source): copied straight into the window
+    (scattered), or read as the one array they are views of — in place when it is shared
+    (shared_arrays); ranks may differ (mixed). Results equal the reduction of the
+    concatenation; the tensors are untouched; flat shm and shm/rechd on virtual nodes."""
+    dtype = np.dtype(np.float32)
+    problems, digests = [], []
+    lengths = [40, shm.SMALL_BYTES // 4 + 3] + _lengths(world.size, dtype)[2:4]
+    for alg, ranks_per_node in (("shm", None), ("shm/rechd", 2), ("shm/xring", 3)):
+        for length in lengths:
+            sizes = _tensor_sizes(length)
+            values = contribution(world.rank, length, dtype)
+            mode = layout if layout != "mixed" else \
+                ("scattered", "one-buffer", "shared")[world.rank % 3]
+            arrays = mpistrat.shared_arrays(sizes, dtype, world, ranks_per_node)  # collective
+            if mode == "shared":
+                tensors = arrays
+                for tensor, piece in zip(tensors, _cut(values, sizes)):
+                    tensor[...] = piece
+            elif mode == "one-buffer":
+                tensors = _cut(values.copy(), sizes)
+            else:
+                tensors = [piece.copy() for piece in _cut(values, sizes)]
+            source = Source(tensors)
+            if (source.joined() is not None) != (mode != "scattered"):
+                problems.append(f"{mode}: joined() is {source.joined()}")
+            if mode == "shared" and not mpistrat.is_shared(source.joined()):
+                problems.append("the views of shared_arrays do not join into shared memory")
+            before = [t.copy() for t in tensors]
+            out = np.full(length, 7, dtype)
+            _run_and_check(world, alg, out, ReduceOp.SUM, dtype,
+                           f"{alg}@{ranks_per_node} {layout} length={length}", problems, digests,
+                           ranks_per_node=ranks_per_node, source=source)
+            if not all(np.array_equal(a, b) for a, b in zip(tensors, before)):
+                problems.append(f"{alg} {mode} length={length}: the tensors were modified")
+            mpistrat.free_shared(arrays[0])
+    finish(world, problems, digests)
+
+
+def test_batch_reduce_of_shared_gradients(world):
+    """Gradients kept in shared_arrays: MultiWorkerAllReduce with spec shm reads them in
+    place (no copy-in) and gives the sum."""
+    from mpistrat import MultiWorkerAllReduce, PerReplica
+
+    shapes = [(64, 300), (300,), (300, 1000), (1000,)]
+    grads = mpistrat.shared_arrays(shapes, np.float32, world)
+    rng = np.random.default_rng(world.rank)
+    for g in grads:
+        g[...] = rng.integers(-8, 8, g.shape)
+    expected = [np.sum(world.allgather(g), axis=0) for g in grads]
+    seen = []
+    original = shm._reduce
+
+    def spy(node, x, out, op, root, src=None):
+        seen.append((x is not None and mpistrat.is_shared(x), src is None))
+        return original(node, x, out, op, root, src)
+
+    shm._reduce = spy
+    try:
+        ops = MultiWorkerAllReduce(all_reduce_spec="shm", num_packs=1, comm=world)
+        values = [PerReplica([g]) for g in grads]
+        results = ops.batch_reduce("sum", [(v, v) for v in values])
+    finally:
+        shm._reduce = original
+    problems = []
+    for i, (got, want) in enumerate(zip(results, expected)):
+        if not np.array_equal(got.values[0], want):
+            problems.append(f"gradient {i}: wrong sum")
+    if world.size > 1 and seen != [(True, True)]:
+        problems.append(f"shm was called with (input shared, no tensor copy) = {seen}")
+    mpistrat.free_shared(grads[0])
+    finish(world, problems, [("grads", digest(np.concatenate([r.values[0].ravel()
+                                                              for r in results])))])
+
+
 @pytest.mark.parametrize("alg,ranks_per_node", [("shm/xring", 1), ("shm/rechd", 2),
                                                 ("shm/pscpu", 2), ("shm/xring", 3),
                                                 ("shm/rechd", None)])

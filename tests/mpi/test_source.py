@@ -12,7 +12,8 @@ from mpistrat import ReduceOp, algorithms
 from mpistrat.algorithms import Source
 from mpistrat.backends import get_backend
 
-ALGORITHMS = ["xring", "xring#2", "rechd", "native", "pscpu", "pscpu#2", "pscpu/pscpu"]
+ALGORITHMS = ["xring", "xring#2", "rechd", "native", "pscpu", "pscpu#2", "pscpu/pscpu", "shm",
+              "shm/rechd"]
 
 # segment sizes (elements): one segment; many small ones around a large one (staged runs
 # and direct messages, cut anywhere by the algorithms' chunk bounds); empty segments; a
@@ -63,6 +64,58 @@ def test_source_matches_in_place(comm, name, layout, dtype, op):
     if not all(np.array_equal(a, b) for a, b in zip(segments, originals)):
         problems.append(f"{name} {layout}: the source arrays were modified")
     finish(comm, problems, [(f"{name}/{layout}", digest(out))])
+
+
+JOIN_LAYOUT = [300_000, 5, 0, 17, 70_000, 1]  # float32: 1.48 MB, above JOIN_BYTES
+
+
+def _one_buffer(segments: list[np.ndarray]) -> list[np.ndarray]:
+    """The same values as views of one array, in order (a flat gradient buffer)."""
+    flat = np.concatenate(segments)
+    out, at = [], 0
+    for s in segments:
+        out.append(flat[at:at + s.size])
+        at += s.size
+    return out
+
+
+@pytest.mark.parametrize("who", ["all", "rank0", "none"])
+@pytest.mark.parametrize("name", ["xring", "rechd", "native", "shm", "pscpu"])
+def test_tensors_in_one_buffer(comm, name, who):
+    """Tensors that are views of one buffer travel as that buffer when every rank has
+    them so (agreed), else tensor by tensor; ranks may differ; the bits are the same."""
+    rank = comm.Get_rank()
+    segments = _segments(JOIN_LAYOUT, rank, np.dtype("float32"))
+    joined = {"all": True, "rank0": rank == 0, "none": False}[who]
+    if joined:
+        segments = _one_buffer(segments)
+    backend = get_backend(segments[0])
+    flat = np.concatenate(segments)
+    algorithms.run(name, comm, flat, op=ReduceOp.SUM, backend=backend)
+    source = Source(segments)
+    out = np.full(flat.size, 99, dtype=np.float32)
+    algorithms.run(name, comm, out, op=ReduceOp.SUM, backend=backend, source=source)
+    problems = []
+    if not np.array_equal(out, flat):
+        problems.append(f"{name} {who}: differs from in place at {np.flatnonzero(out != flat)[:5]}")
+    if (source.joined() is not None) != joined:
+        problems.append(f"{name} {who}: joined() is {source.joined() is not None}")
+    agreed = algorithms.source.agreed_join(comm, source, backend).contiguous
+    if agreed != (who == "all" or comm.Get_size() == 1 and joined):
+        problems.append(f"{name} {who}: agreed contiguous={agreed}")
+    finish(comm, problems, [(f"{name}/{who}", digest(out))])
+
+
+def test_joined_views():
+    """Only views that follow one another in one array's memory, in order, join."""
+    base = np.arange(40, dtype=np.float32)
+    assert np.array_equal(Source([base[:5], base[5:12], base[12:]]).joined(), base)
+    assert Source([base[:5], base[6:12]]).joined() is None  # a gap
+    assert Source([base[5:12], base[:5]]).joined() is None  # out of order
+    assert Source([base[:5].copy(), base[5:12]]).joined() is None  # another array
+    two_d = base.reshape(4, 10)
+    joined = Source([two_d[0], two_d[1], two_d[2:].reshape(-1)]).joined()
+    assert joined is not None and joined.size == 40 and not joined.flags.writeable
 
 
 def test_source_messages_split():
