@@ -12,7 +12,11 @@ timed in the same run, round-robin with a rotating start:
 * ``flat SPEC (batch_reduce)``: ``batch_reduce`` of that one flat tensor (adds the
   API's cost: checks, the agreement, one copy);
 * ``batch_reduce num_packs=P`` per ``num_packs`` value, ``batch_reduce agg B/M`` (small
-  tensors aggregated) and ``batch_reduce no packing`` (one all-reduce per tensor).
+  tensors aggregated) and ``batch_reduce no packing`` (one all-reduce per tensor);
+* ``batch_reduce num_packs=P, one buffer`` (the first ``P``): the same tensors kept as
+  views of one flat array, in order, as a training loop can keep its gradients — in
+  shared memory with ``--shared`` (:func:`mpistrat.shared_arrays`). A pack of such
+  tensors is reduced as that one buffer.
 
 Inputs are small integers (exact sums); in-place methods get their input back before
 each iteration, outside the timed region; with G > 1 adding up the local replicas is
@@ -147,6 +151,13 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[M
                 agg_small_grads_max_group=config.agg_group)))
     calls, plan = _plan(spec, shapes, dtype, 0, 0, 0)
     methods.append(Method("batch_reduce no packing", "batch", calls, plan, ops(num_packs=0)))
+    if config.num_packs:
+        packs = config.num_packs[0]
+        calls, plan = _plan(spec, shapes, dtype, packs, 0, 0)
+        where = "shared buffer" if config.shared else "one buffer"
+        methods.append(Method(f"batch_reduce num_packs={packs}, {where}", "batch-views", calls,
+                              f"{plan}; the tensors are views of one {where}",
+                              ops(num_packs=packs), packs))
     return methods
 
 
@@ -182,6 +193,23 @@ class BatchBench:
         self.backend = get_backend(self.flat)
         self.pairs = [(v, v) for v in (PerReplica([self.inputs[d][i] for d in range(G)])
                                        for i in range(len(self.shapes)))]
+        self.views: list[list[np.ndarray]] = []  # the batch as views of one buffer
+        if any(m.kind == "batch-views" for m in methods):
+            from ..shared import shared_arrays
+
+            for d in range(G):
+                if config.shared:
+                    views = shared_arrays(self.shapes, dtype, comm)
+                else:
+                    flat = np.empty(self.total, dtype=dtype)
+                    views = [flat[o:o + n].reshape(s) for o, n, s in
+                             zip(self.offsets[:-1], self.sizes, self.shapes)]
+                for view, x in zip(views, self.inputs[d]):
+                    view[...] = x
+                self.views.append(views)
+        self.view_pairs = [(v, v) for v in (PerReplica([self.views[d][i] for d in range(G)])
+                                            for i in range(len(self.shapes)))] \
+            if self.views else []
         flat_value = PerReplica(list(self.flat_in))
         self.flat_pairs = [(flat_value, flat_value)]
         self.flat_alg, self.flat_shards, _ = spec.route(self.total * dtype.itemsize)
@@ -220,8 +248,8 @@ class BatchBench:
                 self.run(self.flat_alg, comm, self.flat, op=self.SUM, shards=self.flat_shards,
                          backend=self.backend, rotation=rotation)
             return None
-        return m.ops.batch_reduce("sum", self.flat_pairs if m.kind == "flat-batch"
-                                  else self.pairs)
+        pairs = {"flat-batch": self.flat_pairs, "batch-views": self.view_pairs}
+        return m.ops.batch_reduce("sum", pairs.get(m.kind, self.pairs))
 
     def timed(self, k: int, rotation: int, check: bool) -> tuple[float, int]:
         """One iteration of method ``k``: (seconds, wrong elements or 0 when unchecked)."""
@@ -290,7 +318,8 @@ class BatchBench:
         """Input elements ``batch_reduce`` changed (it must leave its inputs alone)."""
         modified = 0
         for d in range(self.G):
-            for i, x in enumerate(self.inputs[d]):
+            for i, x in enumerate(self.inputs[d] + (self.views[d] if self.views else [])):
+                i %= len(self.sizes)
                 o, n = int(self.offsets[i]), self.sizes[i]
                 modified += int(np.count_nonzero(x.reshape(-1) != self.flat_in[d][o:o + n]))
         return modified

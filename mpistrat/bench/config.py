@@ -255,6 +255,8 @@ class BatchConfig:
         spec: the all-reduce spec of ``MultiWorkerAllReduce`` (any spec form).
         num_packs: one ``batch_reduce num_packs=P`` row per value.
         agg_bytes, agg_group: the small-tensor aggregation row (0, 0: no such row).
+        shared: the "tensors in one buffer" row keeps them in shared memory
+            (:func:`mpistrat.shared_arrays`), so ``shm`` reads them in place.
         dtype, local_replicas, warmup, iters, check_every, quiet: as in BenchConfig
             (fixed counts; the batch is one size).
     """
@@ -265,6 +267,7 @@ class BatchConfig:
     num_packs: tuple[int, ...] = (1, 2, 4)
     agg_bytes: int = 64 * KiB
     agg_group: int = 16
+    shared: bool = False
     dtype: str = "float32"
     local_replicas: int = 1
     warmup: int = 3

@@ -88,7 +88,7 @@ def _batch_config(p: dict[str, Any]) -> Any:
         shapes=shapes, name=name,
         spec=str(resolve_spec(p["specs"][0])) if p["specs"] else "rechd",
         num_packs=parse_int_list(p["num_packs"], "--num-packs"),
-        agg_bytes=agg_bytes, agg_group=agg_group, dtype=p["dtype"],
+        agg_bytes=agg_bytes, agg_group=agg_group, shared=p["shared"], dtype=p["dtype"],
         local_replicas=p["local_replicas"],
         warmup=p["warmup"] if p["warmup"] is not None else 3,
         iters=p["iters"] if p["iters"] is not None else 20,
@@ -162,7 +162,8 @@ Examples:
                    "node of --predict-ranks.")
 @click.option("--shared", is_flag=True,
               help="Allocate the buffers in shared memory (mpistrat.shared_empty), so 'shm' "
-                   "reads them in place: its zero-copy mode.")
+                   "reads them in place: its zero-copy mode. With --batch: the row of "
+                   "tensors kept in one buffer uses mpistrat.shared_arrays.")
 @click.option("--batch", metavar="resnet50|FILE.json",
               help="Reduce a whole gradient batch through batch_reduce instead of a sweep.")
 @click.option("--num-packs", default="1,2,4", show_default=True, metavar="LIST",
