@@ -94,6 +94,8 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
 
 def _describe(value: DistributedValues) -> str:
     arrays = _as_arrays(value)
+    if len(arrays) == 1:
+        return f"1x{arrays[0].shape}:{arrays[0].dtype.str}"
     shapes = {(tuple(a.shape), a.dtype.str) for a in arrays}
     if len(shapes) != 1:
         raise ValueError(
@@ -113,6 +115,7 @@ def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -
     the answer is the same on every rank.
     """
     if values is dest or values == dest:  # the common case: destinations = the value
+        # (device sets are interned, so equal sets are usually the same tuple)
         return comm.Get_size() == 1 or all(d.task is None for d in dest)
     rank, size = comm.Get_rank(), comm.Get_size()
     if size > 1 and any(d.task is not None for d in dest):
@@ -121,8 +124,8 @@ def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -
 
 
 def _as_arrays(value: DistributedValues) -> list[Any]:
-    return [v if hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, np.generic)
-            else np.asarray(v) for v in value.values]
+    return [v if type(v) is np.ndarray or hasattr(v, "shape") and hasattr(v, "dtype")
+            and not isinstance(v, np.generic) else np.asarray(v) for v in value.values]
 
 
 # ----------------------------------------------------------------------- base class

@@ -72,6 +72,9 @@ def default_devices(count: int, gpus: bool = False) -> tuple[str, ...]:
     return tuple(f"/{kind}:{index}" for index in range(count))
 
 
+_DEVICE_SETS: dict[tuple, tuple[Device, ...]] = {}  # names or devices -> the parsed tuple
+
+
 class DistributedValues:
     """Values of one tensor on a rank's local devices (``tf.distribute.DistributedValues``).
 
@@ -100,9 +103,17 @@ class DistributedValues:
                 f"{type(self).__name__} got {len(values)} values but {len(names)} devices "
                 f"{list(map(str, names))}; give one device per value"
             )
-        parsed = tuple(parse_device(d) for d in names)
-        if len(set(parsed)) != len(parsed):
-            raise ValueError(f"{type(self).__name__} devices repeat: {list(map(str, names))}")
+        try:
+            parsed = _DEVICE_SETS.get(names)
+        except TypeError:  # unhashable names: parse_device says what is wrong
+            parsed = None
+        if parsed is None:
+            parsed = tuple(parse_device(d) for d in names)
+            if len(set(parsed)) != len(parsed):
+                raise ValueError(f"{type(self).__name__} devices repeat: {list(map(str, names))}")
+            if len(_DEVICE_SETS) < 1024:  # one tuple per device set: compared by identity
+                parsed = _DEVICE_SETS.setdefault(parsed, parsed)
+                _DEVICE_SETS[names] = parsed
         self._values = values
         self._devices = parsed
 
