@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, packing
+from . import algorithms, packing, shared
 from ._agreement import agree
 from ._mpi import world
 from .backends import get_backend
@@ -447,14 +447,29 @@ def _local_sum(op: ReduceOp, sources: list[Any], backend: Any) -> Any:
     return buf
 
 
+SHARED_RESULT_BYTES = 1 << 20
+"""Packs from this size reduced by ``shm`` (or ``shm/<b>``) get their result buffer in
+shared memory (:func:`mpistrat.shared.recycled`): each rank writes its reduced slice
+there in place and its peers copy it from there, instead of one more copy through the
+window; below it, one small all-reduce to agree on a buffer would cost more than it saves."""
+
+
 def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reducer:
     """Combine the local components in device order, then run ``alg`` across ranks; with
     one device the algorithm reads the source directly (out of place, no copy)."""
 
+    info = algorithms.get(alg)
+    shares = "shm" in (alg, info.intra)  # its results can live in shared memory
+
     def reduce(sources: list[Any], index: int) -> Any:
         backend = get_backend(sources[0].segments[0])
         if len(sources) == 1 and comm.Get_size() > 1 and sources[0].size:
-            buf = backend.recycled(sources[0].size, sources[0].dtype)
+            buf = None
+            if shares and sources[0].nbytes >= SHARED_RESULT_BYTES \
+                    and getattr(backend, "name", None) == "numpy":
+                buf = shared.recycled(comm, sources[0].size, sources[0].dtype)
+            if buf is None:
+                buf = backend.recycled(sources[0].size, sources[0].dtype)
             algorithms.run(alg, comm, buf, op=op, shards=shards, backend=backend,
                            rotation=index, source=sources[0])
             return buf

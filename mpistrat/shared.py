@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from ._mpi import mpi, world
 from .errors import TopologyError
 
 __all__ = ["Block", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
-           "allocate", "locate", "is_shared"]
+           "allocate", "locate", "is_shared", "recycled", "POOL_SLOTS"]
 
 _PAGE = 4096
 _BLOCKS: dict[int, Block] = {}  # uid -> live block, in creation order
@@ -283,6 +284,73 @@ def free_shared(array: np.ndarray) -> None:
                          "the first of mpistrat.shared_arrays (not another view into one, "
                          "nor an ordinary array)")
     found[0].free()
+
+
+POOL_SLOTS = 4  # shared result buffers per node group (more results alive: private memory)
+
+
+class _Pool:
+    """Shared result buffers of one node group, reused once nothing references them.
+
+    Each slot is a block and an *anchor*: an array over the block's own segment that
+    every buffer handed out is a view of, so the anchor's reference count says whether
+    a result still uses the slot. Slots are made, reused and replaced only when every
+    rank of the node group agrees (one small all-reduce), so the ranks' pools stay
+    identical. A slot is never freed while this rank may hold a view of it: only when
+    every rank found it free, or at exit (a freed communicator leaves its pool alive).
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+        self.anchors: list[np.ndarray] = []
+
+
+def recycled(comm: Any, count: int, dtype: Any,
+             ranks_per_node: int | None = None) -> np.ndarray | None:
+    """A 1-D array of ``count`` elements in shared memory, reusing a slot whose earlier
+    results are gone on every rank of the node group — or None (on every rank of the
+    group alike) when all :data:`POOL_SLOTS` slots are in use.
+
+    Collective over the node group of ``comm``: every rank calls it with the same count
+    and dtype. Results that are views of the array keep its slot busy, as with
+    ``NumpyBackend.recycled``.
+    """
+    from .topology import get_topology
+
+    MPI = mpi()
+    dtype = np.dtype(dtype)
+    if count <= 0:
+        return None
+    nbytes = count * dtype.itemsize
+    node_comm = get_topology(comm, ranks_per_node).node_comm
+    pool = comm_cache(node_comm).setdefault("shared_pool", _Pool())
+    free = 0
+    for i in range(len(pool.anchors)):
+        if sys.getrefcount(pool.anchors[i]) == 2:  # the pool's list and getrefcount's argument
+            free |= 1 << i
+    mask = np.array([free], dtype=np.int64)
+    if node_comm.Get_size() > 1:
+        node_comm.Allreduce(MPI.IN_PLACE, mask, op=MPI.BAND)
+    free = int(mask[0])
+    fits = [i for i, b in enumerate(pool.blocks) if free >> i & 1 and b.nbytes >= nbytes]
+    if fits:
+        slot = min(fits, key=lambda i: pool.blocks[i].nbytes)
+    else:
+        spare = [i for i in range(len(pool.blocks)) if free >> i & 1]
+        if spare:
+            slot = spare[0]
+            pool.blocks[slot].free()  # free on every rank of the group: nobody holds it
+        elif len(pool.blocks) < POOL_SLOTS:
+            slot = len(pool.blocks)
+            pool.blocks.append(None)  # type: ignore[arg-type]
+            pool.anchors.append(None)  # type: ignore[arg-type]
+        else:
+            return None
+        made = allocate(node_comm, 1 << max(nbytes - 1, 1).bit_length(), owner="result pool")
+        pool.blocks[slot] = made
+        own = made.segments[made.rank]
+        pool.anchors[slot] = np.frombuffer(own.data, dtype=np.uint8)
+    return pool.anchors[slot][:nbytes].view(dtype)
 
 
 @atexit.register

@@ -64,8 +64,12 @@ Design choices:
   the pack *is* the copy-in, so a pack costs what one buffer costs — and the rank's own
   slice is reduced from the tensors where they lie. When the tensors are views of one
   array in order (:func:`mpistrat.shared_arrays` gives such views in shared memory),
-  that array is the input, read in place if it is shared. The shared pack arena is the
-  scratch window, so it is only grown at a call every rank has reached.
+  that array is the input, read in place if it is shared. When they lie in one shared
+  block with gaps (a spec that routes the small tensors elsewhere), a rank publishes
+  the block, its first tensor's offset and a hash of the others' offsets from it; if
+  every rank's hash is equal, peers map each other's tensors with their own offsets
+  and nobody copies in. The shared pack arena is the scratch window, so it is only
+  grown at a call every rank has reached.
 * **Results** are bitwise identical on every rank: each element of a large buffer is
   reduced once, by its slice's owner, and copied; small buffers are reduced by every
   rank with the same operations in the same order. Any dtype, op, length (0, 1, fewer
@@ -78,6 +82,7 @@ buffers.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import zlib
@@ -108,7 +113,7 @@ _MIN_SCRATCH = 1 << 20
 # Control segment layout, in int64 words; every line is 64 bytes, written by its owner only.
 _W = 8  # words per line
 _ARRIVE = (0, 1)  # one arrival line per epoch parity: [epoch, signature, in uid, in
-#                   offset, out uid, out offset]
+#                   offset, out uid, out offset, in layout]
 _COPIED, _REDUCED, _DONE, _ABORT = 2 * _W, 3 * _W, 4 * _W, 5 * _W
 _SLOTS = 4096  # byte offset of the two small slots
 _SPIN_BEFORE_SLEEP = 1e-3
@@ -328,23 +333,23 @@ def _mismatch() -> None:
 
 
 def _arrive(node: _Node, kind: int, buf: np.ndarray, op: ReduceOp, root: int,
-            locations: tuple[int, int, int, int]) -> list[tuple[int, ...]]:
+            locations: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Publish this rank's call, wait for every peer's, and check they match.
 
     Returns every rank's arrival line (rank order) as ints: epoch, signature, input uid
-    and offset, output uid and offset."""
+    and offset, output uid and offset, input layout (0: contiguous)."""
     epoch = node.epoch
     line = _ARRIVE[epoch & 1] * _W
     mine = node.mine
     mine[line + 1] = _signature(kind, buf, op, root)
-    mine[line + 2:line + 6] = locations
+    mine[line + 2:line + 2 + len(locations)] = locations
     node.sync()
     mine[line] = epoch
     for q in range(node.size):
         if q != node.rank:
             node.wait(q, line, epoch, "arrival")
     node.sync()
-    lines = [tuple(node.flags[q][line:line + 6].tolist()) for q in range(node.size)]
+    lines = [tuple(node.flags[q][line:line + 7].tolist()) for q in range(node.size)]
     if len({entry[1] for entry in lines}) > 1:
         _mismatch()  # every rank raises here, alike; the windows stay consistent
     return lines
@@ -388,6 +393,50 @@ def _pieces(x: np.ndarray | None, src: Source | None, lo: int,
     return [(at, at + b - a, src.segments[index][a:b]) for index, a, b, at in src.pieces(lo, hi)]
 
 
+class _Layout:
+    """Where the tensors of a Source lie in one shared block: the block, the byte offset
+    of the first tensor, every tensor's byte offset from the first, and a word that
+    ranks compare to know their layouts are the same (never 0)."""
+
+    __slots__ = ("uid", "offset", "relative", "word")
+
+    def __init__(self, uid: int, offset: int, relative: list[int]) -> None:
+        self.uid, self.offset, self.relative = uid, offset, relative
+        digest = hashlib.blake2b(np.asarray(relative, dtype=np.int64).tobytes(), digest_size=8)
+        self.word = (int.from_bytes(digest.digest(), "little") >> 2) + 1
+
+
+def _layout(node: _Node, src: Source) -> _Layout | None:
+    """The layout of ``src``'s tensors when all lie in one shared block of this node group
+    (e.g. gradients from :func:`mpistrat.shared_arrays`, with gaps where tensors of
+    other packs sit), else None."""
+    found = shared.locate(src.segments[0])
+    if found is None or not found[0].serves(node.comm):
+        return None
+    block, first = found
+    relative = []
+    for segment in src.segments:
+        start = segment.__array_interface__["data"][0] - block.base \
+            if isinstance(segment, np.ndarray) and segment.flags.c_contiguous else -1
+        if start < 0 or start + segment.nbytes > block.nbytes:
+            return None
+        relative.append(start - first)
+    return _Layout(block.uid, first, relative)
+
+
+def _peer_segments(node: _Node, q: int, line: tuple[int, ...], layout: _Layout,
+                   src: Source) -> list[np.ndarray]:
+    """Rank ``q``'s tensors, laid out in its block as this rank's are in its own."""
+    block = shared.block(line[2])
+    if block is None:
+        raise MpistratError(
+            f"rank {q} of the node group published shared block {line[2]}, unknown on "
+            f"rank {node.rank}; were shared_empty calls made in different orders?")
+    segment, at = block.segments[q], line[3]
+    return [segment[at + rel:at + rel + s.nbytes].view(s.dtype)
+            for rel, s in zip(layout.relative, src.segments)]
+
+
 def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
             root: int | None, src: Source | None = None) -> None:
     """The all-reduce (``root`` None) or reduce-to-root of ``x`` — or of the tensors of
@@ -405,18 +454,31 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
         return
     ufunc = UFUNCS[op.primitive]
 
-    in_uid, in_off = _location(node, x)
+    layout = _layout(node, src) if src is not None else None
+    in_uid, in_off = (layout.uid, layout.offset) if layout is not None else _location(node, x)
     out_uid, out_off = _location(node, out)
-    lines = _arrive(node, kind, out, op, root or 0, (in_uid, in_off, out_uid, out_off))
-    if any(entry[2] == 0 or entry[4] == 0 for entry in lines):
-        node.ensure_scratch(nbytes)  # the same decision on every rank: all see all lines
+    lines = _arrive(node, kind, out, op, root or 0,
+                    (in_uid, in_off, out_uid, out_off, layout.word if layout else 0))
+    # Whose input is read where it lies: a shared buffer, or tensors in a shared block when
+    # every rank's lie alike (a peer maps them with this rank's layout); the others copy
+    # in. Every rank decides from the same lines, so all decide alike.
+    words = {entry[6] for entry in lines}
+    segmented = len(words) == 1 and 0 not in words
+    in_place = [entry[2] != 0 and (entry[6] == 0 or segmented) for entry in lines]
+    if not all(in_place) or any(entry[4] == 0 for entry in lines):
+        node.ensure_scratch(nbytes)
     count, dtype = out.size, out.dtype
-    inputs = [None if q == r else _peer_view(node, q, lines[q][2], lines[q][3], count, dtype)
-              for q in range(n)]
+    if segmented:
+        peers = [None if q == r else _peer_segments(node, q, lines[q], layout, src)
+                 for q in range(n)]
+    else:
+        inputs = [None if q == r else
+                  _peer_view(node, q, lines[q][2] if in_place[q] else 0, lines[q][3], count, dtype)
+                  for q in range(n)]
     results = [_peer_view(node, q, lines[q][4], lines[q][5], count, dtype)
                for q in range(n)]
-    copy_in = in_uid == 0
-    staged = [q for q in range(n) if q != r and lines[q][2] == 0]
+    copy_in = not in_place[r]
+    staged = [q for q in range(n) if q != r and not in_place[q]]
     # my scratch, where peers read their slices of my input when it is not shared
     own_staging = _peer_view(node, r, 0, 0, count, dtype) if copy_in else None
     bounds, chunk, nchunks = _slices(count, n, out.itemsize)
@@ -445,9 +507,15 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
                 dst = results[r][lo:hi]
                 if alias:  # writing my input before reading all of it: go through a temp
                     dst = node.chunk_tmp(dst.nbytes).view(dtype)
-                for a, b, piece in _pieces(x, src, lo, hi):
-                    _reduce_into(ufunc, [piece if q == r else inputs[q][a:b]
-                                         for q in range(n)], dst[a - lo:b - lo])
+                if segmented:  # every rank's tensors, piece by piece
+                    for index, a, b, at in src.pieces(lo, hi):
+                        _reduce_into(ufunc, [src.segments[index][a:b] if q == r else
+                                             peers[q][index][a:b] for q in range(n)],
+                                     dst[at - lo:at - lo + b - a])
+                else:
+                    for a, b, piece in _pieces(x, src, lo, hi):
+                        _reduce_into(ufunc, [piece if q == r else inputs[q][a:b]
+                                             for q in range(n)], dst[a - lo:b - lo])
                 if alias:
                     results[r][lo:hi] = dst
                 if out_uid == 0 and gathers:

@@ -117,11 +117,12 @@ def _tensor_sizes(length: int) -> list[int]:
     return sizes + [length - sum(sizes)]
 
 
-@pytest.mark.parametrize("layout", ["scattered", "one-buffer", "shared", "mixed"])
+@pytest.mark.parametrize("layout", ["scattered", "one-buffer", "shared", "gapped", "mixed"])
 def test_pack_of_tensors(world, layout):
     """A pack given as tensors (a multi-segment Source): copied straight into the window
     (scattered), or read as the one array they are views of — in place when it is shared
-    (shared_arrays); ranks may differ (mixed). Results equal the reduction of the
+    (shared_arrays), or in place tensor by tensor when they lie in one shared block with
+    gaps, alike on every rank (gapped); ranks may differ (mixed). Results equal the reduction of the
     concatenation; the tensors are untouched; flat shm and shm/rechd on virtual nodes."""
     dtype = np.dtype(np.float32)
     problems, digests = [], []
@@ -131,10 +132,14 @@ def test_pack_of_tensors(world, layout):
             sizes = _tensor_sizes(length)
             values = contribution(world.rank, length, dtype)
             mode = layout if layout != "mixed" else \
-                ("scattered", "one-buffer", "shared")[world.rank % 3]
-            arrays = mpistrat.shared_arrays(sizes, dtype, world, ranks_per_node)  # collective
-            if mode == "shared":
-                tensors = arrays
+                ("scattered", "gapped", "one-buffer", "shared")[world.rank % 4]
+            # collective, on every rank alike; every other gapped array is a gap (where
+            # another pack's tensor would sit)
+            plain = mpistrat.shared_arrays(sizes, dtype, world, ranks_per_node)
+            gapped = mpistrat.shared_arrays([d for size in sizes for d in (size, 3)], dtype,
+                                            world, ranks_per_node)
+            if mode in ("shared", "gapped"):
+                tensors = plain if mode == "shared" else gapped[0::2]
                 for tensor, piece in zip(tensors, _cut(values, sizes)):
                     tensor[...] = piece
             elif mode == "one-buffer":
@@ -142,7 +147,7 @@ def test_pack_of_tensors(world, layout):
             else:
                 tensors = [piece.copy() for piece in _cut(values, sizes)]
             source = Source(tensors)
-            if (source.joined() is not None) != (mode != "scattered"):
+            if (source.joined() is not None) != (mode in ("one-buffer", "shared")):
                 problems.append(f"{mode}: joined() is {source.joined()}")
             if mode == "shared" and not mpistrat.is_shared(source.joined()):
                 problems.append("the views of shared_arrays do not join into shared memory")
@@ -153,13 +158,16 @@ def test_pack_of_tensors(world, layout):
                            ranks_per_node=ranks_per_node, source=source)
             if not all(np.array_equal(a, b) for a, b in zip(tensors, before)):
                 problems.append(f"{alg} {mode} length={length}: the tensors were modified")
-            mpistrat.free_shared(arrays[0])
+            mpistrat.free_shared(gapped[0])
+            mpistrat.free_shared(plain[0])
     finish(world, problems, digests)
 
 
-def test_batch_reduce_of_shared_gradients(world):
-    """Gradients kept in shared_arrays: MultiWorkerAllReduce with spec shm reads them in
-    place (no copy-in) and gives the sum."""
+@pytest.mark.parametrize("spec", ["shm", "rechd:16K:shm"])
+def test_batch_reduce_of_shared_gradients(world, spec, monkeypatch):
+    """Gradients kept in shared_arrays: MultiWorkerAllReduce reads them in place — as one
+    buffer (spec shm), or tensor by tensor when the small ones go elsewhere and leave gaps
+    (the AUTO spec's routing) — and gives the sum."""
     from mpistrat import MultiWorkerAllReduce, PerReplica
 
     shapes = [(64, 300), (300,), (300, 1000), (1000,)]
@@ -172,25 +180,78 @@ def test_batch_reduce_of_shared_gradients(world):
     original = shm._reduce
 
     def spy(node, x, out, op, root, src=None):
-        seen.append((x is not None and mpistrat.is_shared(x), src is None))
+        seen.append("one buffer" if x is not None and mpistrat.is_shared(x) else
+                    "tensors in place" if src is not None and shm._layout(node, src) else
+                    "copied")
         return original(node, x, out, op, root, src)
 
-    shm._reduce = spy
-    try:
-        ops = MultiWorkerAllReduce(all_reduce_spec="shm", num_packs=1, comm=world)
-        values = [PerReplica([g]) for g in grads]
-        results = ops.batch_reduce("sum", [(v, v) for v in values])
-    finally:
-        shm._reduce = original
+    monkeypatch.setattr(shm, "_reduce", spy)
+    ops = MultiWorkerAllReduce(all_reduce_spec=spec, num_packs=1, comm=world)
+    values = [PerReplica([g]) for g in grads]
+    results = ops.batch_reduce("sum", [(v, v) for v in values])
     problems = []
     for i, (got, want) in enumerate(zip(results, expected)):
         if not np.array_equal(got.values[0], want):
             problems.append(f"gradient {i}: wrong sum")
-    if world.size > 1 and seen != [(True, True)]:
-        problems.append(f"shm was called with (input shared, no tensor copy) = {seen}")
+    want = ["one buffer" if spec == "shm" else "tensors in place"] if world.size > 1 else []
+    if seen != want:
+        problems.append(f"shm read the gradients as {seen}, expected {want}")
     mpistrat.free_shared(grads[0])
     finish(world, problems, [("grads", digest(np.concatenate([r.values[0].ravel()
                                                               for r in results])))])
+
+
+def test_shared_result_pool(world):
+    """shared.recycled: a slot is reused only when no rank holds a view of it; a rank that
+    still holds one keeps it busy for the whole node group; with every slot busy, every
+    rank gets None; the slots are the same on every rank."""
+    problems = []
+    count = 1000
+    first = shared.recycled(world, count, np.float32)
+    first[:] = world.rank
+    uid = shared.locate(first)[0].uid
+    keep = first if world.rank == 0 else None  # only rank 0 still holds its result
+    del first
+    second = shared.recycled(world, count, np.float32)
+    if shared.locate(second)[0].uid == uid and world.size > 1:
+        problems.append("a slot rank 0 still holds was handed out again")
+    held = [second]
+    for _ in range(shared.POOL_SLOTS):
+        held.append(shared.recycled(world, count, np.float32))
+    if held[-1] is not None:
+        problems.append(f"{shared.POOL_SLOTS + 1} results alive but the pool gave a slot")
+    if keep is not None and not np.array_equal(keep, np.zeros(count, np.float32)):
+        problems.append("a held result was overwritten")
+    del keep, held, second
+    again = shared.recycled(world, 3 * count, np.float64)  # every slot free again: reused
+    uids = world.allgather(shared.locate(again)[0].uid)
+    if len(set(uids)) != 1:
+        problems.append(f"ranks got different slots: {uids}")
+    finish(world, problems, [])
+
+
+def test_results_in_shared_memory_survive_later_calls(world):
+    """batch_reduce through shm hands out results in shared memory; results a caller
+    keeps are never overwritten by later calls (on any rank)."""
+    from mpistrat import MultiWorkerAllReduce, PerReplica
+
+    ops = MultiWorkerAllReduce(all_reduce_spec="shm", num_packs=1, comm=world)
+    length = (1 << 20) // 4 + 5  # above SHARED_RESULT_BYTES
+    kept, problems = [], []
+    for step in range(shared.POOL_SLOTS + 2):
+        values = [PerReplica([np.full(length // 2, step + world.rank, np.float32)]),
+                  PerReplica([np.full(length - length // 2, -step, np.float32)])]
+        results = ops.batch_reduce("sum", [(v, v) for v in values])
+        if world.size > 1 and step == 0 and not mpistrat.is_shared(results[0].values[0]):
+            problems.append("the result of a large shm pack is not in shared memory")
+        if world.rank % 2 == 0 or step % 2 == 0:  # ranks keep different results alive
+            kept.append((step, results))
+    n = world.size
+    for step, results in kept:
+        a, b = (r.values[0] for r in results)
+        if not (np.all(a == n * step + n * (n - 1) // 2) and np.all(b == -n * step)):
+            problems.append(f"the result of step {step} changed")
+    finish(world, problems, [])
 
 
 @pytest.mark.parametrize("alg,ranks_per_node", [("shm/xring", 1), ("shm/rechd", 2),
