@@ -472,8 +472,8 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
         peers = [None if q == r else _peer_segments(node, q, lines[q], layout, src)
                  for q in range(n)]
     else:
-        inputs = [None if q == r else
-                  _peer_view(node, q, lines[q][2] if in_place[q] else 0, lines[q][3], count, dtype)
+        inputs = [None if q == r else  # (uid 0, offset 0: the peer's scratch, where it copied in)
+                  _peer_view(node, q, *(lines[q][2:4] if in_place[q] else (0, 0)), count, dtype)
                   for q in range(n)]
     results = [_peer_view(node, q, lines[q][4], lines[q][5], count, dtype)
                for q in range(n)]

@@ -154,10 +154,18 @@ def test_batch_mode(bench, tmp_path):
     assert labels == ["per-tensor native", "flat native", "flat rechd",
                       "flat rechd (batch_reduce)", "batch_reduce num_packs=1",
                       "batch_reduce num_packs=2", "batch_reduce agg 256B/4",
-                      "batch_reduce no packing"]
+                      "batch_reduce no packing", "batch_reduce num_packs=1, one buffer"]
     assert all(r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 for r in doc["results"])
     assert doc["inputs_modified"] == 0 and doc["meta"]["options"]["tensors"] == 6
     assert "time/per-tensor" in result.stdout
+
+    # shm with the gradients of the last row in shared memory (mpistrat.shared_arrays)
+    result = bench(2, "--batch", str(shapes), "--spec", "shm", "--num-packs", "1",
+                   "--agg-small-grads", "0", "--shared", "-c", *TINY, "--json", str(out_json))
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = _json(out_json)
+    assert doc["results"][-1]["label"] == "batch_reduce num_packs=1, shared buffer"
+    assert all(r["wrong"] == 0 for r in doc["results"]) and doc["inputs_modified"] == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,

@@ -136,10 +136,10 @@ def test_pack_of_tensors(world, layout):
             # collective, on every rank alike; every other gapped array is a gap (where
             # another pack's tensor would sit)
             plain = mpistrat.shared_arrays(sizes, dtype, world, ranks_per_node)
-            gapped = mpistrat.shared_arrays([d for size in sizes for d in (size, 3)], dtype,
+            gapped = mpistrat.shared_arrays([d for size in sizes for d in (3, size)], dtype,
                                             world, ranks_per_node)
             if mode in ("shared", "gapped"):
-                tensors = plain if mode == "shared" else gapped[0::2]
+                tensors = plain if mode == "shared" else gapped[1::2]  # (not at offset 0)
                 for tensor, piece in zip(tensors, _cut(values, sizes)):
                     tensor[...] = piece
             elif mode == "one-buffer":
