@@ -93,9 +93,10 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
 
 
 def _describe(value: DistributedValues) -> str:
+    values = value.values
+    if len(values) == 1 and type(values[0]) is np.ndarray:
+        return f"1x{values[0].shape}:{values[0].dtype.str}"
     arrays = _as_arrays(value)
-    if len(arrays) == 1:
-        return f"1x{arrays[0].shape}:{arrays[0].dtype.str}"
     shapes = {(tuple(a.shape), a.dtype.str) for a in arrays}
     if len(shapes) != 1:
         raise ValueError(
@@ -121,6 +122,11 @@ def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -
     if size > 1 and any(d.task is not None for d in dest):
         return False
     return {d.on(rank) for d in values} == {d.on(rank) for d in dest}
+
+
+def _first_array(value: DistributedValues) -> Any:
+    first = value.values[0]
+    return first if type(first) is np.ndarray else _as_arrays(value)[0]
 
 
 def _as_arrays(value: DistributedValues) -> list[Any]:
@@ -292,6 +298,9 @@ class CrossDeviceOps(abc.ABC):
     @staticmethod
     def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Any) -> bool:
         first = pairs[0][0].device_set
+        # the common case, checked in one pass: (v, v) pairs over one (interned) device set
+        if all(dest is value and value.device_set is first for value, dest in pairs):
+            return _same_devices(first, first, comm)
         return all(
             _same_devices(value.device_set, _destinations(dest), comm)
             and _same_devices(value.device_set, first, comm)
@@ -567,7 +576,7 @@ class AllReduceCrossDeviceOps(_AllReduceBase):
 
     def _batch(self, op, values, options):
         num_packs = self.num_packs if self.num_packs > 0 else 0
-        plan = _plan_for([_as_arrays(v)[0] for v in values], num_packs, 0, 0, options)
+        plan = _plan_for([_first_array(v) for v in values], num_packs, 0, 0, options)
         return _all_reduce_batch(self.comm, op, values,
                                  [(list(range(len(values))), plan, self._reducer(op, values))])
 
@@ -702,7 +711,7 @@ class MultiWorkerAllReduce(_AllReduceBase):
                 f"num_gpus_per_worker={self.num_gpus_per_worker} but the values have "
                 f"{replicas} component(s) per rank"
             )
-        firsts = [_as_arrays(v)[0] for v in values]
+        firsts = [_first_array(v) for v in values]
         routed: dict[int, list[int]] = {}
         for i, array in enumerate(firsts):
             routed.setdefault(self.spec.index_for(array.nbytes), []).append(i)
