@@ -50,6 +50,7 @@ from .cross_device_ops import (  # noqa: E402
     ReductionToOneDevice,
 )
 from .errors import CollectiveAbortedError, CollectiveTimeoutError  # noqa: E402
+from .packing import flat_arrays  # noqa: E402
 from .shared import (  # noqa: E402
     free_shared, is_shared, shared_arrays, shared_empty, shared_zeros,
 )
@@ -60,7 +61,7 @@ __all__ += [
     "CrossDeviceOps", "ReductionToOneDevice", "AllReduceCrossDeviceOps", "NcclAllReduce",
     "HierarchicalCopyAllReduce", "MultiWorkerAllReduce", "CollectiveTimeoutError",
     "CollectiveAbortedError", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
-    "is_shared",
+    "is_shared", "flat_arrays",
     "DistributedValues", "PerReplica", "Mirrored",
 ]
 

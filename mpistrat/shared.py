@@ -256,18 +256,12 @@ def shared_arrays(shapes: Any, dtype: Any = np.float32, comm: Any = None,
     Returns:
         The arrays, in order. ``free_shared(arrays[0])`` frees them all.
     """
-    dtype = np.dtype(dtype)
-    shapes = [(int(s),) if np.ndim(s) == 0 else tuple(int(d) for d in s) for s in shapes]
-    bad = [shape for shape in shapes if any(d < 0 for d in shape)]
-    if bad:
-        raise ValueError(f"negative dimensions are not allowed in shape {bad[0]}")
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = shared_zeros(max(1, sum(sizes)), dtype, comm, ranks_per_node)
-    out, at = [], 0
-    for shape, size in zip(shapes, sizes):
-        out.append(flat[at:at + size].reshape(shape))
-        at += size
-    return out
+    from .packing import checked_shapes, views_in_order
+
+    shapes = checked_shapes(shapes)
+    total = sum(math.prod(shape) for shape in shapes)
+    flat = shared_zeros(max(1, total), dtype, comm, ranks_per_node)
+    return views_in_order(flat, shapes)
 
 
 def free_shared(array: np.ndarray) -> None:

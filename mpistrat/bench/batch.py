@@ -195,15 +195,12 @@ class BatchBench:
                                        for i in range(len(self.shapes)))]
         self.views: list[list[np.ndarray]] = []  # the batch as views of one buffer
         if any(m.kind == "batch-views" for m in methods):
+            from ..packing import flat_arrays
             from ..shared import shared_arrays
 
             for d in range(G):
-                if config.shared:
-                    views = shared_arrays(self.shapes, dtype, comm)
-                else:
-                    flat = np.empty(self.total, dtype=dtype)
-                    views = [flat[o:o + n].reshape(s) for o, n, s in
-                             zip(self.offsets[:-1], self.sizes, self.shapes)]
+                views = shared_arrays(self.shapes, dtype, comm) if config.shared \
+                    else flat_arrays(self.shapes, dtype)
                 for view, x in zip(views, self.inputs[d]):
                     view[...] = x
                 self.views.append(views)

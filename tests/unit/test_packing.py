@@ -491,3 +491,23 @@ def test_resnet50_plans():
         _, _, out = round_trip(plan, arrays)
         assert all(o.shape == a.shape and o.flat[0] == i and o.flat[-1] == i
                    for i, (o, a) in enumerate(zip(out, arrays)))
+
+
+# ---------------------------------------------------------------- flat_arrays
+
+
+def test_flat_arrays_are_views_of_one_buffer_in_order():
+    import mpistrat
+    from mpistrat.algorithms import Source
+
+    arrays = mpistrat.flat_arrays([(2, 3), 5, (), (0, 4), (1,)], np.float64)
+    assert [a.shape for a in arrays] == [(2, 3), (5,), (), (0, 4), (1,)]
+    assert all(a.dtype == np.float64 and a.flags.writeable and not a.any() for a in arrays)
+    base = arrays[0].base
+    assert all(a.base is base for a in arrays) and base.size == 13
+    arrays[1][...] = 7
+    assert base[6:11].tolist() == [7.0] * 5  # right after the 2x3 array
+    joined = Source([a.reshape(-1) for a in arrays]).joined()
+    assert joined is not None and joined.size == 13
+    with pytest.raises(ValueError, match=r"negative dimensions .* \(2, -1\)"):
+        mpistrat.flat_arrays([(3,), (2, -1)])
