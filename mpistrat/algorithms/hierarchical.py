@@ -56,12 +56,12 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
     from ..topology import get_topology  # (topology -> layout -> spec -> this package)
 
     topology = get_topology(comm, ranks_per_node)
-    node_comm = topology.node_comm
     if source is not None and not (intra.root_out_of_place and topology.local_size > 1):
         source.copy_into(buf, backend=backend)
         source = None
     if buf.size == 0 or topology.size == 1:
         return
+    node_comm = topology.node_comm
     if topology.local_size > 1:
         if source is not None:
             intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0, source=source)

@@ -552,13 +552,23 @@ def _guarded(node: _Node, body: Any, *args: Any) -> None:
         raise
 
 
-def _input(source: Source | None, buf: np.ndarray) -> tuple[np.ndarray | None, Source | None]:
-    """What a call reduces: ``buf`` itself, the one buffer ``source``'s tensors are views
-    of (read in place when it is shared), or ``source`` as tensors to copy in from."""
-    if source is None:
-        return buf, None
-    joined = source.joined()
-    return (joined, None) if joined is not None else (None, source)
+def _call(comm: Any, buf: Any, op: ReduceOp, backend: Any, root: int | None,
+          source: Source | None) -> None:
+    """Reduce ``buf`` — or ``source`` into ``buf`` — onto every rank (``root`` None) or
+    onto ``root``: what it reduces is ``buf`` itself, the one buffer ``source``'s tensors
+    are views of (read in place when it is shared), or ``source`` as tensors to copy in
+    from."""
+    _host_only(backend)
+    if comm.Get_size() == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
+        return
+    node = _begin(comm)
+    x, src = buf, None
+    if source is not None:
+        x = source.joined()
+        src = source if x is None else None
+    _guarded(node, _reduce, x, buf, op, root, src)
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
@@ -567,14 +577,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     memory — or reduce ``source`` into ``buf``: its tensors are copied straight into the
     shared window (the copy-in), or read in place when they are views of one shared
     array (``shards``, ``rotation`` ignored)."""
-    _host_only(backend)
-    if comm.Get_size() == 1 or buf.size == 0:
-        if source is not None:
-            source.copy_into(buf, backend=backend)
-        return
-    node = _begin(comm)
-    x, src = _input(source, buf)
-    _guarded(node, _reduce, x, buf, op, None, src)
+    _call(comm, buf, op, backend, None, source)
 
 
 def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0,
@@ -582,14 +585,7 @@ def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int
     """Reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``'s ``buf``
     through shared memory (other ranks skip the copy-out; their buffers are left partly
     reduced)."""
-    _host_only(backend)
-    if comm.Get_size() == 1 or buf.size == 0:
-        if source is not None:
-            source.copy_into(buf, backend=backend)
-        return
-    node = _begin(comm)
-    x, src = _input(source, buf)
-    _guarded(node, _reduce, x, buf, op, root, src)
+    _call(comm, buf, op, backend, root, source)
 
 
 def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
