@@ -315,10 +315,9 @@ class BatchBench:
         """Input elements ``batch_reduce`` changed (it must leave its inputs alone)."""
         modified = 0
         for d in range(self.G):
-            for i, x in enumerate(self.inputs[d] + (self.views[d] if self.views else [])):
-                i %= len(self.sizes)
-                o, n = int(self.offsets[i]), self.sizes[i]
-                modified += int(np.count_nonzero(x.reshape(-1) != self.flat_in[d][o:o + n]))
+            for batch in [self.inputs[d]] + ([self.views[d]] if self.views else []):
+                for x, o, n in zip(batch, self.offsets[:-1].tolist(), self.sizes):
+                    modified += int(np.count_nonzero(x.reshape(-1) != self.flat_in[d][o:o + n]))
         return modified
 
 
