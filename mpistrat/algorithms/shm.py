@@ -25,12 +25,19 @@ Steps of one call (``n`` ranks, every rank publishing in its own control segment
    already lives in a shared window from :func:`mpistrat.shared_empty`; (b) waits for
    the peers' *copied* counters and reduces chunk ``k`` of its own slice from all
    inputs in rank order, into its output if that is shared (zero-copy) or else into its
-   scratch and then its output, and bumps its *reduced* counter; (c) copies chunk
-   ``k - 1`` of every other slice from its owner's result. Each rank works a chunk
-   behind its peers at most, so a chunk is read by its peers while it is still in the
-   last-level cache, and copy-in, reduction and copy-out overlap across ranks. A final
-   *done* counter keeps a rank from returning (and its caller from overwriting a
-   zero-copy buffer) while a peer still reads from it.
+   scratch and then its output, and bumps its *reduced* counter; (c) when every rank's
+   output is shared (zero-copy, or a ``batch_reduce`` result from the shared pool), it
+   writes the chunk it just reduced into every peer's output too, while the chunk is
+   in its cache (**push**); otherwise it copies chunk ``k - 1`` of every other slice from
+   its owner's result (**pull**). A rank returns once every peer's *reduced* counter is
+   final (push) or a final *done* counter says no peer still reads its buffers (pull),
+   so its caller cannot overwrite a zero-copy buffer a peer still uses.
+
+   Push moves a fifth less memory (2 ranks: a rank reads its slice of both buffers and
+   writes the sum into both, instead of also reading the peer's result back) and has no
+   per-chunk wait. It also escapes the slow one of this VM's two states: there pull ran
+   at 3.5 GB/s while push, interleaved with it, ran at 10-14 GB/s (docs/benchmarks.md;
+   pull reading lines a peer has just written is the likely cause, not verified).
 
 Design choices:
 
@@ -487,6 +494,11 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
     lo_r, hi_r = bounds[r], bounds[r + 1]
     alias = src is None and r >= 2 and np.may_share_memory(results[r], x)
     gathers = root is None or root == r
+    # every output shared: a rank writes its reduced chunk into every output while the
+    # chunk is in its cache, instead of every rank reading it back from the owner's
+    push = root is None and all(entry[4] != 0 for entry in lines)
+    if push:
+        gathers = False
     for k in range(nchunks + 1):
         if k < nchunks:
             if copy_in:
@@ -518,6 +530,9 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
                                              for q in range(n)], dst[a - lo:b - lo])
                 if alias:
                     results[r][lo:hi] = dst
+                if push:
+                    for q in node.peers:
+                        results[q][lo:hi] = dst
                 if out_uid == 0 and gathers:
                     out[lo:hi] = results[r][lo:hi]
             sync()
@@ -531,6 +546,12 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
                         wait(q, _REDUCED, tag + k, "reduction")
                         sync()
                         out[lo:hi] = results[q][lo:hi]
+    if push:
+        # a peer's last push into this rank's output is its last access of this call
+        for q in node.peers:
+            wait(q, _REDUCED, tag + nchunks, "reduction")
+        sync()
+        return
     _finish(node, tag)
 
 

@@ -87,6 +87,35 @@ def test_zero_copy_and_mixed_buffers(comm, layout):
     finish(comm, problems, digests)
 
 
+def test_a_slow_rank_still_fills_every_output(world, monkeypatch):
+    """With every output shared, each rank writes its reduced slice into every output:
+    a fast rank must not return before a slow peer has written its slice there."""
+    dtype = np.dtype(np.float32)
+    problems, digests = [], []
+    length = _lengths(world.size, dtype)[4]  # three chunks per slice
+    if world.rank == world.size - 1 and world.size > 1:
+        reduce_into = shm._reduce_into
+
+        def slow(ufunc, inputs, dst):
+            import time
+            time.sleep(0.02)
+            reduce_into(ufunc, inputs, dst)
+
+        monkeypatch.setattr(shm, "_reduce_into", slow)
+    for out_of_place in (False, True):
+        buf = mpistrat.shared_empty(length, dtype, world)
+        values = contribution(world.rank, length, dtype)
+        if out_of_place:
+            _run_and_check(world, "shm", buf, ReduceOp.SUM, dtype, "slow rank, out of place",
+                           problems, digests, source=Source.of(values))
+        else:
+            buf[:] = values
+            _run_and_check(world, "shm", buf, ReduceOp.SUM, dtype, "slow rank, in place",
+                           problems, digests)
+        mpistrat.free_shared(buf)
+    finish(world, problems, digests)
+
+
 def test_out_of_place_from_a_source(comm):
     """A one-segment Source is reduced into a separate output; the input is untouched."""
     dtype = np.dtype(np.float32)
