@@ -2,10 +2,11 @@
 
 Every algorithm is a function over a communicator and a contiguous 1-D buffer that it
 reduces in place: ``f(comm, buf, *, op, shards, backend, rotation)``; see each module's
-docstring for its steps, the bytes it moves and its preconditions. ``xring``, ``rechd``
-and ``native`` and ``shm`` also reduce out of place from a :class:`Source` (tensors where
-they lie) into ``buf``; :func:`run` copies the source first for the others, and hands a
-Source whose tensors are views of one buffer, in order, over as that one buffer.
+docstring for its steps, the bytes it moves and its preconditions. ``xring``, ``rechd``,
+``pscpu``, ``native`` and ``shm`` also reduce out of place from a :class:`Source`
+(tensors where they lie) into ``buf``; :func:`run` copies the source first for the
+others, and hands a Source whose tensors are views of one buffer, in order, over as that
+one buffer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ __all__ = [
 _FLAT: dict[str, Implementation] = {
     "xring": Implementation(ring.all_reduce, out_of_place=True),
     "rechd": Implementation(halving_doubling.all_reduce, out_of_place=True),
-    "pscpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root),
+    "pscpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root, out_of_place=True,
+                            root_out_of_place=True),
     "native": Implementation(native.all_reduce, out_of_place=True),
     "shm": Implementation(shm.all_reduce, shm.reduce_to_root, out_of_place=True,
                           broadcast=shm.broadcast, root_out_of_place=True),

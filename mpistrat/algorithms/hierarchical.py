@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops import ReduceOp
-from .source import Source
+from .source import Source, agreed_join
 
 __all__ = ["Implementation", "hierarchical"]
 
@@ -63,7 +63,8 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
         return
     node_comm = topology.node_comm
     if topology.local_size > 1:
-        if source is not None:
+        if source is not None:  # (peers cut their messages from the source's segments)
+            source = agreed_join(node_comm, source, backend)
             intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0, source=source)
         elif intra.reduce_to_root is not None:
             intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0)

@@ -12,6 +12,10 @@ Steps (``n`` ranks, ``k = shards`` gather ranks):
 4. each gather rank sends its reduced piece back to every rank (straight into the
    destination buffer).
 
+Out of place (``source`` given, see :mod:`.source`): the pieces go out from the tensors
+as the Source's messages, and a gather rank starts its piece from its own tensors, so
+``batch_reduce`` packs are never copied into a buffer first.
+
 Bytes: each non-gather rank sends and receives the whole buffer once; gather rank ``j``
 receives ``(n - 1)`` copies of its piece and sends ``n - 1``. Bitwise identical results
 on all ranks since every piece is reduced on exactly one rank. Preconditions: ``1 <= k
@@ -31,6 +35,7 @@ from typing import Any
 
 from ..ops import ReduceOp
 from ._chunks import gather_groups, ragged_bounds
+from .source import Source
 
 __all__ = ["all_reduce", "reduce_to_root"]
 
@@ -38,7 +43,7 @@ _TAG_GATHER, _TAG_SCATTER = 5, 6
 
 
 def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
-             destinations: list[int] | None) -> None:
+             destinations: list[int] | None, source: Source | None = None) -> None:
     transport = backend.transport(comm)
     n, rank = comm.Get_size(), comm.Get_rank()
     k = len(owners)
@@ -57,19 +62,30 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
         slots = backend.scratch(f"pscpu{j}", length * (n - 1), buf.dtype)
         slots_raw = backend.comm_view(slots)
         entries = []
-        for index, source in enumerate(r for r in range(n) if r != rank):
+        for index, peer in enumerate(r for r in range(n) if r != rank):
             slot = slots[index * length:(index + 1) * length]
-            request = transport.irecv(
-                slots_raw[index * length * size:(index + 1) * length * size], source, _TAG_GATHER)
-            entries.append((source, slot, request))
+            if source is None:
+                requests = [transport.irecv(
+                    slots_raw[index * length * size:(index + 1) * length * size], peer,
+                    _TAG_GATHER)]
+            else:  # the peer sends the piece as its Source's messages
+                requests = source.irecv(comm, slots, bounds[j], bounds[j + 1], peer,
+                                        _TAG_GATHER, backend, at=index * length)
+            entries.append((slot, requests))
         incoming[j] = entries
-    sends = [transport.isend(piece(j), owners[j], _TAG_GATHER)
-             for j in range(k) if owners[j] != rank]
+    sends = []
+    for j in range(k):
+        if owners[j] != rank:
+            sends += [transport.isend(piece(j), owners[j], _TAG_GATHER)] if source is None \
+                else source.isend(comm, bounds[j], bounds[j + 1], owners[j], _TAG_GATHER,
+                                  backend)
     # reduce each owned piece, adding contributions in rank order as they arrive
     for j in mine:
         target = buf[bounds[j]:bounds[j + 1]]
-        for _source, slot, request in incoming[j]:
-            request.Wait()
+        if source is not None:  # this rank's own contribution, from where it lies
+            source.copy_into(buf, bounds[j], bounds[j + 1], backend=backend)
+        for slot, requests in incoming[j]:
+            transport.waitall(requests)
             backend.combine(op, target, slot)
     transport.waitall(sends)
     # send the reduced pieces back
@@ -85,19 +101,26 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
 
 
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
-               rotation: int = 0) -> None:
-    """Shuffle all-reduce of ``buf`` in place over ``comm`` with ``shards`` gather ranks."""
+               rotation: int = 0, source: Source | None = None) -> None:
+    """Shuffle all-reduce of ``buf`` in place over ``comm`` with ``shards`` gather ranks,
+    or of ``source`` into ``buf`` (every rank's Source cut alike: see :func:`.run`)."""
     n = comm.Get_size()
     if n == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
         return
     groups = gather_groups(n, shards)
-    _shuffle(comm, buf, op, groups[rotation % len(groups)], backend, None)
+    _shuffle(comm, buf, op, groups[rotation % len(groups)], backend, None, source)
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0) -> None:
-    """Shuffle-reduce ``buf`` onto ``root``: every rank gathers one piece, then sends it
-    to ``root`` only. Other ranks' buffers are left partly reduced (scratch)."""
+def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0,
+                   source: Source | None = None) -> None:
+    """Shuffle-reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``: every
+    rank gathers one piece, then sends it to ``root`` only. Other ranks' buffers are left
+    partly reduced (scratch)."""
     n = comm.Get_size()
     if n == 1 or buf.size == 0:
+        if source is not None:
+            source.copy_into(buf, backend=backend)
         return
-    _shuffle(comm, buf, op, list(range(n)), backend, [root])
+    _shuffle(comm, buf, op, list(range(n)), backend, [root], source)

@@ -80,7 +80,7 @@ def _one_buffer(segments: list[np.ndarray]) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("who", ["all", "rank0", "none"])
-@pytest.mark.parametrize("name", ["xring", "rechd", "native", "shm", "pscpu"])
+@pytest.mark.parametrize("name", ["xring", "rechd", "native", "shm", "pscpu", "pscpu/pscpu"])
 def test_tensors_in_one_buffer(comm, name, who):
     """Tensors that are views of one buffer travel as that buffer when every rank has
     them so (agreed), else tensor by tensor; ranks may differ; the bits are the same."""
