@@ -36,7 +36,7 @@ Steps of one call (``n`` ranks, every rank publishing in its own control segment
    Push moves a fifth less memory (2 ranks: a rank reads its slice of both buffers and
    writes the sum into both, instead of also reading the peer's result back) and has no
    per-chunk wait. It also escapes the slow one of this VM's two states: there pull ran
-   at 3.5 GB/s while push, interleaved with it, ran at 10-14 GB/s (docs/benchmarks.md;
+   at 3.4-3.9 GB/s while push, interleaved with it, ran at 10-17 GB/s (docs/benchmarks.md;
    pull reading lines a peer has just written is the likely cause, not verified).
 
 Design choices:

@@ -13,8 +13,9 @@ Steps (``n`` ranks, ``k = shards`` gather ranks):
    destination buffer).
 
 Out of place (``source`` given, see :mod:`.source`): the pieces go out from the tensors
-as the Source's messages, and a gather rank starts its piece from its own tensors, so
-``batch_reduce`` packs are never copied into a buffer first.
+as the Source's messages, and a gather rank starts its piece from its own tensors, so a
+``batch_reduce`` pack is not copied whole into the output first (only the gather rank's
+own piece is).
 
 Bytes: each non-gather rank sends and receives the whole buffer once; gather rank ``j``
 receives ``(n - 1)`` copies of its piece and sends ``n - 1``. Bitwise identical results
@@ -100,14 +101,22 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
     transport.waitall(requests)
 
 
+def _nothing_to_exchange(n: int, buf: Any, source: Source | None, backend: Any) -> bool:
+    """True (after copying ``source`` into ``buf``) when one rank or an empty buffer
+    leaves nothing to send."""
+    if n > 1 and buf.size:
+        return False
+    if source is not None:
+        source.copy_into(buf, backend=backend)
+    return True
+
+
 def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
                rotation: int = 0, source: Source | None = None) -> None:
     """Shuffle all-reduce of ``buf`` in place over ``comm`` with ``shards`` gather ranks,
     or of ``source`` into ``buf`` (every rank's Source cut alike: see :func:`.run`)."""
     n = comm.Get_size()
-    if n == 1 or buf.size == 0:
-        if source is not None:
-            source.copy_into(buf, backend=backend)
+    if _nothing_to_exchange(n, buf, source, backend):
         return
     groups = gather_groups(n, shards)
     _shuffle(comm, buf, op, groups[rotation % len(groups)], backend, None, source)
@@ -119,8 +128,6 @@ def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int
     rank gathers one piece, then sends it to ``root`` only. Other ranks' buffers are left
     partly reduced (scratch)."""
     n = comm.Get_size()
-    if n == 1 or buf.size == 0:
-        if source is not None:
-            source.copy_into(buf, backend=backend)
+    if _nothing_to_exchange(n, buf, source, backend):
         return
     _shuffle(comm, buf, op, list(range(n)), backend, [root], source)
