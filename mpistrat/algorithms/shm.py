@@ -493,12 +493,10 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
     mine, wait, sync = node.mine, node.wait, node.sync
     lo_r, hi_r = bounds[r], bounds[r + 1]
     alias = src is None and r >= 2 and np.may_share_memory(results[r], x)
-    gathers = root is None or root == r
     # every output shared: a rank writes its reduced chunk into every output while the
     # chunk is in its cache, instead of every rank reading it back from the owner's
     push = root is None and all(entry[4] != 0 for entry in lines)
-    if push:
-        gathers = False
+    gathers = not push and (root is None or root == r)  # (pull: copies the others' slices)
     for k in range(nchunks + 1):
         if k < nchunks:
             if copy_in:

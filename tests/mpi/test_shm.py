@@ -11,6 +11,8 @@ As elsewhere, ranks record problems and assert only after a final agreement.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from _checks import digest, finish, problem
@@ -97,7 +99,6 @@ def test_a_slow_rank_still_fills_every_output(world, monkeypatch):
         reduce_into = shm._reduce_into
 
         def slow(ufunc, inputs, dst):
-            import time
             time.sleep(0.02)
             reduce_into(ufunc, inputs, dst)
 
