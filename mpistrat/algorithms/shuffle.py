@@ -8,14 +8,19 @@ Steps (``n`` ranks, ``k = shards`` gather ranks):
    does; successive tensors (``rotation``) use successive groups, so the gather work
    moves around the ranks;
 3. every rank sends piece ``j`` to gather rank ``j``, which adds the ``n`` contributions
-   in rank order (deterministic) — the piece is reduced once, on one rank;
+   in a fixed order (its own, then the other ranks' in rank order) — the piece is
+   reduced once, on one rank;
 4. each gather rank sends its reduced piece back to every rank (straight into the
    destination buffer).
 
+Pieces travel in messages of at most ``PIECE_BYTES``: the gather rank adds each message
+as it lands, while it is still in cache, and sends it back at once, so step 4 overlaps
+the rest of step 3.
+
 Out of place (``source`` given, see :mod:`.source`): the pieces go out from the tensors
-as the Source's messages, and a gather rank starts its piece from its own tensors, so a
-``batch_reduce`` pack is not copied whole into the output first (only the gather rank's
-own piece is).
+as the Source's messages (cut to ``PIECE_BYTES``), the first other rank's contribution
+lands straight in the output and the gather rank adds its own from its tensors there
+(no copy into the output first), and the results land as soon as they come back.
 
 Bytes: each non-gather rank sends and receives the whole buffer once; gather rank ``j``
 receives ``(n - 1)`` copies of its piece and sends ``n - 1``. Bitwise identical results
@@ -40,7 +45,17 @@ from .source import Source
 
 __all__ = ["all_reduce", "reduce_to_root"]
 
+PIECE_BYTES = 4 << 20  # pieces travel, are added and go back in messages of at most this
 _TAG_GATHER, _TAG_SCATTER = 5, 6
+
+
+def _split_range(lo: int, hi: int, most: int) -> list[tuple[int, int, bool]]:
+    """``[lo, hi)`` as near-equal messages of at most ``most`` elements."""
+    if hi - lo <= most:
+        return [(lo, hi, False)] if hi > lo else []
+    count = -(-(hi - lo) // max(1, most))
+    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return [(a, b, False) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
 
 def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
@@ -51,54 +66,78 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
     bounds = ragged_bounds(buf.size, k)
     raw = backend.comm_view(buf)
     size = buf.itemsize
-
-    def piece(j: int) -> Any:
-        return raw[bounds[j] * size:bounds[j + 1] * size]
-
-    mine = [j for j in range(k) if owners[j] == rank]
-    # post the receives of every contribution to the pieces this rank gathers
-    incoming: dict[int, list[tuple[int, Any, Any]]] = {}
+    targets = [d for d in (range(n) if destinations is None else destinations) if d != rank]
+    peers = [r for r in range(n) if r != rank]
+    receives = destinations is None or rank in destinations
+    # how each piece travels, both ways: in messages of at most PIECE_BYTES (the Source's
+    # messages cut further), so that the gather rank adds each as it lands and sends it
+    # back at once; empty pieces do not travel
+    cut = [source.messages(bounds[j], bounds[j + 1], PIECE_BYTES) if source is not None
+           else _split_range(bounds[j], bounds[j + 1], PIECE_BYTES // size) for j in range(k)]
+    mine = [j for j in range(k) if owners[j] == rank and cut[j]]
+    theirs = [j for j in range(k) if owners[j] != rank and cut[j]]
+    # post the receives of every contribution to the pieces this rank gathers: out of
+    # place, the first peer's lands straight in the output (this rank adds its own
+    # there); the others', and in place all of them, land in scratch slots
+    slotted = peers[1:] if source is not None else peers
+    incoming: dict[int, list[tuple[Any, list[Any]]]] = {}
     for j in mine:
-        length = bounds[j + 1] - bounds[j]
-        slots = backend.scratch(f"pscpu{j}", length * (n - 1), buf.dtype)
+        lo, hi = bounds[j], bounds[j + 1]
+        length = hi - lo
+        slots = backend.scratch(f"pscpu{j}", length * len(slotted), buf.dtype)
         slots_raw = backend.comm_view(slots)
-        entries = []
-        for index, peer in enumerate(r for r in range(n) if r != rank):
-            slot = slots[index * length:(index + 1) * length]
+        entries = incoming[j] = []
+        for peer in peers:
+            if source is not None and peer == peers[0]:
+                entries.append((None, source.irecv(comm, buf, lo, hi, peer, _TAG_GATHER,
+                                                   backend, max_bytes=PIECE_BYTES)))
+                continue
+            at = slotted.index(peer) * length
             if source is None:
-                requests = [transport.irecv(
-                    slots_raw[index * length * size:(index + 1) * length * size], peer,
-                    _TAG_GATHER)]
+                requests = [transport.irecv(slots_raw[(at + a - lo) * size:(at + b - lo) * size],
+                                            peer, _TAG_GATHER) for a, b, _ in cut[j]]
             else:  # the peer sends the piece as its Source's messages
-                requests = source.irecv(comm, slots, bounds[j], bounds[j + 1], peer,
-                                        _TAG_GATHER, backend, at=index * length)
-            entries.append((slot, requests))
-        incoming[j] = entries
+                requests = source.irecv(comm, slots, lo, hi, peer, _TAG_GATHER, backend,
+                                        at=at, max_bytes=PIECE_BYTES)
+            entries.append((slots[at:at + length], requests))
     sends = []
-    for j in range(k):
-        if owners[j] != rank:
-            sends += [transport.isend(piece(j), owners[j], _TAG_GATHER)] if source is None \
-                else source.isend(comm, bounds[j], bounds[j + 1], owners[j], _TAG_GATHER,
-                                  backend)
-    # reduce each owned piece, adding contributions in rank order as they arrive
+    for j in theirs:
+        if source is None:
+            sends += [transport.isend(raw[a * size:b * size], owners[j], _TAG_GATHER)
+                      for a, b, _ in cut[j]]
+        else:
+            sends += source.isend(comm, bounds[j], bounds[j + 1], owners[j], _TAG_GATHER,
+                                  backend, max_bytes=PIECE_BYTES)
+    # the results can land at once out of place (this rank sends from its Source); in
+    # place only once this rank's pieces have left its buffer
+    results = []
+    if source is not None and receives:
+        results = _receive_results(transport, raw, size, owners, theirs, cut)
+    # reduce each owned piece message by message as the contributions land (in peer
+    # order: deterministic), and send each reduced message back at once
+    back = []
     for j in mine:
-        target = buf[bounds[j]:bounds[j + 1]]
-        if source is not None:  # this rank's own contribution, from where it lies
-            source.copy_into(buf, bounds[j], bounds[j + 1], backend=backend)
-        for slot, requests in incoming[j]:
-            transport.waitall(requests)
-            backend.combine(op, target, slot)
+        lo = bounds[j]
+        for m, (a, b, _) in enumerate(cut[j]):
+            for slot, requests in incoming[j]:
+                requests[m].Wait()
+                if slot is None:  # the first peer's part is in place: add our own
+                    source.combine_into(op, buf, a, b, backend)
+                else:
+                    backend.combine(op, buf[a:b], slot[a - lo:b - lo])
+            back += [transport.isend(raw[a * size:b * size], dest, _TAG_SCATTER)
+                     for dest in targets]
     transport.waitall(sends)
-    # send the reduced pieces back
-    targets = range(n) if destinations is None else destinations
-    requests = []
-    for j in range(k):
-        if owners[j] == rank:
-            requests += [transport.isend(piece(j), dest, _TAG_SCATTER)
-                         for dest in targets if dest != rank]
-        elif rank in targets:
-            requests.append(transport.irecv(piece(j), owners[j], _TAG_SCATTER))
-    transport.waitall(requests)
+    if source is None and receives:
+        results = _receive_results(transport, raw, size, owners, theirs, cut)
+    transport.waitall(back + results)
+
+
+def _receive_results(transport: Any, raw: Any, size: int, owners: list[int],
+                     pieces: list[int], cut: list[Any]) -> list[Any]:
+    """Receives of the reduced ``pieces`` from their gather ranks, in their messages."""
+    return [transport.irecv(raw[a * size:b * size], owners[j], _TAG_SCATTER)
+            for j in pieces for a, b, _ in cut[j]]
 
 
 def _nothing_to_exchange(n: int, buf: Any, source: Source | None, backend: Any) -> bool:

@@ -54,6 +54,14 @@ def _join(segments: list[Any]) -> Any:
                                            strides=(first.itemsize,), writeable=False)
 
 
+def _split(message: tuple[int, int, bool], most: int) -> list[tuple[int, int, bool]]:
+    """``message`` cut into near-equal messages of at most ``most`` elements (at least 1)."""
+    a, b, staged = message
+    count = max(1, -(-(b - a) // max(1, most)))
+    cuts = [a + (b - a) * i // count for i in range(count + 1)]
+    return [(x, y, staged) for x, y in zip(cuts[:-1], cuts[1:])]
+
+
 def _address(array: Any) -> int:
     return array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else -1
 
@@ -137,8 +145,13 @@ class Source:
             lo = stop
             index += 1
 
-    def messages(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
-        """How ``[lo, hi)`` travels: ``(start, stop, staged)`` per message, in order."""
+    def messages(self, lo: int, hi: int, max_bytes: int = 0) -> list[tuple[int, int, bool]]:
+        """How ``[lo, hi)`` travels: ``(start, stop, staged)`` per message, in order; with
+        ``max_bytes``, a longer message is cut into near-equal ones of at most that size
+        (so a receiver can start on the first while the rest are on their way)."""
+        if max_bytes > 0 and (hi - lo) * self.dtype.itemsize > max_bytes:
+            return [cut for message in self.messages(lo, hi)
+                    for cut in _split(message, max_bytes // self.dtype.itemsize)]
         if self.contiguous or lo >= hi:
             return [(lo, hi, False)] if hi > lo else []
         out: list[tuple[int, int, bool]] = []
@@ -157,19 +170,20 @@ class Source:
         return out
 
     def isend(self, comm: Any, lo: int, hi: int, dest: int, tag: int, backend: Any,
-              data: Any = None) -> list[Any]:
+              data: Any = None, max_bytes: int = 0) -> list[Any]:
         """Start sending elements ``[lo, hi)`` to ``dest``; the requests to wait on.
 
         With ``data`` (a contiguous buffer indexed like the Source), send ``data[lo:hi]``
         instead, cut into the same messages, so a rank whose contribution already sits in
         its output can exchange with a peer that still sends from its Source. Staged
         pieces are copied into a scratch buffer that stays valid until the next call of
-        any algorithm on this backend, so wait before returning from one.
+        any algorithm on this backend, so wait before returning from one. ``max_bytes``
+        as in :meth:`messages` (the receiver must pass the same).
         """
         transport = backend.transport(comm)
         requests = []
         stage = None
-        for start, stop, staged in self.messages(lo, hi):
+        for start, stop, staged in self.messages(lo, hi, max_bytes):
             if data is not None:
                 view = backend.comm_view(data[start:stop])
                 requests.append(transport.isend(view, dest, tag))
@@ -191,15 +205,15 @@ class Source:
         return requests
 
     def irecv(self, comm: Any, out: Any, lo: int, hi: int, source: int, tag: int,
-              backend: Any, at: int | None = None) -> list[Any]:
-        """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`) into
-        ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
+              backend: Any, at: int | None = None, max_bytes: int = 0) -> list[Any]:
+        """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`, with
+        the same ``max_bytes``) into ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
         transport = backend.transport(comm)
         shift = (lo if at is None else at) - lo
         raw = backend.comm_view(out)
         size = out.itemsize
         return [transport.irecv(raw[(a + shift) * size:(b + shift) * size], source, tag)
-                for a, b, _ in self.messages(lo, hi)]
+                for a, b, _ in self.messages(lo, hi, max_bytes)]
 
     def receive_and_combine(self, op: ReduceOp, requests: list[Any], out: Any, lo: int,
                             hi: int, backend: Any) -> None:

@@ -128,6 +128,12 @@ def test_source_messages_split():
     assert source.messages(25, 1035) == [(25, 30, True), (30, 1030, False), (1030, 1035, True)]
     assert source.messages(100, 100) == []
     assert Source.of(np.zeros(50, np.float32)).messages(10, 20) == [(10, 20, False)]
+    # max_bytes cuts longer messages into near-equal ones, staged runs too
+    assert source.messages(25, 1035, max_bytes=1600) == [
+        (25, 30, True), (30, 363, False), (363, 696, False), (696, 1030, False),
+        (1030, 1035, True)]
+    assert source.messages(0, 30, max_bytes=40) == [(0, 10, True), (10, 20, True),
+                                                      (20, 30, True)]
 
 
 @pytest.mark.parametrize("layout", ["mixed", "large-only", "short"])
@@ -147,4 +153,37 @@ def test_rechd_in_pieces(comm, layout, monkeypatch):
                    source=Source(segments, coalesce_bytes=2048))
     problems = [f"{label} differs from the sum" for label, got in
                 (("in place", flat), ("out of place", out)) if not np.array_equal(got, expected)]
+    finish(comm, problems, [(layout, digest(out))])
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["mixed", "large-only", "short"])
+def test_pscpu_in_pieces(comm, layout, shards, monkeypatch):
+    """pscpu's pieces in many messages, each added as it lands and sent back at once: in
+    place, out of place and reduced to a root all equal the exact integer sum."""
+    from mpistrat.algorithms import shuffle
+
+    if shards > comm.Get_size():
+        pytest.skip(f"pscpu#{shards} needs at least {shards} ranks")
+    monkeypatch.setattr(shuffle, "PIECE_BYTES", 4000)
+    segments = _segments(LAYOUTS[layout], comm.Get_rank(), np.dtype("int64"))
+    backend = get_backend(segments[0])
+    flat = np.concatenate(segments)
+    expected = np.sum(comm.allgather(flat), axis=0)
+    in_place = flat.copy()
+    algorithms.run("pscpu", comm, in_place, op=ReduceOp.SUM, shards=shards, backend=backend)
+    out = np.full(flat.size, 99, dtype=np.int64)
+    algorithms.run("pscpu", comm, out, op=ReduceOp.SUM, shards=shards, backend=backend,
+                   source=Source(segments, coalesce_bytes=2048))
+    root = comm.Get_size() - 1
+    rooted = np.full(flat.size, 99, dtype=np.int64)
+    shuffle.reduce_to_root(comm, rooted, op=ReduceOp.SUM, backend=backend, root=root,
+                           source=Source(segments, coalesce_bytes=2048))
+    rooted_in_place = flat.copy()
+    shuffle.reduce_to_root(comm, rooted_in_place, op=ReduceOp.SUM, backend=backend, root=root)
+    results = [("in place", in_place), ("out of place", out)]
+    if comm.Get_rank() == root:
+        results += [("to the root", rooted), ("to the root in place", rooted_in_place)]
+    problems = [f"{label} differs from the sum" for label, got in results
+                if not np.array_equal(got, expected)]
     finish(comm, problems, [(layout, digest(out))])

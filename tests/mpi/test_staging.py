@@ -104,9 +104,11 @@ def test_ring_staged_equals_direct(comm, op, n, shards):
     assert np.allclose(staged, ref, atol=1e-4 * comm.size)
 
 
+@pytest.mark.parametrize("piece_bytes", [4 << 20, 1000])  # pieces in one or many messages
 @pytest.mark.parametrize("n", [0, 1, 10, 1001])
 @pytest.mark.parametrize("shards", [1, 2])
-def test_shuffle_staged_equals_direct(comm, n, shards):
+def test_shuffle_staged_equals_direct(comm, n, shards, piece_bytes, monkeypatch):
+    monkeypatch.setattr(shuffle, "PIECE_BYTES", piece_bytes)
     shards = min(shards, comm.size)
     direct = _data(comm.rank, n)
     staged = direct.copy()
