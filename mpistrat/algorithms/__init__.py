@@ -65,7 +65,8 @@ def _host_buffers_for_gpu_algorithm(name: str) -> BackendUnavailable:
 def compose(intra: str, inter: str) -> Callable[..., None]:
     """The hierarchical all-reduce ``intra/inter`` for any two flat algorithms."""
     inner, outer = implementation(intra), implementation(inter)
-    return functools.partial(hierarchical, intra=inner, inter=outer)
+    return functools.partial(hierarchical, intra=inner, inter=outer,
+                             node_shards=get(intra).shards is Shards.GATHER_RANKS)
 
 
 @functools.lru_cache(maxsize=256)

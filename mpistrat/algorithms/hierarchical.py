@@ -4,11 +4,17 @@ then a broadcast inside each node.
 Steps: (1) the ranks of each node group reduce onto their leader (local rank 0) with
 ``a``'s reduce-to-root when it has one (``pscpu``: each local rank gathers one piece and
 sends it to the leader), else with ``a``'s all-reduce; (2) the leaders all-reduce with
-``b`` over the cross-node communicator, ``shards`` applying to this stage; it is skipped
-on a single node; (3) each leader broadcasts the result to its node group. Any pair of
-algorithms composes. With one rank per node this is TensorFlow's "within a worker, then
-across workers". All ranks end bitwise identical: the leaders hold identical results
-after ``b`` and everyone else receives a copy.
+``b`` over the cross-node communicator, ``shards`` applying to this stage; (3) each
+leader broadcasts the result to its node group. Any pair of algorithms composes. With one
+rank per node this is TensorFlow's "within a worker, then across workers". All ranks end
+bitwise identical: the leaders hold identical results after ``b`` and everyone else
+receives a copy.
+
+On a single node there is no stage (2) (TensorFlow skips it for one worker too), and
+(1) + (3) are one all-reduce by ``a`` over the node: ``pscpu/pscpu`` on one node runs
+``pscpu`` with every rank gathering one piece. That moves less than a reduce onto the
+leader followed by a broadcast (2 ranks: each sends half and gets half back, instead of
+also sending its reduced half to the leader and receiving the whole result).
 """
 
 from __future__ import annotations
@@ -49,19 +55,36 @@ class Implementation:
 
 def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
                  rotation: int, intra: Implementation, inter: Implementation,
-                 ranks_per_node: int | None = None, source: Source | None = None) -> None:
+                 ranks_per_node: int | None = None, source: Source | None = None,
+                 node_shards: bool = False) -> None:
     """Run ``intra`` in each node group, ``inter`` across leaders, then broadcast (in place,
     or from ``source`` into ``buf``: the node stage reads the source when ``intra``
-    can, else it is copied into ``buf`` first)."""
+    can, else it is copied into ``buf`` first).
+
+    On a single node there is no cross-node stage, so ``intra``'s all-reduce runs over the
+    node instead of its reduce-to-root and the broadcast (with every rank gathering a
+    piece when ``node_shards``: the shuffles), which moves less.
+    """
     from ..topology import get_topology  # (topology -> layout -> spec -> this package)
 
     topology = get_topology(comm, ranks_per_node)
-    if source is not None and not (intra.root_out_of_place and topology.local_size > 1):
+    single = topology.num_nodes == 1 and topology.local_size > 1 and buf.size > 0
+    if source is not None and intra.out_of_place and single:
+        intra.all_reduce(topology.node_comm, buf, op=op, backend=backend, rotation=rotation,
+                         shards=topology.local_size if node_shards else 1,
+                         source=agreed_join(topology.node_comm, source, backend))
+        return
+    if source is not None and not (intra.root_out_of_place and topology.local_size > 1
+                                   and not single):
         source.copy_into(buf, backend=backend)
         source = None
     if buf.size == 0 or topology.size == 1:
         return
     node_comm = topology.node_comm
+    if single:
+        intra.all_reduce(node_comm, buf, op=op, backend=backend, rotation=rotation,
+                         shards=topology.local_size if node_shards else 1)
+        return
     if topology.local_size > 1:
         if source is not None:  # (peers cut their messages from the source's segments)
             source = agreed_join(node_comm, source, backend)

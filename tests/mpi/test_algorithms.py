@@ -291,6 +291,41 @@ def test_hierarchical_runs_the_cross_node_stage(comm, ranks_per_node):
     finish(comm, problems, [("spy", digest(buf))])
 
 
+@pytest.mark.parametrize("ranks_per_node", [None, 1, 2])
+def test_one_node_runs_the_node_stage_as_one_all_reduce(comm, ranks_per_node):
+    """On a single node ``a/b`` is ``a``'s all-reduce over the node (every rank gathering
+    a piece for a shuffle), not a reduce onto the leader and a broadcast; across nodes
+    the reduce-to-root runs."""
+    from mpistrat.algorithms import shuffle
+
+    topology = get_topology(comm, ranks_per_node)
+    shards_seen: list[int] = []
+
+    def all_reduce(node_comm, buf, **kwargs):
+        shards_seen.append(kwargs["shards"])
+        shuffle.all_reduce(node_comm, buf, **kwargs)
+
+    roots = _Spy(shuffle.reduce_to_root)
+    dtype = np.dtype(np.int64)
+    buf = contribution(comm.rank, 3 * comm.size + 1, dtype)
+    hierarchical(comm, buf, op=ReduceOp.SUM, shards=1, backend=get_backend(buf), rotation=0,
+                 intra=Implementation(all_reduce, roots), node_shards=True,
+                 inter=Implementation(halving_doubling.all_reduce),
+                 ranks_per_node=ranks_per_node)
+    problems = []
+    found = problem(buf, *reference(ReduceOp.SUM, comm.size, 3 * comm.size + 1, dtype),
+                    dtype, "one node")
+    if found:
+        problems.append(found)
+    single = topology.num_nodes == 1 and topology.local_size > 1
+    expected = ([topology.local_size], []) if single else \
+        ([], [topology.local_size] if topology.local_size > 1 else [])
+    if (shards_seen, roots.calls) != expected:
+        problems.append(f"{topology.num_nodes} node(s): all-reduce shards {shards_seen}, "
+                        f"reduce-to-root calls {roots.calls}; expected {expected}")
+    finish(comm, problems, [("one node", digest(buf))])
+
+
 def test_compose_is_cached_and_rejects_gpu_and_unknown_stages():
     assert algorithms.compose("xring", "rechd") is algorithms.compose("xring", "rechd")
     from mpistrat.errors import BackendUnavailable, UnknownAlgorithmError
