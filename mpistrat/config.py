@@ -16,6 +16,10 @@ Variables:
     MPISTRAT_CUDA_AWARE_MPI: ``1`` passes GPU buffers to MPI directly, ``0`` stages them
         through pinned host memory, ``auto`` (default) asks the MPI library
         (``MPIX_Query_cuda_support``). Also ``true/false``, ``yes/no``, ``on/off``.
+    MPISTRAT_MALLOC_HUGEPAGES: ``0`` keeps ``mpistrat run`` and ``mpistrat bench`` from
+        restarting with glibc's ``glibc.malloc.hugetlb=1`` (transparent huge pages for
+        the whole heap, see :mod:`mpistrat.launch.hugepages`); ``1``/``auto`` (default):
+        restart when it helps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ RANKS_PER_NODE = "MPISTRAT_RANKS_PER_NODE"
 STALL_CHECK = "MPISTRAT_STALL_CHECK"
 COLLECTIVE_TIMEOUT = "MPISTRAT_COLLECTIVE_TIMEOUT"
 CUDA_AWARE_MPI = "MPISTRAT_CUDA_AWARE_MPI"
+MALLOC_HUGEPAGES = "MPISTRAT_MALLOC_HUGEPAGES"
 
 
 @dataclass(frozen=True)
@@ -43,12 +48,15 @@ class Settings:
         collective_timeout: seconds before a collective gives up (None: unset; 0: never).
         cuda_aware_mpi: force passing GPU buffers to MPI (True) or staging them (False);
             None: detect.
+        malloc_hugepages: False when the heap must keep glibc's default pages; None or
+            True: huge pages when the machine supports them.
     """
 
     ranks_per_node: int | None = None
     stall_check: float | None = None
     collective_timeout: float | None = None
     cuda_aware_mpi: bool | None = None
+    malloc_hugepages: bool | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -57,7 +65,10 @@ class Settings:
         return cls(ranks_per_node=_positive_int(env, RANKS_PER_NODE),
                    stall_check=_seconds(env, STALL_CHECK),
                    collective_timeout=_seconds(env, COLLECTIVE_TIMEOUT),
-                   cuda_aware_mpi=_on_off_auto(env, CUDA_AWARE_MPI))
+                   cuda_aware_mpi=_on_off_auto(
+                       env, CUDA_AWARE_MPI, "=0 to stage GPU buffers through host memory"),
+                   malloc_hugepages=_on_off_auto(
+                       env, MALLOC_HUGEPAGES, "=0 to keep the heap on 4 KiB pages"))
 
 
 def _positive_int(env: Mapping[str, str], name: str) -> int | None:
@@ -101,7 +112,7 @@ def _seconds(env: Mapping[str, str], name: str) -> float | None:
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _on_off_auto(env: Mapping[str, str], name: str) -> bool | None:
+def _on_off_auto(env: Mapping[str, str], name: str, example: str) -> bool | None:
     text = env.get(name, "").strip()
     if not text or text.lower() == "auto":
         return None
@@ -110,8 +121,8 @@ def _on_off_auto(env: Mapping[str, str], name: str) -> bool | None:
     if text.lower() in _OFF:
         return False
     warnings.warn(
-        f"{name}={text!r} is not 1, 0 or auto; ignoring it (detecting instead; expected "
-        f"e.g. {name}=0 to stage GPU buffers through host memory)",
+        f"{name}={text!r} is not 1, 0 or auto; ignoring it (using auto instead; expected "
+        f"e.g. {name}{example})",
         RuntimeWarning,
         stacklevel=3,
     )

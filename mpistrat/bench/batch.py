@@ -156,7 +156,8 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[M
         calls, plan = _plan(spec, shapes, dtype, packs, 0, 0)
         where = "shared buffer" if config.shared else "one buffer"
         methods.append(Method(f"batch_reduce num_packs={packs}, {where}", "batch-views", calls,
-                              f"{plan}; the tensors are views of one {where}",
+                              f"{plan}; the tensors are views of "
+                              f"{'one shared buffer' if config.shared else 'one array'}",
                               ops(num_packs=packs), packs))
     return methods
 

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from ..launch.hugepages import describe_heap
 from ..spec import format_bytes
 from . import files
 from .batch import BatchBench, batch_table, build_methods
@@ -82,6 +83,8 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Any = N
                       f"{meta['mpi_library']}", file=out)
                 print(f"# spec {spec}; {config.iters} rounds after {config.warmup} warm-up; "
                       f"check {'every iteration' if config.check_every else 'one call'}",
+                      file=out)
+                print(f"# memory: {describe_heap(meta['glibc_tunables'], meta['thp_mode'])}",
                       file=out)
                 for m in methods:
                     print(f"#   {m.label}: {m.plan}", file=out)

@@ -52,6 +52,7 @@ def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None
     import mpistrat
 
     from ..info import collect_info
+    from ..launch.hugepages import thp_mode
     from ..topology import get_topology
 
     info = collect_info(comm, gpus=False)
@@ -82,6 +83,8 @@ def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None
         "git": git_state(Path(mpistrat.__file__).resolve().parent.parent),
         "argv": list(sys.argv),
         "mpi_env": dict(mpi_env or {}),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "thp_mode": thp_mode(),
         "notes": list(notes or []),
         "options": dict(options),
         "method": "per size: one checked iteration per entry against MPI_Allreduce; "

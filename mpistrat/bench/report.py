@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..launch.hugepages import describe_heap
 from ..spec import format_bytes
 from .results import Point, baseline_of, group_by_size
 
@@ -130,5 +131,7 @@ def describe_run(meta: dict[str, Any]) -> list[str]:
     ]
     for key, value in sorted(meta.get("mpi_env", {}).items()):
         lines.append(f"# env: {key}={value}")
+    if "thp_mode" in meta:
+        lines.append(f"# memory: {describe_heap(meta.get('glibc_tunables'), meta['thp_mode'])}")
     lines += [f"# note: {note}" for note in meta.get("notes", [])]
     return lines

@@ -233,6 +233,9 @@ def bench(ctx: click.Context, **p: Any) -> None:
         env = {**transport_env(p["transport"]), **parse_env(p["mpi_env"])}
     except (ValueError, TypeError, MpistratError) as exc:
         raise click.UsageError(str(exc)) from None
+    from ..launch.hugepages import restart_with_hugepages
+
+    restart_with_hugepages()  # measure what mpistrat run runs (before MPI starts)
     if p["np_"]:
         _self_launch(ctx, p["np_"], p["mpiexec"])
     elif p["mpiexec"]:

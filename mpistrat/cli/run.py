@@ -108,8 +108,10 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
     traceback, tagged with its rank, once, and ends the whole job with a non-zero
     status. Ranks missing from a collective are named after --stall-check seconds.
     """
+    from ..launch.hugepages import restart_with_hugepages
     from ..runner import RunOptions, RunSetupError
 
+    restart_with_hugepages()  # (returns when nothing changes; MPI has not started yet)
     args = list(script_and_args)
     if module is None:
         if not args:

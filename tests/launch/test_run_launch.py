@@ -94,3 +94,34 @@ def test_self_launch_passes_the_exit_status(tmp_path):
     assert result.returncode == 5, result.stdout + result.stderr
     assert result.stderr.count("exited with status 5") == 1
     assert "[0-1] mpistrat run: " in result.stderr  # both ranks ended alike: one line
+
+
+TUNABLES = textwrap.dedent("""\
+    import json, os, sys
+    from mpi4py import MPI
+    print("@@" + json.dumps({"rank": MPI.COMM_WORLD.rank, "argv": sys.argv,
+                             "tunables": os.environ.get("GLIBC_TUNABLES")}))
+    """)
+
+
+@pytest.mark.parametrize("setting", ["auto", "0"])
+def test_ranks_restart_with_the_heap_on_huge_pages(mpirun, mpistrat_cmd, tmp_path, setting):
+    """Where glibc and the kernel allow it, every rank runs the script with glibc's malloc
+    on transparent huge pages (the same command line, restarted once before MPI starts);
+    MPISTRAT_MALLOC_HUGEPAGES=0 keeps the process as started."""
+    from mpistrat.launch.hugepages import malloc_hugepages_env
+
+    env = {"MPISTRAT_MALLOC_HUGEPAGES": setting, "GLIBC_TUNABLES": ""}
+    wanted = malloc_hugepages_env(env)
+    if setting == "auto" and wanted is None:
+        pytest.skip("this machine has no glibc 2.35+ with THP in madvise mode")
+    script = tmp_path / "tunables.py"
+    script.write_text(TUNABLES)
+    result = mpirun(2, [*mpistrat_cmd, "run", "--tag-output", str(script), "two words",
+                        "--x=1"], env=env, timeout=60)  # (whole lines)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = _records(result.stdout)
+    assert [r["rank"] for r in records] == [0, 1]
+    for r in records:
+        assert r["argv"] == [str(script), "two words", "--x=1"]
+        assert r["tunables"] == (wanted["GLIBC_TUNABLES"] if wanted else "")
