@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["even_bounds", "ragged_bounds", "gather_groups"]
+__all__ = ["even_bounds", "ragged_bounds", "gather_groups", "capped"]
 
 
 def even_bounds(count: int, parts: int) -> list[int]:
@@ -16,6 +16,15 @@ def even_bounds(count: int, parts: int) -> list[int]:
     for index in range(parts):
         bounds.append(bounds[-1] + base + (1 if index < extra else 0))
     return bounds
+
+
+def capped(lo: int, hi: int, most: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into the fewest near-equal pieces of at most ``most`` elements
+    (one piece, possibly empty, when it fits): how pipelined messages are cut, alike on
+    both sides of an exchange."""
+    count = max(1, -(-(hi - lo) // max(1, most)))
+    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def ragged_bounds(count: int, parts: int) -> list[int]:

@@ -38,7 +38,7 @@ from typing import Any
 
 from .._mpi import mpi
 from ..ops import ReduceOp
-from ._chunks import even_bounds
+from ._chunks import capped, even_bounds
 from .source import Source
 
 __all__ = ["all_reduce", "SHORT_BYTES"]
@@ -165,9 +165,7 @@ def _require_direct(comm: Any) -> None:
 
 def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
     """``[lo, hi)`` cut into near-equal messages of at most :data:`PIPELINE_BYTES`."""
-    count = max(1, -(-(hi - lo) * itemsize // PIPELINE_BYTES))
-    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
-    return [(a, b, False) for a, b in zip(cuts[:-1], cuts[1:])]
+    return [(a, b, False) for a, b in capped(lo, hi, PIPELINE_BYTES // itemsize)]
 
 
 def _exchange(comm: Any, buf: Any, scratch: Any, partner: int, keep: tuple[int, int],

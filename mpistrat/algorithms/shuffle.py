@@ -40,22 +40,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..ops import ReduceOp
-from ._chunks import gather_groups, ragged_bounds
+from ._chunks import capped, gather_groups, ragged_bounds
 from .source import Source
 
 __all__ = ["all_reduce", "reduce_to_root"]
 
 PIECE_BYTES = 4 << 20  # pieces travel, are added and go back in messages of at most this
 _TAG_GATHER, _TAG_SCATTER = 5, 6
-
-
-def _split_range(lo: int, hi: int, most: int) -> list[tuple[int, int, bool]]:
-    """``[lo, hi)`` as near-equal messages of at most ``most`` elements."""
-    if hi - lo <= most:
-        return [(lo, hi, False)] if hi > lo else []
-    count = -(-(hi - lo) // max(1, most))
-    cuts = [lo + (hi - lo) * i // count for i in range(count + 1)]
-    return [(a, b, False) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
 
 def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
@@ -73,7 +64,8 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
     # messages cut further), so that the gather rank adds each as it lands and sends it
     # back at once; empty pieces do not travel
     cut = [source.messages(bounds[j], bounds[j + 1], PIECE_BYTES) if source is not None
-           else _split_range(bounds[j], bounds[j + 1], PIECE_BYTES // size) for j in range(k)]
+           else [(a, b, False) for a, b in capped(bounds[j], bounds[j + 1], PIECE_BYTES // size)
+                 if b > a] for j in range(k)]
     mine = [j for j in range(k) if owners[j] == rank and cut[j]]
     theirs = [j for j in range(k) if owners[j] != rank and cut[j]]
     # post the receives of every contribution to the pieces this rank gathers: out of

@@ -29,6 +29,7 @@ import numpy as np
 from .. import _stall
 from .._mpi import mpi
 from ..ops import ReduceOp
+from ._chunks import capped
 
 __all__ = ["Source", "COALESCE_BYTES", "JOIN_BYTES", "agreed_join"]
 
@@ -52,14 +53,6 @@ def _join(segments: list[Any]) -> Any:
         end += segment.nbytes
     return np.lib.stride_tricks.as_strided(first, shape=(sum(s.size for s in segments),),
                                            strides=(first.itemsize,), writeable=False)
-
-
-def _split(message: tuple[int, int, bool], most: int) -> list[tuple[int, int, bool]]:
-    """``message`` cut into near-equal messages of at most ``most`` elements (at least 1)."""
-    a, b, staged = message
-    count = max(1, -(-(b - a) // max(1, most)))
-    cuts = [a + (b - a) * i // count for i in range(count + 1)]
-    return [(x, y, staged) for x, y in zip(cuts[:-1], cuts[1:])]
 
 
 def _address(array: Any) -> int:
@@ -150,8 +143,9 @@ class Source:
         ``max_bytes``, a longer message is cut into near-equal ones of at most that size
         (so a receiver can start on the first while the rest are on their way)."""
         if max_bytes > 0 and (hi - lo) * self.dtype.itemsize > max_bytes:
-            return [cut for message in self.messages(lo, hi)
-                    for cut in _split(message, max_bytes // self.dtype.itemsize)]
+            most = max_bytes // self.dtype.itemsize
+            return [(x, y, staged) for a, b, staged in self.messages(lo, hi)
+                    for x, y in capped(a, b, most)]
         if self.contiguous or lo >= hi:
             return [(lo, hi, False)] if hi > lo else []
         out: list[tuple[int, int, bool]] = []

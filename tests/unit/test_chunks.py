@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpistrat.algorithms._chunks import even_bounds, gather_groups, ragged_bounds
+from mpistrat.algorithms._chunks import capped, even_bounds, gather_groups, ragged_bounds
 
 
 def _pieces(bounds: list[int]) -> list[int]:
@@ -125,3 +125,23 @@ def test_gather_groups_rejects_bad_sizes(members, size):
     with pytest.raises(ValueError, match=rf"group size {size} must be between 1 and the "
                                          rf"{members} available members"):
         gather_groups(members, size)
+
+
+@pytest.mark.parametrize("lo, hi, most, expected", [
+    (0, 10, 4, [(0, 3), (3, 6), (6, 10)]),  # the fewest pieces, near-equal
+    (5, 9, 4, [(5, 9)]),  # fits: one piece
+    (7, 7, 4, [(7, 7)]),  # empty: one empty piece
+    (0, 3, 1, [(0, 1), (1, 2), (2, 3)]),
+    (0, 3, 0, [(0, 1), (1, 2), (2, 3)]),  # (at least one element a piece)
+])
+def test_capped_examples(lo, hi, most, expected):
+    assert capped(lo, hi, most) == expected
+
+
+def test_capped_invariants():
+    for lo, hi, most in [(0, 1001, 7), (13, 4000, 1000), (0, 1 << 20, 1 << 18)]:
+        pieces = capped(lo, hi, most)
+        assert pieces[0][0] == lo and pieces[-1][1] == hi
+        assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
+        assert all(0 < b - a <= most for a, b in pieces)
+        assert len(pieces) == -(-(hi - lo) // most)
