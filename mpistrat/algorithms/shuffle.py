@@ -74,24 +74,18 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
     slotted = peers[1:] if source is not None else peers
     incoming: dict[int, list[tuple[Any, list[Any]]]] = {}
     for j in mine:
-        lo, hi = bounds[j], bounds[j + 1]
-        length = hi - lo
+        lo, length = bounds[j], bounds[j + 1] - bounds[j]
         slots = backend.scratch(f"pscpu{j}", length * len(slotted), buf.dtype)
         slots_raw = backend.comm_view(slots)
         entries = incoming[j] = []
-        for peer in peers:
-            if source is not None and peer == peers[0]:
-                entries.append((None, source.irecv(comm, buf, lo, hi, peer, _TAG_GATHER,
-                                                   backend, max_bytes=PIECE_BYTES)))
-                continue
-            at = slotted.index(peer) * length
-            if source is None:
-                requests = [transport.irecv(slots_raw[(at + a - lo) * size:(at + b - lo) * size],
-                                            peer, _TAG_GATHER) for a, b, _ in cut[j]]
-            else:  # the peer sends the piece as its Source's messages
-                requests = source.irecv(comm, slots, lo, hi, peer, _TAG_GATHER, backend,
-                                        at=at, max_bytes=PIECE_BYTES)
-            entries.append((slots[at:at + length], requests))
+        for peer in peers:  # (element x of the piece lands at into[x + shift])
+            if peer in slotted:
+                at = slotted.index(peer) * length
+                slot, into, shift = slots[at:at + length], slots_raw, at - lo
+            else:
+                slot, into, shift = None, raw, 0
+            entries.append((slot, [transport.irecv(into[(a + shift) * size:(b + shift) * size],
+                                                   peer, _TAG_GATHER) for a, b, _ in cut[j]]))
     sends = []
     for j in theirs:
         if source is None:

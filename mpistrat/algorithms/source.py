@@ -199,15 +199,15 @@ class Source:
         return requests
 
     def irecv(self, comm: Any, out: Any, lo: int, hi: int, source: int, tag: int,
-              backend: Any, at: int | None = None, max_bytes: int = 0) -> list[Any]:
-        """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`, with
-        the same ``max_bytes``) into ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
+              backend: Any, at: int | None = None) -> list[Any]:
+        """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`) into
+        ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
         transport = backend.transport(comm)
         shift = (lo if at is None else at) - lo
         raw = backend.comm_view(out)
         size = out.itemsize
         return [transport.irecv(raw[(a + shift) * size:(b + shift) * size], source, tag)
-                for a, b, _ in self.messages(lo, hi, max_bytes)]
+                for a, b, _ in self.messages(lo, hi)]
 
     def receive_and_combine(self, op: ReduceOp, requests: list[Any], out: Any, lo: int,
                             hi: int, backend: Any) -> None:
