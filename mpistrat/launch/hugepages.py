@@ -16,6 +16,17 @@ command line, before MPI is initialised) with the tunable added, unless
 ``MPISTRAT_MALLOC_HUGEPAGES=0`` or the tunable is already set either way. This is what
 HPC sites do with huge-page modules for their MPI jobs; the cost is memory rounded up
 to 2 MiB pages in the allocator's larger regions.
+
+The restart also fixes malloc's mmap threshold at 32 MiB (and its trim threshold at 64
+MiB), the values glibc's sliding thresholds reach anyway once a program has freed a
+large array. Without it, the first arrays a process allocates from 128 KiB up (the
+gradient buffers a training script keeps for its whole run) each get their own
+``mmap``, where a huge page covers only the aligned 2 MiB inside it: on the project's
+VM half of ResNet-50's separately allocated gradients stayed on 4 KiB pages, and
+``batch_reduce`` of them took 19.3-20.2 ms instead of 14.7-15.2 ms with the thresholds
+fixed (2 ranks, three runs; docs/batch_reduce.md). A threshold the user set (in
+``GLIBC_TUNABLES`` or glibc's ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``)
+is kept.
 """
 
 from __future__ import annotations
@@ -26,10 +37,14 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["TUNABLE", "thp_mode", "glibc_version", "malloc_hugepages_env",
+__all__ = ["TUNABLE", "THRESHOLDS", "thp_mode", "glibc_version", "malloc_hugepages_env",
            "restart_with_hugepages", "describe_heap"]
 
 TUNABLE = "glibc.malloc.hugetlb"
+THRESHOLDS = {  # tunable: (value, glibc's older environment variable for it)
+    "glibc.malloc.mmap_threshold": (32 << 20, "MALLOC_MMAP_THRESHOLD_"),
+    "glibc.malloc.trim_threshold": (64 << 20, "MALLOC_TRIM_THRESHOLD_"),
+}
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MIN_GLIBC = (2, 35)
 
@@ -61,7 +76,8 @@ _MACHINE: Any = object()  # (default of the probes below: ask this machine)
 def malloc_hugepages_env(environ: Mapping[str, str] | None = None, *,
                          mode: str | None = _MACHINE,
                          glibc: tuple[int, int] | None = _MACHINE) -> dict[str, str] | None:
-    """The ``GLIBC_TUNABLES`` to start with, or None when there is nothing to change:
+    """The ``GLIBC_TUNABLES`` to start with (the current ones, then ``hugetlb=1`` and the
+    :data:`THRESHOLDS` the user has not set), or None when there is nothing to change:
     ``MPISTRAT_MALLOC_HUGEPAGES`` is off, the tunable is already set (either way), the C
     library is not glibc 2.35+, or the THP mode is not ``madvise`` (``mode`` and
     ``glibc`` default to this machine's)."""
@@ -69,7 +85,8 @@ def malloc_hugepages_env(environ: Mapping[str, str] | None = None, *,
 
     env = os.environ if environ is None else environ
     current = env.get("GLIBC_TUNABLES", "")
-    if any(item.split("=")[0].strip() == TUNABLE for item in current.split(":")):
+    named = {item.split("=")[0].strip() for item in current.split(":")}
+    if TUNABLE in named:
         return None  # (also after the restart: it happens once)
     if Settings.from_env(env).malloc_hugepages is False:
         return None
@@ -77,7 +94,9 @@ def malloc_hugepages_env(environ: Mapping[str, str] | None = None, *,
     mode = thp_mode() if mode is _MACHINE else mode
     if glibc is None or glibc < _MIN_GLIBC or mode != "madvise":
         return None
-    return {"GLIBC_TUNABLES": f"{current}:{TUNABLE}=1" if current else f"{TUNABLE}=1"}
+    added = [f"{TUNABLE}=1"] + [f"{name}={value}" for name, (value, legacy)
+                                in THRESHOLDS.items() if name not in named and legacy not in env]
+    return {"GLIBC_TUNABLES": ":".join(([current] if current else []) + added)}
 
 
 def restart_with_hugepages() -> None:

@@ -12,13 +12,35 @@ from mpistrat.launch.hugepages import describe_heap, malloc_hugepages_env, thp_m
 NEW = (2, 36)
 
 
-def test_adds_the_tunable_on_glibc_235_with_thp_madvise():
+THRESHOLDS = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=67108864"
+
+
+def test_adds_the_tunables_on_glibc_235_with_thp_madvise():
     assert malloc_hugepages_env({}, mode="madvise", glibc=(2, 35)) == {
-        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    # other tunables are kept, the new one appended
+        "GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{THRESHOLDS}"}
+    # other tunables are kept, the new ones appended
     assert malloc_hugepages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
                                 mode="madvise", glibc=NEW) == {
-        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1:{THRESHOLDS}"}
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"},
+     "glibc.malloc.mmap_threshold=131072:glibc.malloc.hugetlb=1"
+     ":glibc.malloc.trim_threshold=67108864"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+     "glibc.malloc.trim_threshold=0:glibc.malloc.hugetlb=1"
+     ":glibc.malloc.mmap_threshold=33554432"),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"},
+     "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=67108864"),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"},
+     "glibc.malloc.hugetlb=1"),
+])
+def test_a_threshold_the_user_set_is_kept(environ, expected):
+    """malloc's thresholds are fixed at the values its sliding ones reach, unless the user
+    chose one, through the tunable or glibc's older variable."""
+    assert malloc_hugepages_env(environ, mode="madvise", glibc=NEW) == {
+        "GLIBC_TUNABLES": expected}
 
 
 @pytest.mark.parametrize("environ, mode, glibc", [
