@@ -5,7 +5,12 @@ The batch is a list of shapes (``resnet50``: ResNet-50 v1's 161 gradients, 97.5 
 float32; or a JSON file), each tensor its own array, ``G`` of them per rank. Methods,
 timed in the same run, round-robin with a rotating start:
 
-* ``per-tensor native``: one ``MPI_Allreduce`` per tensor (the reference result);
+* ``per-tensor native``: one ``MPI_Allreduce`` per tensor, in place (the reference
+  result; it overwrites the gradients, which ``batch_reduce`` may not do);
+* ``per-tensor native, out of place``: one ``MPI_Allreduce(x, out)`` per tensor into
+  buffers kept from call to call, the inputs left alone: ``batch_reduce``'s contract
+  (new results, inputs unchanged), for a like-for-like comparison — with ``G > 1`` the
+  local sum already goes to the output, so it is the in-place row again;
 * ``flat native``: one ``MPI_Allreduce`` of a flat buffer of the batch's total size;
 * ``flat SPEC``: the spec's algorithm for that total size, called directly on the flat
   buffer (the all-reduce alone: no packing, no API);
@@ -81,7 +86,7 @@ class Method:
     """One way of reducing the batch (a row of the table)."""
 
     label: str
-    kind: str  # per-tensor | flat-native | flat-spec | flat-batch | batch
+    kind: str  # per-tensor | per-tensor-oop | flat-native | flat-spec | flat-batch | batch
     calls: int
     plan: str
     ops: Any = None
@@ -131,7 +136,9 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[M
         return MultiWorkerAllReduce(all_reduce_spec=spec, comm=comm, **kwargs)
 
     methods = [
-        Method("per-tensor native", "per-tensor", n, f"{n} x MPI_Allreduce"),
+        Method("per-tensor native", "per-tensor", n, f"{n} x MPI_Allreduce(MPI_IN_PLACE)"),
+        Method("per-tensor native, out of place", "per-tensor-oop", n,
+               f"{n} x MPI_Allreduce(x, out), the inputs left alone"),
         Method("flat native", "flat-native", 1, "1 x MPI_Allreduce"),
         Method(f"flat {label}", "flat-spec", 1,
                f"algorithms.run({_name(flat_alg, flat_shards)!r}) on the flat buffer"),
@@ -190,6 +197,7 @@ class BatchBench:
                         for o, n, s in zip(self.offsets[:-1], self.sizes, self.shapes)]
                        for d in range(G)]
         self.work = [np.empty(s, dtype=dtype) for s in self.shapes]
+        self.outs = [np.empty(s, dtype=dtype) for s in self.shapes]
         self.flat = np.empty(self.total, dtype=dtype)
         self.backend = get_backend(self.flat)
         self.pairs = [(v, v) for v in (PerReplica([self.inputs[d][i] for d in range(G)])
@@ -236,6 +244,14 @@ class BatchBench:
                 if self.G > 1:
                     self._local_sum(w, [self.inputs[d][i] for d in range(self.G)])
                 comm.Allreduce(MPI.IN_PLACE, w)
+            return None
+        if m.kind == "per-tensor-oop":
+            for i, out in enumerate(self.outs):
+                if self.G > 1:
+                    self._local_sum(out, [self.inputs[d][i] for d in range(self.G)])
+                    comm.Allreduce(MPI.IN_PLACE, out)
+                else:
+                    comm.Allreduce(self.inputs[0][i], out)
             return None
         if m.kind in ("flat-native", "flat-spec"):
             if self.G > 1:
@@ -287,9 +303,10 @@ class BatchBench:
     def _wrong(self, m: Method, result: Any) -> int:
         ref = self.ref
         assert ref is not None, "check_all() runs first"
-        if m.kind == "per-tensor":
+        if m.kind in ("per-tensor", "per-tensor-oop"):
             return sum(int(np.count_nonzero(w.reshape(-1) != ref[o:o + n]))
-                       for w, o, n in zip(self.work, self.offsets[:-1], self.sizes))
+                       for w, o, n in zip(self.work if m.kind == "per-tensor" else self.outs,
+                                          self.offsets[:-1], self.sizes))
         if m.kind in ("flat-native", "flat-spec"):
             return int(np.count_nonzero(self.flat != ref))
         if m.kind == "flat-batch":
@@ -325,17 +342,21 @@ class BatchBench:
 def batch_table(points: Sequence[Point], methods: Sequence[Method],
                 markdown: bool = False) -> str:
     """The batch's table: one row per method with its time ratios to per-tensor native
-    and to the flat spec all-reduce."""
+    (in place, and out of place: the same contract as ``batch_reduce``) and to the flat
+    spec all-reduce."""
     per_tensor = next(p for p, m in zip(points, methods) if m.kind == "per-tensor")
+    per_tensor_oop = next(p for p, m in zip(points, methods) if m.kind == "per-tensor-oop")
     flat_spec = next(p for p, m in zip(points, methods) if m.kind == "flat-spec")
     heads = ["method", "calls", "iters", "time(ms)", "min(ms)", "max(ms)", "algbw(GB/s)",
-             "time/per-tensor", "time/flat spec", "#wrong"]
+             "time/per-tensor", "time/per-tensor oop", "time/flat spec", "#wrong"]
     rows = []
     for p, m in zip(points, methods):
         rows.append([
             m.label, str(m.calls), str(len(p.samples)), f"{p.median * 1e3:.2f}",
             f"{p.min * 1e3:.2f}", f"{p.max * 1e3:.2f}", f"{p.algbw:.3g}",
             format_ratio(p.median / per_tensor.median if per_tensor.median > 0 else None),
+            format_ratio(p.median / per_tensor_oop.median if per_tensor_oop.median > 0
+                         else None),
             format_ratio(p.median / flat_spec.median if flat_spec.median > 0 else None),
             str(p.wrong)])
     if markdown:

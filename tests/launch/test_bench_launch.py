@@ -151,13 +151,14 @@ def test_batch_mode(bench, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     doc = _json(out_json)
     labels = [r["label"] for r in doc["results"]]
-    assert labels == ["per-tensor native", "flat native", "flat rechd",
+    assert labels == ["per-tensor native", "per-tensor native, out of place", "flat native",
+                      "flat rechd",
                       "flat rechd (batch_reduce)", "batch_reduce num_packs=1",
                       "batch_reduce num_packs=2", "batch_reduce agg 256B/4",
                       "batch_reduce no packing", "batch_reduce num_packs=1, one buffer"]
     assert all(r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 for r in doc["results"])
     assert doc["inputs_modified"] == 0 and doc["meta"]["options"]["tensors"] == 6
-    assert "time/per-tensor" in result.stdout
+    assert "time/per-tensor" in result.stdout and "time/per-tensor oop" in result.stdout
 
     # shm with the gradients of the last row in shared memory (mpistrat.shared_arrays)
     result = bench(2, "--batch", str(shapes), "--spec", "shm", "--num-packs", "1",
