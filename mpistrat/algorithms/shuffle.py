@@ -15,7 +15,13 @@ Steps (``n`` ranks, ``k = shards`` gather ranks):
 
 Pieces travel in messages of at most ``PIECE_BYTES``: the gather rank adds each message
 as it lands, while it is still in cache, and sends it back at once, so step 4 overlaps
-the rest of step 3.
+the rest of step 3. In host memory the contributions that need a scratch slot (in place,
+all of them) land in a ring of ``RING`` message-sized slots per peer, the next receive
+posted into a slot as soon as it has been added: 8 MiB per peer that stay in cache
+instead of a piece-sized scratch that goes through memory (in place, ResNet-50's 97.5
+MiB on 2 ranks: 0.85-0.88x the time of a piece-sized scratch). The receives of a
+rank's pieces are then posted a few at a time, so a rank that gathers several pieces
+(``pscpu#3`` on 4 ranks) gets each piece's contributions under its own tag.
 
 Out of place (``source`` given, see :mod:`.source`): the pieces go out from the tensors
 as the Source's messages (cut to ``PIECE_BYTES``), the first other rank's contribution
@@ -46,7 +52,16 @@ from .source import Source
 __all__ = ["all_reduce", "reduce_to_root"]
 
 PIECE_BYTES = 4 << 20  # pieces travel, are added and go back in messages of at most this
-_TAG_GATHER, _TAG_SCATTER = 5, 6
+RING = 2  # host scratch: message-sized slots per peer a gather rank receives into
+_TAG_GATHER, _TAG_SCATTER = 5, 6  # (gather tags: 5, then 7, 8, ... below)
+
+
+def _gather_tag(owners: list[int], j: int) -> int:
+    """The tag of the contributions to piece ``j``: a rank that gathers several pieces
+    (``pscpu#3`` on 4 ranks) posts their receives a ring at a time, so each of its pieces
+    needs its own tag for the messages to match in order."""
+    repeat = owners[:j].count(owners[j])
+    return _TAG_GATHER if not repeat else _TAG_SCATTER + repeat
 
 
 def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
@@ -67,32 +82,39 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
            else [(a, b, False) for a, b in capped(bounds[j], bounds[j + 1], PIECE_BYTES // size)
                  if b > a] for j in range(k)]
     mine = [j for j in range(k) if owners[j] == rank and cut[j]]
+    tags = [_TAG_GATHER] * k if len(set(owners)) == k else \
+        [_gather_tag(owners, j) for j in range(k)]
     theirs = [j for j in range(k) if owners[j] != rank and cut[j]]
-    # post the receives of every contribution to the pieces this rank gathers: out of
-    # place, the first peer's lands straight in the output (this rank adds its own
-    # there); the others', and in place all of them, land in scratch slots
+    # the receives of the contributions to the pieces this rank gathers: out of place, the
+    # first peer's land straight in the output (this rank adds its own there); the
+    # others', and in place all of them, land in scratch slots: in host memory a ring of
+    # RING message-sized slots per peer, reposted as each is added, so they stay in cache
     slotted = peers[1:] if source is not None else peers
-    incoming: dict[int, list[tuple[Any, list[Any]]]] = {}
+    host = getattr(backend, "name", None) == "numpy"
+    incoming: dict[int, tuple[Any, ...]] = {}  # j: (slots, their bytes, width, depth, peers)
     for j in mine:
-        lo, length = bounds[j], bounds[j + 1] - bounds[j]
-        slots = backend.scratch(f"pscpu{j}", length * len(slotted), buf.dtype)
+        messages = cut[j]
+        width = max([b - a for a, b, _ in messages]) if len(messages) > 1 \
+            else messages[0][1] - messages[0][0]
+        depth = min(RING, len(messages)) if host else len(messages)
+        slots = backend.scratch(f"pscpu{j}", width * depth * len(slotted), buf.dtype)
         slots_raw = backend.comm_view(slots)
-        entries = incoming[j] = []
-        for peer in peers:  # (element x of the piece lands at into[x + shift])
-            if peer in slotted:
-                at = slotted.index(peer) * length
-                slot, into, shift = slots[at:at + length], slots_raw, at - lo
-            else:
-                slot, into, shift = None, raw, 0
-            entries.append((slot, [transport.irecv(into[(a + shift) * size:(b + shift) * size],
-                                                   peer, _TAG_GATHER) for a, b, _ in cut[j]]))
+        peers_in: list[tuple[int, int | None, list[Any]]] = []
+        incoming[j] = (slots, slots_raw, width, depth, peers_in)
+        for peer in peers:  # (slot d of a slotted peer's ring starts at ring + d * width)
+            ring = slotted.index(peer) * depth * width if peer in slotted else None
+            into = [raw[a * size:b * size] if ring is None else
+                    slots_raw[(ring + m * width) * size:(ring + m * width + b - a) * size]
+                    for m, (a, b, _) in enumerate(messages[:depth] if ring is not None
+                                                  else messages)]
+            peers_in.append((peer, ring, [transport.irecv(v, peer, tags[j]) for v in into]))
     sends = []
     for j in theirs:
         if source is None:
-            sends += [transport.isend(raw[a * size:b * size], owners[j], _TAG_GATHER)
+            sends += [transport.isend(raw[a * size:b * size], owners[j], tags[j])
                       for a, b, _ in cut[j]]
         else:
-            sends += source.isend(comm, bounds[j], bounds[j + 1], owners[j], _TAG_GATHER,
+            sends += source.isend(comm, bounds[j], bounds[j + 1], owners[j], tags[j],
                                   backend, max_bytes=PIECE_BYTES)
     # the results can land at once out of place (this rank sends from its Source); in
     # place only once this rank's pieces have left its buffer
@@ -103,14 +125,20 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
     # order: deterministic), and send each reduced message back at once
     back = []
     for j in mine:
-        lo = bounds[j]
-        for m, (a, b, _) in enumerate(cut[j]):
-            for slot, requests in incoming[j]:
+        messages = cut[j]
+        slots, slots_raw, width, depth, peers_in = incoming[j]
+        for m, (a, b, _) in enumerate(messages):
+            for peer, ring, requests in peers_in:
                 requests[m].Wait()
-                if slot is None:  # the first peer's part is in place: add our own
+                if ring is None:  # the first peer's part is in place: add our own
                     source.combine_into(op, buf, a, b, backend)
-                else:
-                    backend.combine(op, buf[a:b], slot[a - lo:b - lo])
+                    continue
+                at = ring + (m % depth) * width
+                backend.combine(op, buf[a:b], slots[at:at + b - a])
+                if m + depth < len(messages):  # the slot is free again: the next message
+                    c, d, _ = messages[m + depth]
+                    requests.append(transport.irecv(slots_raw[at * size:(at + d - c) * size],
+                                                    peer, tags[j]))
             back += [transport.isend(raw[a * size:b * size], dest, _TAG_SCATTER)
                      for dest in targets]
     transport.waitall(sends)
