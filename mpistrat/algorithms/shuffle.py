@@ -56,12 +56,16 @@ RING = 2  # host scratch: message-sized slots per peer a gather rank receives in
 _TAG_GATHER, _TAG_SCATTER = 5, 6  # (gather tags: 5, then 7, 8, ... below)
 
 
-def _gather_tag(owners: list[int], j: int) -> int:
-    """The tag of the contributions to piece ``j``: a rank that gathers several pieces
+def _gather_tags(owners: list[int]) -> list[int]:
+    """The tag of the contributions to each piece: a rank that gathers several pieces
     (``pscpu#3`` on 4 ranks) posts their receives a ring at a time, so each of its pieces
     needs its own tag for the messages to match in order."""
-    repeat = owners[:j].count(owners[j])
-    return _TAG_GATHER if not repeat else _TAG_SCATTER + repeat
+    seen: dict[int, int] = {}
+    tags = []
+    for owner in owners:
+        repeat = seen[owner] = seen.get(owner, -1) + 1
+        tags.append(_TAG_GATHER if not repeat else _TAG_SCATTER + repeat)
+    return tags
 
 
 def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
@@ -82,8 +86,7 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
            else [(a, b, False) for a, b in capped(bounds[j], bounds[j + 1], PIECE_BYTES // size)
                  if b > a] for j in range(k)]
     mine = [j for j in range(k) if owners[j] == rank and cut[j]]
-    tags = [_TAG_GATHER] * k if len(set(owners)) == k else \
-        [_gather_tag(owners, j) for j in range(k)]
+    tags = _gather_tags(owners)
     theirs = [j for j in range(k) if owners[j] != rank and cut[j]]
     # the receives of the contributions to the pieces this rank gathers: out of place, the
     # first peer's land straight in the output (this rank adds its own there); the
@@ -94,8 +97,7 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
     incoming: dict[int, tuple[Any, ...]] = {}  # j: (slots, their bytes, width, depth, peers)
     for j in mine:
         messages = cut[j]
-        width = max([b - a for a, b, _ in messages]) if len(messages) > 1 \
-            else messages[0][1] - messages[0][0]
+        width = max(b - a for a, b, _ in messages)
         depth = min(RING, len(messages)) if host else len(messages)
         slots = backend.scratch(f"pscpu{j}", width * depth * len(slotted), buf.dtype)
         slots_raw = backend.comm_view(slots)

@@ -22,7 +22,8 @@ MiB), the values glibc's sliding thresholds reach anyway once a program has free
 large array. Without it, the first arrays a process allocates from 128 KiB up (the
 gradient buffers a training script keeps for its whole run) each get their own
 ``mmap``, where a huge page covers only the aligned 2 MiB inside it: on the project's
-VM half of ResNet-50's separately allocated gradients stayed on 4 KiB pages, and
+VM 32-56 % of the bytes of ResNet-50's separately allocated gradients stayed on 4 KiB
+pages, and
 ``batch_reduce`` of them took 19.3-20.2 ms instead of 14.7-15.2 ms with the thresholds
 fixed (2 ranks, three runs; docs/batch_reduce.md). A threshold the user set (in
 ``GLIBC_TUNABLES`` or glibc's ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``)
