@@ -68,6 +68,24 @@ def reference(op: ReduceOp, size: int, length: int, dtype: np.dtype,
     return ref, tol
 
 
+def run_and_check(call, comm, buf, op: ReduceOp, dtype: np.dtype, label: str,
+                  problems: list[str], digests: list[tuple[str, str]],
+                  length: int | None = None) -> None:
+    """Run ``call()`` (an all-reduce of ``buf``), then record a problem if it raised or
+    ``buf`` is not the reduction of every rank's :func:`contribution` of ``length``
+    elements (default ``buf.size``), else its digest; every rank keeps in step."""
+    try:
+        call()
+    except Exception as exc:  # record, keep the ranks in step
+        problems.append(f"{label}: raised {exc!r}")
+        return
+    length = buf.size if length is None else length
+    found = problem(buf, *reference(op, comm.size, length, dtype), dtype, label)
+    if found:
+        problems.append(found)
+    digests.append((label, digest(buf)))
+
+
 # --- the algorithms under test ---------------------------------------------------------
 
 
@@ -158,15 +176,8 @@ def test_every_length_and_shard_count(comm, case):
             rotation += 1
             label = f"{case.id} length={length} shards={shards} {op} {dtype}"
             buf = contribution(comm.rank, length, dtype)
-            try:
-                case.run(comm, buf, op, shards, rotation)
-            except Exception as exc:  # record, keep the ranks in step
-                problems.append(f"{label}: raised {exc!r}")
-                continue
-            found = problem(buf, *reference(op, n, length, dtype), dtype, label)
-            if found:
-                problems.append(found)
-            digests.append((label, digest(buf)))
+            run_and_check(lambda: case.run(comm, buf, op, shards, rotation), comm, buf, op,
+                          dtype, label, problems, digests)
     finish(comm, problems, digests)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from _checks import digest, finish, problem
 from mpi4py import MPI
-from test_algorithms import contribution, reference
+from test_algorithms import contribution, reference, run_and_check
 
 import mpistrat
 from mpistrat import ReduceOp, algorithms, shared
@@ -39,18 +39,9 @@ def _lengths(n: int, dtype: np.dtype) -> list[int]:
 
 def _run_and_check(comm, alg, buf, op, dtype, label, problems, digests, *,
                    ranks_per_node=None, source=None, expected_length=None):
-    n = comm.size
-    length = buf.size if expected_length is None else expected_length
-    try:
-        algorithms.run(alg, comm, buf, op=op, backend=BACKEND, ranks_per_node=ranks_per_node,
-                       source=source)
-    except Exception as exc:  # record, keep the ranks in step
-        problems.append(f"{label}: raised {exc!r}")
-        return
-    found = problem(buf, *reference(op, n, length, dtype), dtype, label)
-    if found:
-        problems.append(found)
-    digests.append((label, digest(buf)))
+    run_and_check(lambda: algorithms.run(alg, comm, buf, op=op, backend=BACKEND,
+                                         ranks_per_node=ranks_per_node, source=source),
+                  comm, buf, op, dtype, label, problems, digests, expected_length)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float64", "int32", "float16"])
