@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,6 +109,28 @@ def _describe(value: DistributedValues) -> str:
     return f"{len(arrays)}x{shape}:{dtype}"
 
 
+def _batch_signature(values: list[DistributedValues]) -> str:
+    """The agreement's description of a batch: :func:`_describe` of every value, joined.
+
+    A training loop reduces the same structure every step, so the text is cached per key
+    of shapes and dtypes (one-component NumPy values, the common case, skip building
+    161 strings a call; other values are described, and checked, one by one).
+    """
+    key = []
+    for value in values:
+        components = value.values
+        first = components[0]
+        key.append((first.shape, first.dtype) if len(components) == 1
+                   and type(first) is np.ndarray else _describe(value))
+    return _signature_text(tuple(key))
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_text(key: tuple) -> str:
+    return ";".join(entry if type(entry) is str else f"1x{entry[0]}:{entry[1].str}"
+                    for entry in key)
+
+
 def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -> bool:
     """Are the destinations the value's devices (TF's condition for an all-reduce)?
 
@@ -129,7 +152,10 @@ def _first_array(value: DistributedValues) -> Any:
     return first if type(first) is np.ndarray else _as_arrays(value)[0]
 
 
-def _as_arrays(value: DistributedValues) -> list[Any]:
+def _as_arrays(value: DistributedValues) -> Sequence[Any]:
+    values = value.values
+    if len(values) == 1 and type(values[0]) is np.ndarray:
+        return values
     return [v if type(v) is np.ndarray or hasattr(v, "shape") and hasattr(v, "dtype")
             and not isinstance(v, np.generic) else np.asarray(v) for v in value.values]
 
@@ -198,7 +224,7 @@ class CrossDeviceOps(abc.ABC):
             pairs = self._pairs(value_destination_pairs)
             match = self._all_match(pairs, comm)
             signature = (f"{type(self).__name__}.batch_reduce op={op.name} match={match} "
-                         f"options={options} " + ";".join(_describe(v) for v, _ in pairs))
+                         f"options={options} " + _batch_signature([v for v, _ in pairs]))
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.batch_reduce", timeout=timeout)
@@ -290,9 +316,12 @@ class CrossDeviceOps(abc.ABC):
             if len(pair) != 2:
                 raise ValueError(f"Each element of `value_destination_pairs` should be a "
                                  f"tuple of size 2; element {index} has {len(pair)}")
-            value = _per_replica(pair[0])
-            _destinations(pair[1])
-            pairs.append((value, pair[1]))
+            value, dest = pair
+            if not isinstance(value, DistributedValues):
+                value = _per_replica(value)
+            if dest is not value:  # (a value is valid destinations for itself)
+                _destinations(dest)
+            pairs.append((value, dest))
         return pairs
 
     @staticmethod
@@ -406,7 +435,8 @@ Reducer = Callable[[list[Any], int], Any]
 
 
 def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
-                      groups: list[tuple[list[int], packing.PackPlan, Reducer]]) -> list[Mirrored]:
+                      groups: list[tuple[Sequence[int], packing.PackPlan, Reducer]],
+                      ) -> list[Mirrored]:
     """All-reduce a batch: each group of tensor indices is reduced pack by pack (the packs
     read straight from the tensors, see :mod:`mpistrat.algorithms.source`) into new
     buffers, which are then cut into the results; results in input order."""
@@ -418,7 +448,9 @@ def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
     counter = 0
     for indices, plan, reducer in groups:
         per_device = [[components[i][d] for i in indices] for d in range(replicas)]
-        packs = [plan.segments(batch) for batch in per_device]
+        # the plan was looked up by these tensors' shapes and dtypes, which the
+        # agreement checked alike on every device: no second check
+        packs = [plan.segments(batch, validate=False) for batch in per_device]
         wire = [[algorithms.Source(p[b]) for p in packs] for b in range(len(plan.packs))]
         for i in plan.passthrough:
             wire.append([algorithms.Source.of(_flat(batch[i])) for batch in per_device])
@@ -431,11 +463,12 @@ def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
             reduced.append(buf)
         tensors = plan.unpack(reduced[:len(plan.packs)], reduced[len(plan.packs):])
         for i, tensor in zip(indices, tensors):
-            backend = get_backend(tensor)
             if op is ReduceOp.MEAN and tensor.dtype.kind in "iub":
+                backend = get_backend(tensor)
                 tensor = backend.divide(backend.flat_copy(tensor), contributions) \
                     .reshape(tensor.shape)
             results[i] = Mirrored._trusted(
+                (tensor,) if replicas == 1 else
                 [tensor] + [tensor.copy() for _ in range(replicas - 1)], devices)
     return results
 
@@ -491,18 +524,22 @@ def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reduce
     return reduce
 
 
+def _structure(arrays: Sequence[Any]) -> tuple:
+    """A batch's shapes and dtypes: the key its packing plan and routing are cached by."""
+    return tuple((a.shape, a.dtype) for a in arrays)
+
+
 def _plan_for(arrays: list[Any], num_packs: int, agg_max_bytes: int, agg_max_group: int,
               options: CommunicationOptions) -> packing.PackPlan:
     """The packing plan of a batch (cached: a training loop reduces the same structure)."""
-    structure = tuple((tuple(a.shape), a.dtype.str) for a in arrays)
-    return _cached_plan(structure, options.bytes_per_pack, num_packs, agg_max_bytes,
-                        agg_max_group)
+    return _cached_plan(_structure(arrays), options.bytes_per_pack, num_packs,
+                        agg_max_bytes, agg_max_group)
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_plan(structure: tuple, bytes_per_pack: int, num_packs: int, agg_max_bytes: int,
                  agg_max_group: int) -> packing.PackPlan:
-    specs = [(shape, np.dtype(dtype)) for shape, dtype in structure]
+    specs = [(tuple(shape), np.dtype(dtype)) for shape, dtype in structure]
     if bytes_per_pack > 0:
         return packing.plan_by_size(specs, bytes_per_pack)
     if num_packs > 0:
@@ -711,23 +748,39 @@ class MultiWorkerAllReduce(_AllReduceBase):
                 f"num_gpus_per_worker={self.num_gpus_per_worker} but the values have "
                 f"{replicas} component(s) per rank"
             )
-        firsts = [_first_array(v) for v in values]
-        routed: dict[int, list[int]] = {}
-        for i, array in enumerate(firsts):
-            routed.setdefault(self.spec.index_for(array.nbytes), []).append(i)
+        routes = _routes(_structure([_first_array(v) for v in values]), self.spec,
+                         self.num_packs, self.agg_small_grads_max_bytes,
+                         self.agg_small_grads_max_group, options.bytes_per_pack)
         nodes = None
         groups = []
-        for entry_index in sorted(routed):
-            alg, shards, _ = self.spec[entry_index]
+        for indices, plan, alg, shards in routes:
             if algorithms.get(alg).hierarchical and nodes is None:
                 from .topology import get_topology
 
                 nodes = get_topology(comm).num_nodes
             algorithms.check_fits(alg, shards, size, nodes or 1, replicas,
                                   self.num_gpus_per_worker > 0)
-            indices = routed[entry_index]
-            plan = _plan_for([firsts[i] for i in indices], self.num_packs,
-                             self.agg_small_grads_max_bytes, self.agg_small_grads_max_group,
-                             options)
             groups.append((indices, plan, _algorithm_reducer(comm, op, alg, shards)))
         return _all_reduce_batch(comm, op, values, groups)
+
+
+Route = tuple[tuple[int, ...], packing.PackPlan, str, int]
+
+
+@functools.lru_cache(maxsize=64)
+def _routes(structure: tuple, spec: AllReduceSpec, num_packs: int, agg_max_bytes: int,
+            agg_max_group: int, bytes_per_pack: int) -> tuple[Route, ...]:
+    """Which tensors of a batch go to which spec entry (by byte size, entries in spec
+    order) and each entry's packing plan: ``(indices, plan, algorithm, shards)`` per
+    entry that gets tensors. Cached: a training loop reduces the same structure."""
+    routed: dict[int, list[int]] = {}
+    for i, (shape, dtype) in enumerate(structure):
+        routed.setdefault(spec.index_for(math.prod(shape) * dtype.itemsize), []).append(i)
+    routes = []
+    for entry_index in sorted(routed):
+        alg, shards, _ = spec[entry_index]
+        indices = tuple(routed[entry_index])
+        plan = _cached_plan(tuple(structure[i] for i in indices), bytes_per_pack, num_packs,
+                            agg_max_bytes, agg_max_group)
+        routes.append((indices, plan, alg, shards))
+    return tuple(routes)

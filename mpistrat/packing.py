@@ -157,12 +157,28 @@ class PackPlan:
     passthrough: tuple[int, ...]
     method: str = field(default="custom", compare=False)
     _pieces: dict = field(init=False, repr=False, compare=False)
+    _reads: tuple = field(init=False, repr=False, compare=False)
+    _whole: tuple = field(init=False, repr=False, compare=False)
+    _split: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tensor_specs(self.specs))
         object.__setattr__(self, "packs", tuple(self.packs))
         object.__setattr__(self, "passthrough", tuple(self.passthrough))
         object.__setattr__(self, "_pieces", _check_plan(self.specs, self.packs, self.passthrough))
+        # the layout precomputed once per plan (a training loop applies it every step):
+        # per pack, what each member reads ((index, None, None) for a whole tensor), and
+        # the tensors that lie whole in one pack as (index, pack, offset, end, shape)
+        whole = {index for index, pieces in self._pieces.items()
+                 if len(pieces) == 1 and pieces[0][1].size == self.specs[index].size}
+        object.__setattr__(self, "_reads", tuple(
+            tuple((m.index, None, None) if m.index in whole else
+                  (m.index, m.start, m.start + m.size) for m in pack.members)
+            for pack in self.packs))
+        object.__setattr__(self, "_whole", tuple(
+            (index, k, m.offset, m.offset + m.size, m.shape)
+            for index, ((k, m),) in ((i, self._pieces[i]) for i in sorted(whole))))
+        object.__setattr__(self, "_split", tuple(i for i in self._pieces if i not in whole))
 
     @property
     def num_tensors(self) -> int:
@@ -211,29 +227,37 @@ class PackPlan:
             packs.append(buffer)
         return packs, [arrays[i] for i in self.passthrough]
 
-    def segments(self, arrays: Sequence[Any]) -> list[list[Any]]:
+    def segments(self, arrays: Sequence[Any], *, validate: bool = True) -> list[list[Any]]:
         """Each pack's contents as 1-D views of the batch's arrays, in pack order (no copy).
 
         The concatenation of ``segments(arrays)[k]`` is what :meth:`pack` copies into pack
         ``k``; out-of-place algorithms read these views directly. An array that is not
         C-contiguous is flattened into a copy first.
 
+        Args:
+            arrays: the batch, with the plan's shapes and dtypes.
+            validate: check that it has them; ``False`` skips the check when the caller
+                looked the plan up by this very batch's shapes and dtypes (a training
+                loop's hot path; a batch that does not match then gives wrong views).
+
         Raises:
             PackingError: the batch's length, a shape or a dtype differs from the plan.
         """
-        arrays = list(arrays)
-        self._check_batch(arrays)
-        flats: dict[int, Any] = {}
+        if validate:
+            arrays = list(arrays)
+            self._check_batch(arrays)
+        flats: dict[int, Any] = {}  # tensors split across packs: flattened once
         out = []
-        for pack in self.packs:
+        for reads in self._reads:
             views = []
-            for m in pack.members:
-                flat = flats.get(m.index)
+            for index, start, stop in reads:
+                if start is None:  # a whole tensor: its flat view (a copy if not C-order)
+                    views.append(arrays[index].reshape(-1))
+                    continue
+                flat = flats.get(index)
                 if flat is None:
-                    array = arrays[m.index]
-                    flat = flats[m.index] = array.reshape(-1) if array.flags.c_contiguous \
-                        else array.flatten()
-                views.append(flat[m.start:m.start + m.size])
+                    flat = flats[index] = arrays[index].reshape(-1)
+                views.append(flat[start:stop])
             out.append(views)
         return out
 
@@ -278,13 +302,11 @@ class PackPlan:
                     f"{spec.size} for shape {spec.shape}; pass the singles in passthrough order")
             out = array.reshape(spec.shape)
             results[index] = out.copy() if copy else out
-        for index, pieces in self._pieces.items():
-            spec = self.specs[index]
-            if len(pieces) == 1 and pieces[0][1].size == spec.size:
-                k, m = pieces[0]
-                out = flats[k][m.offset:m.offset + m.size].reshape(spec.shape)
-                results[index] = out.copy() if copy else out
-                continue
+        for index, k, offset, end, shape in self._whole:
+            out = flats[k][offset:end].reshape(shape)
+            results[index] = out.copy() if copy else out
+        for index in self._split:
+            pieces, spec = self._pieces[index], self.specs[index]
             out = np.empty_like(flats[pieces[0][0]], shape=(spec.size,))
             for k, m in pieces:
                 out[m.start:m.start + m.size] = flats[k][m.offset:m.offset + m.size]

@@ -21,6 +21,7 @@ the backend's transport (:mod:`.staging`), so device segments can be staged.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -83,22 +84,18 @@ class Source:
             self.segments = [segments[0]]
         dtypes = {s.dtype for s in self.segments}
         if len(dtypes) > 1:
-            raise ValueError(f"a Source's segments must share one dtype, got {sorted(map(str, dtypes))}")
-        offsets = [0]
-        for s in self.segments:
-            offsets.append(offsets[-1] + s.size)
-        self.offsets = offsets
-        self.size = offsets[-1]
+            raise ValueError(f"a Source's segments must share one dtype, got "
+                             f"{sorted(map(str, dtypes))}")
+        sizes = [s.size for s in self.segments]
+        self.offsets = [0, *itertools.accumulate(sizes)]
+        self.size = self.offsets[-1]
         self.dtype = self.segments[0].dtype if self.segments else None
-        small = [len(self.segments) > 1 and s.nbytes < coalesce_bytes for s in self.segments]
+        several = len(self.segments) > 1
+        small = [several and s.nbytes < coalesce_bytes for s in self.segments]
         self._small = small
-        self._stage_at: list[int] = []
-        total = 0
-        for index, segment in enumerate(self.segments):
-            self._stage_at.append(total)
-            if small[index]:
-                total += segment.size
-        self._stage_size = total
+        # where each small segment sits in the staging buffer (the small ones, packed)
+        self._stage_at = [0, *itertools.accumulate(n if s else 0 for n, s in zip(sizes, small))]
+        self._stage_size = self._stage_at.pop()
 
     @classmethod
     def of(cls, array: Any) -> Source:

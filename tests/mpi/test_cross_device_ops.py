@@ -655,6 +655,8 @@ EVERYWHERE = {
     "pair of 3": (lambda o: o.batch_reduce("sum", [(_V, _V, _V)]), ValueError,
                   "Each element of `value_destination_pairs` should be a tuple of size 2"),
     "pair of 1": (lambda o: o.batch_reduce("sum", ((_V,),)), ValueError, "tuple of size 2"),
+    "pair ragged components": (lambda o: o.batch_reduce("sum", [(_A, "/cpu:0"), (
+        PerReplica([_A, np.ones(4, np.float32)]), "/cpu:0")]), ValueError, "(4,)"),
     "pair plain list": (lambda o: o.batch_reduce("sum", [([_A, _A], "/cpu:0")]), ValueError,
                         "Cannot convert `input_tensor` to a `PerReplica`"),
     "pair dest ''": (lambda o: o.batch_reduce("sum", [(_V, _V), (_V, "")]), ValueError,
@@ -704,6 +706,11 @@ def _rank0_differs(kind: str, rank: int):
                                         "/cpu:0"), None),
         "destination matches": (lambda o: o.reduce("sum", v, "/cpu:5" if odd else v), None),
         "batch length": (lambda o: o.batch_reduce("sum", [(v, v)] * (2 if odd else 1)), None),
+        # one tensor of a batch of one-component values (the agreement's cached key)
+        "batch shape": (lambda o: o.batch_reduce("sum", _one_component_batch(
+            rank, [(3,), (2, 2) if odd else (4,), (5,)], [F32] * 3)), None),
+        "batch dtype": (lambda o: o.batch_reduce("sum", _one_component_batch(
+            rank, [(3,), (4,), (5,)], [F32, F32, F64 if odd else F32])), None),
         "timeout": (lambda o: o.reduce("sum", v, v, options=CommunicationOptions(
             timeout_seconds=30.0 if odd else 60.0)), None),
         "malformed pair": (lambda o: o.batch_reduce("sum", [(v, v, v)] if odd else [(v, v)]),
@@ -719,7 +726,13 @@ def _rank0_differs(kind: str, rank: int):
     return calls[kind]
 
 
+def _one_component_batch(rank: int, shapes: list[tuple[int, ...]], dtypes: list[Any]):
+    values = [PerReplica([np.full(shape, rank + 1, dtype)]) for shape, dtype in zip(shapes, dtypes)]
+    return [(v, v) for v in values]
+
+
 RANK0_KINDS = ["shape", "dtype", "op", "replicas", "destination matches", "batch length",
+               "batch shape", "batch dtype",
                "timeout", "malformed pair", "plain list", "op max", "empty destinations",
                "broadcast shape", "broadcast destination"]
 

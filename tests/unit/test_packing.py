@@ -426,6 +426,20 @@ def test_non_contiguous_inputs_pack_correctly():
             assert np.array_equal(np.concatenate(views), pack)
 
 
+def test_segments_are_views_and_check_the_batch():
+    plan = plan_concat_and_split([((2, 3), "f4"), ((4,), "f4"), ((5,), "f4")], 2)
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32),
+              np.zeros(5, np.float32)]
+    segments = plan.segments(arrays)
+    # a whole tensor and the pieces of a split one are views of the inputs, not copies
+    assert all(any(np.shares_memory(v, a) for a in arrays) for views in segments for v in views)
+    assert sum(len(views) for views in segments) == 4  # tensor 1 is split over both packs
+    with pytest.raises(PackingError, match=r"tensor 1 has shape \(3,\)"):
+        plan.segments([arrays[0], np.ones(3, np.float32), arrays[2]])
+    with pytest.raises(PackingError, match="float64"):
+        plan.segments([arrays[0], arrays[1], np.zeros(5)])
+
+
 # ------------------------------------------------------------------ property: round trips
 
 DTYPES = [np.dtype(d) for d in ("f4", "f2", "f8", "i4", "i8", "u1", "bool", "c8")] + [BF16]
@@ -448,11 +462,16 @@ def test_round_trip(name, specs, arg):
     assert [s.shape for s in singles] == [plan.specs[i].shape for i in plan.passthrough]
     assert sum(plan.pack_sizes) + sum(plan.specs[i].size for i in plan.passthrough) == sum(
         s.size for s in plan.specs)
-    # segments(): views whose concatenation is each pack (what out-of-place reads)
-    for pack, views in zip(packs, plan.segments(arrays)):
+    # segments(): views whose concatenation is each pack (what out-of-place reads), the
+    # same with the check skipped
+    unchecked = plan.segments(arrays, validate=False)
+    for pack, views, same in zip(packs, plan.segments(arrays), unchecked, strict=True):
         joined = np.concatenate(views) if views else pack[:0]
         assert joined.dtype == pack.dtype and np.array_equal(
             joined.view(np.uint8), pack.view(np.uint8))
+        assert [v.shape for v in same] == [v.shape for v in views]
+        assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                   for a, b in zip(same, views))
     if name == "small_tensors":
         for pack in plan.packs:
             assert 2 <= len(pack.members) and list(pack.indices) == list(
