@@ -448,9 +448,9 @@ def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
     counter = 0
     for indices, plan, reducer in groups:
         per_device = [[components[i][d] for i in indices] for d in range(replicas)]
-        # the plan was looked up by these tensors' shapes and dtypes, which the
-        # agreement checked alike on every device: no second check
-        packs = [plan.segments(batch, validate=False) for batch in per_device]
+        # the plan was looked up by the first device's shapes and dtypes: only the other
+        # devices' tensors need checking against it
+        packs = [plan.segments(batch, validate=d > 0) for d, batch in enumerate(per_device)]
         wire = [[algorithms.Source(p[b]) for p in packs] for b in range(len(plan.packs))]
         for i in plan.passthrough:
             wire.append([algorithms.Source.of(_flat(batch[i])) for batch in per_device])
