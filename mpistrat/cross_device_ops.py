@@ -93,10 +93,15 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
     )
 
 
+def _text(components: int, shape: tuple, dtype: str) -> str:
+    """How the agreement writes a value: ``2x(3, 4):<f4`` (``dtype`` as ``dtype.str``)."""
+    return f"{components}x{shape}:{dtype}"
+
+
 def _describe(value: DistributedValues) -> str:
     values = value.values
     if len(values) == 1 and type(values[0]) is np.ndarray:
-        return f"1x{values[0].shape}:{values[0].dtype.str}"
+        return _text(1, values[0].shape, values[0].dtype.str)
     arrays = _as_arrays(value)
     shapes = {(tuple(a.shape), a.dtype.str) for a in arrays}
     if len(shapes) != 1:
@@ -106,7 +111,7 @@ def _describe(value: DistributedValues) -> str:
             f"dtype"
         )
     shape, dtype = shapes.pop()
-    return f"{len(arrays)}x{shape}:{dtype}"
+    return _text(len(arrays), shape, dtype)
 
 
 def _batch_signature(values: list[DistributedValues]) -> str:
@@ -127,7 +132,7 @@ def _batch_signature(values: list[DistributedValues]) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _signature_text(key: tuple) -> str:
-    return ";".join(entry if type(entry) is str else f"1x{entry[0]}:{entry[1].str}"
+    return ";".join(entry if type(entry) is str else _text(1, entry[0], entry[1].str)
                     for entry in key)
 
 
