@@ -341,14 +341,17 @@ class BatchBench:
 
 def batch_table(points: Sequence[Point], methods: Sequence[Method],
                 markdown: bool = False) -> str:
-    """The batch's table: one row per method with its time ratios to per-tensor native
-    (in place, and out of place: the same contract as ``batch_reduce``) and to the flat
-    spec all-reduce."""
+    """The batch's table: one row per method with its time ratios to per-tensor native and
+    to the flat spec all-reduce, each in place and out of place (``oop``: new results, the
+    inputs left alone — the same contract as ``batch_reduce``; for the flat spec, the
+    flat buffer through ``batch_reduce``)."""
     per_tensor = next(p for p, m in zip(points, methods) if m.kind == "per-tensor")
     per_tensor_oop = next(p for p, m in zip(points, methods) if m.kind == "per-tensor-oop")
     flat_spec = next(p for p, m in zip(points, methods) if m.kind == "flat-spec")
+    flat_oop = next(p for p, m in zip(points, methods) if m.kind == "flat-batch")
     heads = ["method", "calls", "iters", "time(ms)", "min(ms)", "max(ms)", "algbw(GB/s)",
-             "time/per-tensor", "time/per-tensor oop", "time/flat spec", "#wrong"]
+             "time/per-tensor", "time/per-tensor oop", "time/flat spec", "time/flat oop",
+             "#wrong"]
     rows = []
     for p, m in zip(points, methods):
         rows.append([
@@ -358,6 +361,7 @@ def batch_table(points: Sequence[Point], methods: Sequence[Method],
             format_ratio(p.median / per_tensor_oop.median if per_tensor_oop.median > 0
                          else None),
             format_ratio(p.median / flat_spec.median if flat_spec.median > 0 else None),
+            format_ratio(p.median / flat_oop.median if flat_oop.median > 0 else None),
             str(p.wrong)])
     if markdown:
         lines = ["| " + " | ".join(heads) + " |",

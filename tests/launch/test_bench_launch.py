@@ -159,6 +159,7 @@ def test_batch_mode(bench, tmp_path):
     assert all(r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 for r in doc["results"])
     assert doc["inputs_modified"] == 0 and doc["meta"]["options"]["tensors"] == 6
     assert "time/per-tensor" in result.stdout and "time/per-tensor oop" in result.stdout
+    assert "time/flat spec" in result.stdout and "time/flat oop" in result.stdout
 
     # shm with the gradients of the last row in shared memory (mpistrat.shared_arrays)
     result = bench(2, "--batch", str(shapes), "--spec", "shm", "--num-packs", "1",
