@@ -345,10 +345,11 @@ def batch_table(points: Sequence[Point], methods: Sequence[Method],
     to the flat spec all-reduce, each in place and out of place (``oop``: new results, the
     inputs left alone — the same contract as ``batch_reduce``; for the flat spec, the
     flat buffer through ``batch_reduce``)."""
-    per_tensor = next(p for p, m in zip(points, methods) if m.kind == "per-tensor")
-    per_tensor_oop = next(p for p, m in zip(points, methods) if m.kind == "per-tensor-oop")
-    flat_spec = next(p for p, m in zip(points, methods) if m.kind == "flat-spec")
-    flat_oop = next(p for p, m in zip(points, methods) if m.kind == "flat-batch")
+    def point(kind: str) -> Point:
+        return next(p for p, m in zip(points, methods) if m.kind == kind)
+
+    baselines = [point(kind) for kind in ("per-tensor", "per-tensor-oop", "flat-spec",
+                                          "flat-batch")]
     heads = ["method", "calls", "iters", "time(ms)", "min(ms)", "max(ms)", "algbw(GB/s)",
              "time/per-tensor", "time/per-tensor oop", "time/flat spec", "time/flat oop",
              "#wrong"]
@@ -357,11 +358,7 @@ def batch_table(points: Sequence[Point], methods: Sequence[Method],
         rows.append([
             m.label, str(m.calls), str(len(p.samples)), f"{p.median * 1e3:.2f}",
             f"{p.min * 1e3:.2f}", f"{p.max * 1e3:.2f}", f"{p.algbw:.3g}",
-            format_ratio(p.median / per_tensor.median if per_tensor.median > 0 else None),
-            format_ratio(p.median / per_tensor_oop.median if per_tensor_oop.median > 0
-                         else None),
-            format_ratio(p.median / flat_spec.median if flat_spec.median > 0 else None),
-            format_ratio(p.median / flat_oop.median if flat_oop.median > 0 else None),
+            *(format_ratio(p.median / b.median if b.median > 0 else None) for b in baselines),
             str(p.wrong)])
     if markdown:
         lines = ["| " + " | ".join(heads) + " |",
