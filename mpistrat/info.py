@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import __version__
@@ -156,6 +156,18 @@ def _rank_record(topology: Any, MPI: Any, gpus: bool, env: Mapping[str, str],
     }
 
 
+def hosts_of(hostnames: Sequence[str], node_of_rank: Sequence[int]) -> list[dict[str, Any]]:
+    """One record per host, in order of its first rank: its name, its ranks and the node
+    groups they form (one group, unless virtual nodes cut the host)."""
+    hosts: dict[str, dict[str, Any]] = {}
+    for rank, (host, node) in enumerate(zip(hostnames, node_of_rank)):
+        record = hosts.setdefault(host, {"host": host, "ranks": [], "nodes": []})
+        record["ranks"].append(rank)
+        if node not in record["nodes"]:
+            record["nodes"].append(node)
+    return list(hosts.values())
+
+
 def _shared_gpu_notes(records: list[dict[str, Any]]) -> list[str]:
     claims = [(r["host"], [p for _, p in (r["assigned_gpus"] or [])]) for r in records]
     return [
@@ -217,6 +229,7 @@ def collect_info(comm: Any = None, gpus: bool = True,
         "nodes": topology.num_nodes,
         "ranks_per_node": [len(r) for r in topology.node_ranks],
         "virtual_ranks_per_node": topology.ranks_per_node,
+        "hosts": hosts_of(topology.hostnames, topology.node_of_rank),
         "gpus_per_rank": gpus_per_rank,
         "slurm": slurm,
         "ranks": records,

@@ -69,6 +69,17 @@ def _mapping_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rank_list(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 def render_info(data: dict[str, Any]) -> str:
     """The human form of :func:`mpistrat.info.collect_info`'s result.
 
@@ -92,6 +103,12 @@ def render_info(data: dict[str, Any]) -> str:
         f"world        {data['world_size']} rank(s) on {data['nodes']} node group(s), "
         f"{grouping}; ranks per node: {' + '.join(map(str, data['ranks_per_node']))}",
     ]
+    hosts = data.get("hosts") or []
+    lines.append(f"hosts        {len(hosts)} host(s)")
+    for record in hosts:
+        groups = ", ".join(map(str, record["nodes"]))
+        lines.append(f"  {record['host']:<10} ranks {_rank_list(record['ranks'])}"
+                     f"  (node group{'s' if len(record['nodes']) > 1 else ''} {groups})")
     slurm = data.get("slurm")
     if slurm:
         lines.append(_slurm_line(slurm))
