@@ -46,6 +46,10 @@ class Topology:
         node_of_rank: node index of every rank of ``comm``.
         hostnames: processor name of every rank of ``comm``.
         ranks_per_node: the virtual node size in force, or None for physical nodes.
+        host_major: ``comm`` with its ranks ordered by node, then by rank (``comm`` itself
+            when they already are): a flat ring over it crosses each link between nodes
+            once per direction, and halving-doubling's first, largest exchanges stay
+            inside nodes, whatever order the launcher placed the ranks in.
     """
 
     comm: Any
@@ -60,6 +64,7 @@ class Topology:
     node_of_rank: tuple[int, ...]
     hostnames: tuple[str, ...]
     ranks_per_node: int | None
+    host_major: Any
 
     @property
     def is_leader(self) -> bool:
@@ -80,7 +85,8 @@ class Topology:
 
     def release(self) -> None:
         """Free the sub-communicators (called when ``comm`` is freed)."""
-        for sub in (self.node_comm, self.leader_comm):
+        for sub in (self.node_comm, self.leader_comm,
+                    None if self.host_major is self.comm else self.host_major):
             if sub is not None and sub != mpi().COMM_NULL:
                 sub.Free()
 
@@ -159,6 +165,11 @@ def _build(comm: Any, ranks_per_node: int | None) -> Topology:
     leader_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=rank)
     if leader_comm == MPI.COMM_NULL:
         leader_comm = None
+    if all(a <= b for a, b in zip(node_of_rank, node_of_rank[1:])):
+        host_major = comm
+    else:  # (collective: every rank sees the same node_of_rank)
+        order = sorted(range(size), key=lambda r: (node_of_rank[r], r))
+        host_major = comm.Split(0, key=order.index(rank))
     return Topology(
         comm=comm,
         rank=rank,
@@ -172,4 +183,5 @@ def _build(comm: Any, ranks_per_node: int | None) -> Topology:
         node_of_rank=tuple(node_of_rank),
         hostnames=tuple(host for _, _, host in entries),
         ranks_per_node=ranks_per_node,
+        host_major=host_major,
     )
