@@ -15,18 +15,35 @@ On a single node there is no stage (2) (TensorFlow skips it for one worker too),
 ``pscpu`` with every rank gathering one piece. That moves less than a reduce onto the
 leader followed by a broadcast (2 ranks: each sends half and gets half back, instead of
 also sending its reduced half to the leader and receiving the whole result).
+
+Across several nodes with several ranks on some node, host buffers of at least two
+:data:`PIPELINE_BYTES` pieces are **pipelined**: the buffer is cut into pieces of about
+that size and the three stages run at once, each in its own thread on its own
+communicator — while the leaders all-reduce piece ``k`` across nodes, the node reduces
+piece ``k + 1`` onto its leader and broadcasts piece ``k - 1``. The cross-node stage is
+the one on the network, so the node stages hide behind it: the call takes about the
+cross-node time plus one piece's node stages, instead of the three stages' sum. Every
+piece goes through the same steps as the whole buffer would, so the results stay bitwise
+identical on every rank. Whether to pipeline depends only on values every rank shares
+(the buffer's size, the node layout), so all ranks cut the same pieces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any
 
+from .._commcache import comm_cache
 from ..ops import ReduceOp
+from ._chunks import even_bounds
 from .source import Source, agreed_join
 
-__all__ = ["Implementation", "hierarchical"]
+__all__ = ["Implementation", "hierarchical", "PIPELINE_BYTES"]
+
+PIPELINE_BYTES = 4 << 20  # the piece size of the pipelined multi-node form
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,12 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
                          shards=topology.local_size if node_shards else 1,
                          source=agreed_join(topology.node_comm, source, backend))
         return
+    if _pipelines(topology, buf, backend):
+        if source is not None:
+            source.copy_into(buf, backend=backend)
+        _pipelined(topology, buf, op=op, shards=shards, backend=backend, rotation=rotation,
+                   intra=intra, inter=inter)
+        return
     if source is not None and not (intra.root_out_of_place and topology.local_size > 1
                                    and not single):
         source.copy_into(buf, backend=backend)
@@ -103,3 +126,118 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
         else:
             backend.synchronize()
             backend.transport(node_comm).bcast(backend.comm_view(buf), 0)
+
+
+def _pipelines(topology: Any, buf: Any, backend: Any) -> bool:
+    """Whether this call runs pipelined: host buffers of two pieces or more, across nodes,
+    with some node holding several ranks (decided alike on every rank)."""
+    return (getattr(backend, "name", None) == "numpy" and topology.num_nodes > 1
+            and topology.size > topology.num_nodes and buf.nbytes >= 2 * PIPELINE_BYTES)
+
+
+class _StageBackend:
+    """The backend as one pipeline stage sees it: scratch of its own, since the stages
+    (which may run the same algorithm, as in ``pscpu/pscpu``) work at the same time."""
+
+    def __init__(self, backend: Any, stage: str) -> None:
+        self._backend, self._stage = backend, stage
+
+    def scratch(self, tag: str, count: int, dtype: Any) -> Any:
+        return self._backend.scratch(f"{self._stage}:{tag}", count, dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+class _BroadcastComm:
+    """A duplicate of the node communicator for the broadcast stage, freed with it: two
+    stages that run at once may not share a communicator."""
+
+    def __init__(self, node_comm: Any) -> None:
+        self.comm = node_comm.Dup()
+
+    def release(self) -> None:
+        self.comm.Free()
+
+
+def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
+               rotation: int, intra: Implementation, inter: Implementation) -> None:
+    """Reduce onto the leader, all-reduce across leaders and broadcast, piece by piece,
+    with the stages this rank takes part in running at once (see the module docstring)."""
+    pieces = -(-buf.nbytes // PIPELINE_BYTES)
+    bounds = even_bounds(buf.size, pieces)
+    chunks = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    node_comm = topology.node_comm
+    stages: list[Callable[[Any], None]] = []
+    if topology.local_size > 1:
+        near = _StageBackend(backend, "node")
+        if intra.reduce_to_root is not None:
+            stages.append(lambda c: intra.reduce_to_root(node_comm, c, op=op, backend=near,
+                                                         root=0))
+        else:
+            stages.append(lambda c: intra.all_reduce(node_comm, c, op=op, shards=1,
+                                                     backend=near, rotation=rotation))
+    if topology.is_leader:
+        far = _StageBackend(backend, "nodes")
+        stages.append(lambda c: inter.all_reduce(topology.leader_comm, c, op=op, shards=shards,
+                                                 backend=far, rotation=rotation))
+    if topology.local_size > 1:
+        cache = comm_cache(node_comm)
+        fan = cache.get("pipeline-broadcast")
+        if fan is None:  # (collective over the node: every rank of it gets here together)
+            fan = cache["pipeline-broadcast"] = _BroadcastComm(node_comm)
+        out = _StageBackend(backend, "fan-out")
+        if intra.broadcast is not None:
+            stages.append(lambda c: intra.broadcast(fan.comm, c, backend=out, root=0))
+        else:
+            stages.append(lambda c: out.transport(fan.comm).bcast(backend.comm_view(c), 0))
+    run_stages(stages, chunks)
+
+
+def run_stages(stages: Sequence[Callable[[Any], None]], items: Sequence[Any]) -> None:
+    """Run every item through every stage in order, the stages at once: stage ``s`` takes
+    item ``k`` after stage ``s - 1`` has finished it. The first stage runs in the calling
+    thread, each later one in a thread of its own. The first exception of any stage is
+    raised here once every stage has stopped (a failed stage passes nothing further)."""
+    if len(stages) <= 1 or len(items) <= 1:
+        for item in items:
+            for stage in stages:
+                stage(item)
+        return
+    queues: list[SimpleQueue] = [SimpleQueue() for _ in stages[1:]]
+    errors: list[BaseException] = []
+    _END = object()
+
+    def work(index: int) -> None:
+        inbox = queues[index - 1]
+        outbox = queues[index] if index < len(queues) else None
+        try:
+            while True:
+                item = inbox.get()
+                if item is _END:
+                    break
+                stages[index](item)
+                if outbox is not None:
+                    outbox.put(item)
+        except BaseException as exc:  # (re-raised by the calling thread)
+            errors.append(exc)
+        finally:
+            if outbox is not None:
+                outbox.put(_END)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True,
+                                name=f"mpistrat-pipeline-{i}") for i in range(1, len(stages))]
+    for thread in threads:
+        thread.start()
+    try:
+        for item in items:
+            stages[0](item)
+            queues[0].put(item)
+    except BaseException as exc:
+        errors.insert(0, exc)
+    finally:
+        queues[0].put(_END)
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]

@@ -337,6 +337,43 @@ def test_one_node_runs_the_node_stage_as_one_all_reduce(comm, ranks_per_node):
     finish(comm, problems, [("one node", digest(buf))])
 
 
+@pytest.mark.parametrize("alg", [("shm", "rechd"), ("pscpu", "pscpu"), ("xring", "xring"),
+                                 ("native", "pscpu")], ids="/".join)
+def test_multi_node_buffers_run_pipelined_piece_by_piece(comm, alg):
+    """Across virtual nodes of 2 ranks, a buffer of several PIPELINE_BYTES pieces runs
+    each stage once per piece, in order, and every rank ends exact and identical (also
+    the ranks of a node of one rank, at 3 ranks)."""
+    from mpistrat.algorithms.hierarchical import PIPELINE_BYTES
+
+    topology = get_topology(comm, 2)
+    intra, inter = algorithms.implementation(alg[0]), algorithms.implementation(alg[1])
+    near, far = _Spy(intra.reduce_to_root or intra.all_reduce), _Spy(inter.all_reduce)
+    sizes: list[int] = []
+
+    def far_all_reduce(leaders, buf, **kwargs):
+        sizes.append(buf.size)
+        far(leaders, buf, **kwargs)
+
+    dtype = np.dtype(np.float32)
+    length = (5 * PIPELINE_BYTES) // dtype.itemsize // 2 + 3  # 2.5 pieces -> 3
+    buf = contribution(comm.rank, length, dtype)
+    hierarchical(comm, buf, op=ReduceOp.SUM, shards=1, backend=get_backend(buf), rotation=0,
+                 intra=Implementation(intra.all_reduce, near if intra.reduce_to_root else None,
+                                      broadcast=intra.broadcast),
+                 inter=Implementation(far_all_reduce), ranks_per_node=2)
+    problems = []
+    found = problem(buf, *reference(ReduceOp.SUM, comm.size, length, dtype), dtype, "pipe")
+    if found:
+        problems.append(found)
+    pipelined = topology.num_nodes > 1
+    pieces = 3 if pipelined else 0
+    if topology.num_nodes > 1 and topology.is_leader and len(sizes) != pieces:
+        problems.append(f"cross-node stage ran on pieces {sizes}, expected {pieces} pieces")
+    if sizes and sum(sizes) != length:
+        problems.append(f"pieces {sizes} do not cover the {length} elements")
+    finish(comm, problems, [("pipe", digest(buf))])
+
+
 def test_compose_is_cached_and_rejects_gpu_and_unknown_stages():
     assert algorithms.compose("xring", "rechd") is algorithms.compose("xring", "rechd")
     from mpistrat.errors import BackendUnavailable, UnknownAlgorithmError
