@@ -6,13 +6,15 @@ costs seconds). Every rank runs the same list of cases — every CPU algorithm n
 G = 1 and 2 local replicas, SUM and MEAN, float32, float64 and int32, lengths 0, 1, 7,
 1031, 65537, and one large one per algorithm (16 MiB and more, so the pipelined and
 multi-message paths run; its dtype, G and op rotate, ``python _check_allreduce.py K``
-shifts the rotation) — through ``mpistrat.all_reduce(list_of_G_arrays, op=..., spec=..., comm=...)``.
+shifts the rotation) — through
+``mpistrat.all_reduce(list_of_G_arrays, op=..., spec=..., comm=...)``.
 
 Inputs are small integers (``[-5, 5]``), so every sum is exact in every dtype and every
-MEAN divides by a power of two: the expected value of each element is exact, and the
-result must equal it bit for bit, on every replica of every rank. A rank never stops in
-the middle: it records what was wrong (with the case's label) and goes on, and at the
-end one allgather compares every case's sha256 digest across ranks.
+MEAN divides by a power of two (2 or 4 ranks, 1 or 2 replicas): the expected value of
+each element is exact, and the result must equal it bit for bit, on every replica of
+every rank. A rank never stops in the middle: it records what was wrong (with the case's
+label) and goes on, and at the end one allgather compares every case's sha256 digest
+across ranks.
 
 An algorithm that only works inside one node (``shm``) must, on a layout of several
 hosts, raise :class:`mpistrat.TopologyError` on every rank naming the hierarchical forms
@@ -20,9 +22,9 @@ hosts, raise :class:`mpistrat.TopologyError` on every rank naming the hierarchic
 tensor is the exception: ``all_reduce`` returns it without running any algorithm.)
 
 Rank 0 prints one line ``RESULT {json}``: the ranks' hosts, the node groups, the number
-of cases, the problems (``[]`` when all is well), rank 0's seconds per spec. Before each case every rank writes the
-case's label to ``$CHECK_PROGRESS_DIR/rank-R`` (when set), so a job that hangs tells the
-test where.
+of cases, the problems (``[]`` when all is well) and rank 0's seconds per spec. Before
+each case every rank writes the case's label to ``$CHECK_PROGRESS_DIR/rank-R`` (when
+set), so a job that hangs tells the test where.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ link counters: the ranks' bytes must have crossed the links.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
