@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -13,7 +14,44 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["collect", "git_state"]
+__all__ = ["collect", "git_state", "network", "parse_rate", "hosts_layout", "LINK_RATE"]
+
+LINK_RATE = "MPISTRAT_LINK_RATE"  # the rate of each host's link, as tc writes it (1gbit)
+# the MPI settings that decide which path bytes between hosts take (recorded when set)
+_TRANSPORT_VARS = ("MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "MPIR_CVAR_NOLOCAL",
+                   "UCX_TLS", "OMPI_MCA_pml", "OMPI_MCA_btl")
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+def parse_rate(text: str | None) -> float | None:
+    """Bits per second of a rate written as tc writes it (``1gbit``, ``500mbit``,
+    ``100mbps`` = bytes), or None when it is missing or not a rate."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]+)\s*", (text or "").lower())
+    if not match or match.group(2) not in _RATE_UNITS:
+        return None
+    return float(match.group(1)) * _RATE_UNITS[match.group(2)]
+
+
+def network(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What is known of the links between hosts: the rate from ``MPISTRAT_LINK_RATE``
+    (set it where the launcher cannot know it; ``bin/cluster-local env`` can print it)
+    and the MPI transport variables in force."""
+    env = os.environ if env is None else env
+    rate = env.get(LINK_RATE) or None
+    return {"link_rate": rate, "link_bits_per_s": parse_rate(rate),
+            "link_rate_from": LINK_RATE if rate else None,
+            "transport": {k: env[k] for k in _TRANSPORT_VARS if k in env}}
+
+
+def hosts_layout(hostnames_by_rank: list[str]) -> dict[str, Any]:
+    """Hosts in order of their first rank, with how many ranks each ran and which
+    ranks (the cost model's layout: which ranks share a host's link)."""
+    index: dict[str, int] = {}
+    host_of_rank = [index.setdefault(h, len(index)) for h in hostnames_by_rank]
+    return {"count": len(index), "names": list(index),
+            "ranks_per_host": [host_of_rank.count(i) for i in range(len(index))],
+            "host_of_rank": host_of_rank}
 
 
 def git_state(repo: Path) -> dict[str, Any]:
@@ -65,6 +103,8 @@ def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None
         "hostname": socket.gethostname(),
         "hosts": sorted({r["host"] for r in info["ranks"]}),
         "hostnames_by_rank": [r["host"] for r in info["ranks"]],
+        "host_layout": hosts_layout([r["host"] for r in info["ranks"]]),
+        "network": network(),
         "ranks": comm.Get_size(),
         "nodes": topology.num_nodes,
         "ranks_per_node": [len(r) for r in topology.node_ranks],

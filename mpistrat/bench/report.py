@@ -118,6 +118,24 @@ def summary_lines(points: Sequence[Point]) -> list[str]:
     return lines
 
 
+def _hosts_lines(meta: dict[str, Any]) -> list[str]:
+    """``# hosts: node1 x2, node2 x2; links 1gbit (MPISTRAT_LINK_RATE); MPI transport ...``
+    (nothing for results written before the metadata had them)."""
+    layout, net = meta.get("host_layout"), meta.get("network")
+    if not layout:
+        return []
+    hosts = ", ".join(f"{name} x{count}" for name, count in
+                      zip(layout["names"], layout["ranks_per_host"]))
+    text = f"# hosts: {layout['count']} ({hosts})"
+    if net and net.get("link_rate"):
+        text += f"; links {net['link_rate']} each ({net.get('link_rate_from')})"
+    elif layout["count"] > 1:
+        text += "; link rate unknown (set MPISTRAT_LINK_RATE)"
+    if net and net.get("transport"):
+        text += "; " + " ".join(f"{k}={v}" for k, v in net["transport"].items())
+    return [text]
+
+
 def describe_run(meta: dict[str, Any]) -> list[str]:
     """The ``#`` lines that open a sweep's output (from :func:`~.metadata.collect`)."""
     opts = meta["options"]
@@ -129,6 +147,7 @@ def describe_run(meta: dict[str, Any]) -> list[str]:
         f"{opts['warmup']}  iters {opts['iters']}  check {opts['check']}",
         f"# entries: {', '.join(opts['entries'])}",
     ]
+    lines += _hosts_lines(meta)
     for key, value in sorted(meta.get("mpi_env", {}).items()):
         lines.append(f"# env: {key}={value}")
     if "thp_mode" in meta:
