@@ -1,243 +1,950 @@
-"""An alpha-beta cost model per algorithm: fit it on a sweep, predict other job sizes.
+"""A two-level alpha-beta cost model per algorithm: fit it on sweeps, predict other jobs.
 
-Each algorithm's time for ``n`` bytes on ``p`` ranks is modelled as
-``t = alpha * L(p) + beta * B(p) * n`` (Hockney; Thakur, Rabenseifner and Gropp 2005),
-where ``alpha`` is the cost of one message step (latency plus Python overhead),
-``beta`` the time per byte on the critical path (transfer and reduction together), and
-``L``/``B`` count the steps and the bytes per byte each algorithm puts on its critical
-path:
+An all-reduce of ``n`` bytes on ``H`` hosts is a sequence of steps. A step whose
+messages all stay inside hosts costs ``alpha_in`` per message and ``beta_in`` per byte
+(shared memory); a step where some message crosses a host's link costs ``alpha_net``
+per message and ``beta_net`` per byte **on the busiest link direction** (the messages
+inside hosts that run at the same time hide behind it). Summed over the steps of an
+algorithm's critical path::
 
-=================  ==========================  ====================================
-algorithm          L(p) (steps)                B(p) (bytes moved per byte)
-=================  ==========================  ====================================
-native             2 ceil(lg p)                2(p-1)/p  (MPICH's large-message
-                                               reduce-scatter + allgather)
-xring#s            2(p-1) s                    2(p-1)/p
-rechd              2 lg q (+2 when p != q)     2(q-1)/q (+2 when p != q),
-                                               q = largest power of two <= p
-pscpu#s            2(p-1)                      2(p-1)/s (a gather rank takes n/s
-                                               from every rank and sends it back)
-a/b#s (r per       half of a's on r ranks      half of a's on r ranks
-node, N nodes)     + b#s's on N                + b#s's on N
-                   + ceil(lg r) (broadcast)    + 2(r-1)/r (broadcast)
-=================  ==========================  ====================================
+    t = alpha_in * L_in + beta_in * B_in * n + alpha_net * L_net + beta_net * B_net * n
 
-At the measured job size ``L`` and ``B`` are constants, so the fit is a line
-``t = a + b n`` per algorithm, fitted by least squares on relative errors (every size
-counts alike, small or large) with ``a, b >= 0``; then ``alpha = a / L`` and
-``beta = b / B``. The fit's error on the measured points is reported: a large error
-says the algorithm changes regime (protocol switches, cache sizes) within the range.
+``L_in``/``L_net`` count messages (of the busiest rank, per step) and ``B_in``/``B_net``
+bytes per byte of the buffer (inside hosts: the busiest rank's larger direction; across
+hosts: the busiest link direction, so ``B_net`` counts every rank of a host whose
+message crosses the link in the same step). :func:`terms` derives them by laying each
+algorithm's messages out over the ranks' hosts, so any layout works (uneven hosts, one
+host, virtual nodes). For ``H`` hosts of ``k`` ranks, ``p = H k``, host-major order (the
+flat algorithms sort ranks by host; ``native`` keeps the launcher's order):
 
-Prediction assumes every link behaves like the links measured: measure on the network
-you care about (or approximate it on one machine with ``--transport net``, which turns
-the MPI library's shared-memory path off). Nothing here needs MPI.
+============  ====================  ===========================  =====================
+algorithm     inside hosts          across links                 ranks per link
+============  ====================  ===========================  =====================
+xring#s       (H = 1: 2(p-1)s,      L 2(p-1)s, B 2(p-1)/p:       1 each way
+              2(p-1)/p)             every step crosses a link
+rechd,        L 2 lg k,             L 2 lg H, B 2(H-1)/H: the    k at once
+native        B 2(k-1)/k (the       last lg H halving steps and
+              first lg k halving    first doubling steps (recursive
+              steps and the last    doubling at <= 2 KiB: lg p steps
+              doubling steps)       of the whole buffer)
+pscpu#s       (H = 1: one step of   one step, gather and scatter     k
+              p-1 messages, B       pipelined: B = max over hosts of
+              (p-1)/s)              (g(p-k) + (s-g)k)/s, g = pieces
+                                    gathered on the host
+a/b#s         a's reduce to the     b#s over the H leaders          1 (leaders only)
+              leader on k ranks,
+              a broadcast on k
+============  ====================  ===========================  =====================
+
+``a/b`` on more than one node with several ranks on a node and buffers of at least two
+:data:`mpistrat.algorithms.hierarchical.PIPELINE_BYTES` pieces runs its three stages
+at once over ``m = ceil(n / PIPELINE_BYTES)`` pieces: ``t = sum of the stages on one
+piece + (m - 1) x the slowest stage on one piece``.
+
+**Fitting.** Each algorithm's four numbers are fitted on every point of the sweeps given
+(each with its own layout), by non-negative least squares on relative errors (every
+size counts alike). One sweep's layout cannot tell the levels apart (``L_in`` and
+``L_net`` are then constants): a level that no sweep separates shares the other level's
+alpha (or beta), and the model says so. The documented recipe is one sweep on one host
+(``k`` ranks: the intra terms) plus one across two hosts (``2 x k``). Nothing here
+needs MPI.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from .. import algorithms
+from ..algorithms._chunks import gather_groups
 from ..errors import UnknownAlgorithmError
 from ..spec import format_bytes
 from .report import format_us
 from .results import Point
 
-__all__ = ["Fit", "CostModel", "Prediction", "terms", "fit_points", "fit", "predict"]
+__all__ = ["Layout", "Terms", "Sweep", "Fit", "CostModel", "Prediction", "terms",
+           "fit_points", "fit", "fit_sweeps", "predict", "layout_from_meta",
+           "model_for_run", "pipeline_pieces", "merge_repeats"]
 
-_FLAT_FAMILY = {"native": "native", "xring": "ring", "nccl": "ring", "rechd": "rechd",
-                "pscpu": "shuffle", "psgpu": "shuffle"}
+_SHUFFLES = {"pscpu", "psgpu"}
+_RINGS = {"xring", "nccl"}
+_HALVING = {"rechd", "native"}
+_MPICH_BCAST_SHORT = 12288  # MPICH's binomial broadcast below this many bytes
+_GROUP_SAMPLES = 8  # shuffle gather groups averaged (rotation moves them each call)
+_ITEMSIZE = 4  # the model's element size where an algorithm switches on element counts
 
 
 def _lg(p: int) -> int:
     return max(p - 1, 0).bit_length()  # ceil(log2 p)
 
 
-def _flat_terms(alg: str, p: int, shards: int) -> tuple[float, float]:
-    family = _FLAT_FAMILY.get(alg)
-    if family is None:
-        raise KeyError(alg)
+# ------------------------------------------------------------------ layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job's ranks run.
+
+    Attributes:
+        host_of_rank: the host index of every rank (MPI rank order); hosts are the
+            units that share one link.
+        node_of_rank: the node group of every rank for hierarchical algorithms (virtual
+            nodes cut hosts further); None: one node group per host.
+    """
+
+    host_of_rank: tuple[int, ...]
+    node_of_rank: tuple[int, ...] | None = None
+
+    @classmethod
+    def per_host(cls, ranks: int, ranks_per_host: int) -> Layout:
+        """``ranks`` ranks, ``ranks_per_host`` per host in rank order (the last host
+        takes the remainder)."""
+        if ranks < 1 or ranks_per_host < 1:
+            raise ValueError(f"a layout needs ranks and ranks per host >= 1, got {ranks} "
+                             f"and {ranks_per_host}")
+        return cls(tuple(r // ranks_per_host for r in range(ranks)))
+
+    @classmethod
+    def even(cls, ranks: int, hosts: int) -> Layout:
+        """``ranks`` ranks spread over ``hosts`` hosts as evenly as blocks allow."""
+        hosts = max(1, min(hosts, ranks))
+        return cls.per_host(ranks, -(-ranks // hosts))
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[int]) -> Layout:
+        """Hosts holding ``counts[i]`` consecutive ranks each (``[3, 1]``: uneven)."""
+        if not counts or min(counts) < 1:
+            raise ValueError(f"every host needs at least one rank, got {list(counts)}")
+        return cls(tuple(h for h, c in enumerate(counts) for _ in range(c)))
+
+    @property
+    def ranks(self) -> int:
+        return len(self.host_of_rank)
+
+    @property
+    def hosts(self) -> int:
+        return len(set(self.host_of_rank))
+
+    @property
+    def ranks_per_host(self) -> list[int]:
+        counts: dict[int, int] = {}
+        for h in self.host_of_rank:
+            counts[h] = counts.get(h, 0) + 1
+        return list(counts.values())
+
+    @property
+    def node_groups(self) -> list[list[int]]:
+        """The ranks of each node group, groups ordered by their lowest rank."""
+        nodes = self.node_of_rank or self.host_of_rank
+        groups: dict[int, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            groups.setdefault(node, []).append(rank)
+        return list(groups.values())
+
+    def describe(self) -> str:
+        counts = self.ranks_per_host
+        word = "host" if len(counts) == 1 else "hosts"
+        text = (f"{len(counts)} {word} x {counts[0]}" if len(set(counts)) == 1
+                else f"{len(counts)} hosts of {'+'.join(map(str, counts))}")
+        if self.node_of_rank is not None and len(self.node_groups) != len(counts):
+            text += f" ({len(self.node_groups)} virtual nodes)"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"host_of_rank": list(self.host_of_rank),
+                "node_of_rank": None if self.node_of_rank is None else list(self.node_of_rank)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
+        nodes = data.get("node_of_rank")
+        return cls(tuple(data["host_of_rank"]), None if nodes is None else tuple(nodes))
+
+
+def layout_from_meta(meta: Mapping[str, Any]) -> Layout:
+    """The layout a sweep ran on, from its metadata: hosts by rank (their link), node
+    groups (virtual ones cut each host's ranks into groups of ``k``); results without
+    host names spread ``ranks`` evenly over ``nodes``."""
+    ranks = int(meta.get("ranks", 1))
+    names = meta.get("hostnames_by_rank") or []
+    if len(names) != ranks:
+        return Layout.even(ranks, int(meta.get("nodes", 1)))
+    index: dict[str, int] = {}
+    hosts = tuple(index.setdefault(h, len(index)) for h in names)
+    virtual = meta.get("virtual_ranks_per_node")
+    if not virtual:
+        return Layout(hosts)
+    seen: dict[int, int] = {}
+    nodes, groups = [], {}
+    for h in hosts:  # local rank on the host // k, numbered by first appearance
+        local = seen[h] = seen.get(h, -1) + 1
+        nodes.append(groups.setdefault((h, local // int(virtual)), len(groups)))
+    return Layout(hosts, tuple(nodes))
+
+
+# ------------------------------------------------------------------ terms
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The critical path of one call, per level: messages (``l_*``) and bytes per byte of
+    the buffer (``b_*``); ``share``: the most ranks of one host whose messages cross its
+    link in one step."""
+
+    l_in: float = 0.0
+    b_in: float = 0.0
+    l_net: float = 0.0
+    b_net: float = 0.0
+    share: int = 0
+
+    def __add__(self, other: Terms) -> Terms:
+        return Terms(self.l_in + other.l_in, self.b_in + other.b_in,
+                     self.l_net + other.l_net, self.b_net + other.b_net,
+                     max(self.share, other.share))
+
+    def scaled(self, steps: float, volume: float) -> Terms:
+        """Messages times ``steps``, bytes times ``volume``."""
+        return Terms(self.l_in * steps, self.b_in * volume, self.l_net * steps,
+                     self.b_net * volume, self.share)
+
+    def features(self, nbytes: float) -> tuple[float, float, float, float]:
+        """What multiplies (alpha_in, beta_in, alpha_net, beta_net)."""
+        return (self.l_in, self.b_in * nbytes, self.l_net, self.b_net * nbytes)
+
+    def time(self, params: Sequence[float], nbytes: float) -> float:
+        return sum(x * f for x, f in zip(params, self.features(nbytes)))
+
+
+def _step(transfers: Iterable[tuple[int, int, float, int]], hosts: Sequence[int]) -> Terms:
+    """One step in which every ``(src, dst, fraction, messages)`` transfer runs at once
+    (ranks index ``hosts``). It crosses links when any transfer does; then it costs the
+    busiest link direction's bytes and the busiest rank's messages over links, else the
+    busiest rank's bytes and messages inside its host."""
+    sent: dict[int, float] = {}
+    received: dict[int, float] = {}
+    out_msgs: dict[int, int] = {}
+    in_msgs: dict[int, int] = {}
+    link_out: dict[int, float] = {}
+    link_in: dict[int, float] = {}
+    users: dict[tuple[int, int], set[int]] = {}
+    net_out: dict[int, int] = {}
+    net_in: dict[int, int] = {}
+    for src, dst, frac, msgs in transfers:
+        if src == dst or frac < 0:
+            continue
+        sent[src] = sent.get(src, 0.0) + frac
+        received[dst] = received.get(dst, 0.0) + frac
+        out_msgs[src] = out_msgs.get(src, 0) + msgs
+        in_msgs[dst] = in_msgs.get(dst, 0) + msgs
+        a, b = hosts[src], hosts[dst]
+        if a != b:
+            link_out[a] = link_out.get(a, 0.0) + frac
+            link_in[b] = link_in.get(b, 0.0) + frac
+            users.setdefault((a, 0), set()).add(src)
+            users.setdefault((b, 1), set()).add(dst)
+            net_out[src] = net_out.get(src, 0) + msgs
+            net_in[dst] = net_in.get(dst, 0) + msgs
+    if link_out:
+        return Terms(l_net=max(max(net_out.values()), max(net_in.values())),
+                     b_net=max(max(link_out.values()), max(link_in.values())),
+                     share=max(len(u) for u in users.values()))
+    if not sent:
+        return Terms()
+    return Terms(l_in=max(max(out_msgs.values()), max(in_msgs.values())),
+                 b_in=max(max(sent.values()), max(received.values())))
+
+
+def _host_major(hosts: Sequence[int]) -> list[int]:
+    """The hosts of the ranks in host-major order (ranks sorted by host, stable)."""
+    first: dict[int, int] = {}
+    for rank, h in enumerate(hosts):
+        first.setdefault(h, rank)
+    return sorted(hosts, key=lambda h: first[h])
+
+
+def _ring(hosts: Sequence[int], pipelines: int) -> Terms:
+    p = len(hosts)
     if p <= 1:
-        return 0.0, 0.0
-    if family == "native":
-        return 2.0 * _lg(p), 2 * (p - 1) / p
-    if family == "ring":
-        return 2.0 * (p - 1) * (shards if alg == "xring" else 1), 2 * (p - 1) / p
-    if family == "rechd":
-        q = 1 << (p.bit_length() - 1)
-        extra = 2.0 if q != p else 0.0
-        return 2.0 * (q.bit_length() - 1) + extra, 2 * (q - 1) / q + extra
-    return 2.0 * (p - 1), 2 * (p - 1) / min(shards, p)
+        return Terms()
+    step = _step(((r, (r + 1) % p, 1 / p, pipelines) for r in range(p)), hosts)
+    return step.scaled(2 * (p - 1), 2 * (p - 1))
 
 
-def terms(alg: str, shards: int, ranks: int, nodes: int = 1) -> tuple[float, float]:
-    """(L, B) of ``alg#shards`` on ``ranks`` ranks spread evenly over ``nodes`` nodes.
+def _halving_doubling(hosts: Sequence[int], nbytes: int) -> Terms:
+    """rechd (and MPICH's reduce-scatter + allgather): fold the extra ranks in, halve and
+    double among the largest power of two, fold out; recursive doubling of the whole
+    buffer at or below ``SHORT_BYTES``."""
+    n = len(hosts)
+    if n <= 1:
+        return Terms()
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+
+    def real(new: int) -> int:
+        return 2 * new + 1 if new < rem else new + rem
+
+    total = Terms()
+    if rem:
+        total += _step(((2 * i, 2 * i + 1, 1.0, 1) for i in range(rem)), hosts)
+    short = getattr(sys.modules.get("mpistrat.algorithms.halving_doubling"), "SHORT_BYTES",
+                    2048)
+    masks = [1 << i for i in range(p.bit_length() - 1)]
+    if nbytes <= short or nbytes // _ITEMSIZE < p:
+        for mask in masks:
+            total += _step(((real(r), real(r ^ mask), 1.0, 1) for r in range(p)), hosts)
+    else:
+        for i, mask in enumerate(masks):  # halving, then the doubling's mirror step
+            total += _step(((real(r), real(r ^ mask), 0.5 ** (i + 1), 1)
+                            for r in range(p)), hosts).scaled(2, 2)
+    if rem:
+        total += _step(((2 * i + 1, 2 * i, 1.0, 1) for i in range(rem)), hosts)
+    return total
+
+
+def _shuffle_group(hosts: Sequence[int], owners: Sequence[int],
+                   destinations: Sequence[int] | None = None) -> Terms:
+    """One shuffle (pieces to their gather ranks, reduced pieces back to
+    ``destinations``, every rank by default), gather and scatter pipelined: one step."""
+    p, s = len(hosts), len(owners)
+    targets = range(p) if destinations is None else destinations
+    frac = 1 / s
+    transfers: list[tuple[int, int, float, int]] = []
+    for owner in owners:
+        transfers += [(r, owner, frac, 1) for r in range(p) if r != owner]
+        transfers += [(owner, d, frac, 1) for d in targets if d != owner]
+    return _step(transfers, hosts)
+
+
+def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int]) -> Terms:
+    """:func:`_shuffle_group` for every rank as destination, counted per host instead
+    of per message (large jobs: p x s messages)."""
+    p, s = len(hosts), len(owners)
+    per_host: dict[int, int] = {}
+    for h in hosts:
+        per_host[h] = per_host.get(h, 0) + 1
+    pieces: dict[int, int] = {}
+    for owner in owners:
+        pieces[owner] = pieces.get(owner, 0) + 1
+    if len(per_host) == 1:
+        g = max(pieces.values())
+        return Terms(l_in=g * (p - 1) + (s - g), b_in=(g * (p - 1) + (s - g)) / s)
+    on_host: dict[int, int] = {}
+    for owner, g in pieces.items():
+        on_host[hosts[owner]] = on_host.get(hosts[owner], 0) + g
+    load = max((on_host.get(h, 0) * (p - k) + (s - on_host.get(h, 0)) * k) / s
+               for h, k in per_host.items())
+    messages = max(pieces.get(r, 0) * (p - per_host[hosts[r]])
+                   + (s - on_host.get(hosts[r], 0)) for r in range(p))
+    return Terms(l_net=messages, b_net=load, share=max(per_host.values()))
+
+
+def _shuffle(hosts: Sequence[int], shards: int) -> Terms:
+    p = len(hosts)
+    if p <= 1:
+        return Terms()
+    groups = gather_groups(p, max(1, min(shards, p)))
+    if len(groups) > _GROUP_SAMPLES:  # rotation walks the groups: a spread of them
+        groups = [groups[i * len(groups) // _GROUP_SAMPLES] for i in range(_GROUP_SAMPLES)]
+    count = _shuffle_counted if p * len(groups[0]) > 4096 else _shuffle_group
+    parts = [count(hosts, g) for g in groups]
+    mean = sum(parts[1:], parts[0]).scaled(1 / len(parts), 1 / len(parts))
+    return replace(mean, share=max(t.share for t in parts))
+
+
+def _flat(alg: str, hosts: Sequence[int], shards: int, nbytes: int) -> Terms:
+    """Terms of a flat algorithm on ranks with these hosts (in the communicator's
+    order; all but ``native`` run host-major)."""
+    if alg == "shm":
+        k = len(hosts)
+        if len(set(hosts)) > 1:
+            raise KeyError("shm across hosts")
+        return Terms(l_in=2.0, b_in=2 * (k - 1) / k) if k > 1 else Terms()
+    order = list(hosts) if alg == "native" else _host_major(hosts)
+    if alg in _RINGS:
+        return _ring(order, shards if alg == "xring" else 1)
+    if alg in _HALVING:
+        return _halving_doubling(order, nbytes)
+    if alg in _SHUFFLES:
+        return _shuffle(order, shards)
+    raise KeyError(alg)
+
+
+def _reduce_to_leader(alg: str, k: int, nbytes: int) -> Terms:
+    """Stage 1 of ``a/b`` on a node of ``k`` ranks (inside one host)."""
+    if k <= 1:
+        return Terms()
+    if alg == "shm":
+        return Terms(l_in=2.0, b_in=2 * (k - 1) / k)
+    if alg in _SHUFFLES:  # every rank gathers a piece, then sends it to the root only
+        return _shuffle_group([0] * k, list(range(k)), [0])
+    return _flat(alg, [0] * k, 1, nbytes)  # the all-reduce stands in
+
+
+def _broadcast(alg: str, k: int, nbytes: int) -> Terms:
+    """Stage 3 of ``a/b``: shared memory (``shm``), else MPICH's broadcast (binomial
+    below 12 KiB, scatter + ring allgather above)."""
+    if k <= 1:
+        return Terms()
+    if alg == "shm":
+        return Terms(l_in=2.0, b_in=1.0)
+    if nbytes < _MPICH_BCAST_SHORT:
+        return Terms(l_in=_lg(k), b_in=_lg(k))
+    return Terms(l_in=_lg(k) + k - 1, b_in=2 * (k - 1) / k)
+
+
+def _stages(info: Any, shards: int, layout: Layout, nbytes: int) -> list[Terms]:
+    """The stages of ``a/b`` at ``nbytes`` bytes (one stage on a single node)."""
+    groups = layout.node_groups
+    k = max(len(g) for g in groups)
+    hosts = layout.host_of_rank
+    if len(groups) == 1:
+        if k == 1:
+            return [Terms()]
+        node_hosts = [hosts[r] for r in groups[0]]
+        return [_flat(info.intra, node_hosts,
+                      k if info.intra in _SHUFFLES else 1, nbytes)]
+    leaders = [hosts[g[0]] for g in groups]
+    return [_reduce_to_leader(info.intra, k, nbytes),
+            _flat(info.inter, leaders, shards, nbytes),
+            _broadcast(info.intra, k, nbytes)]
+
+
+def pipeline_pieces(alg: str, layout: Layout, nbytes: int) -> int:
+    """How many pieces ``a/b`` pipelines ``nbytes`` in on ``layout`` (1: it does not)."""
+    # (the package's name `hierarchical` is the function; the constant is the module's)
+    piece = getattr(sys.modules.get("mpistrat.algorithms.hierarchical"), "PIPELINE_BYTES",
+                    None)
+    info = algorithms.get(alg)
+    if not (info.hierarchical and piece) or info.needs_gpu:
+        return 1
+    nodes = len(layout.node_groups)
+    if nodes <= 1 or layout.ranks <= nodes or nbytes < 2 * piece:
+        return 1
+    return -(-nbytes // piece)
+
+
+def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
+          params: Sequence[float] | None = None, nodes: int | None = None) -> Terms:
+    """The critical path of ``alg#shards`` for ``nbytes`` bytes on ``layout`` (or a
+    rank count, spread evenly over ``nodes`` hosts).
+
+    For pipelined ``a/b`` the slowest stage on one piece counts ``m - 1`` more times;
+    ``params`` (alpha_in, beta_in, alpha_net, beta_net) decide which stage is slowest
+    (without them: the stage with the most bytes across links, else the most bytes).
 
     Raises:
         KeyError: the algorithm has no model (e.g. one registered by a plugin).
     """
+    if isinstance(layout, int):
+        layout = Layout.even(layout, nodes or 1)
     try:
         info = algorithms.get(alg)
     except UnknownAlgorithmError:
         raise KeyError(alg) from None
+    if layout.ranks <= 1:
+        return Terms()
     if not info.hierarchical:
-        return _flat_terms(alg, ranks, shards)
-    nodes = max(1, min(nodes, ranks))
-    per_node = -(-ranks // nodes)
-    intra_l, intra_b = _flat_terms(info.intra, per_node, 1)
-    inter_l, inter_b = _flat_terms(info.inter, nodes, shards)
-    bcast_l, bcast_b = (_lg(per_node), 2 * (per_node - 1) / per_node) if per_node > 1 \
-        else (0, 0.0)
-    return intra_l / 2 + inter_l + bcast_l, intra_b / 2 + inter_b + bcast_b
+        return _flat(alg, layout.host_of_rank, shards, nbytes)
+    pieces = pipeline_pieces(alg, layout, nbytes)
+    stages = _stages(info, shards, layout, -(-nbytes // pieces))
+    if pieces == 1:
+        return sum(stages[1:], stages[0])
+    piece = [s.scaled(1, 1 / pieces) for s in stages]
+    if params is None:
+        slowest = max(piece, key=lambda s: (s.b_net, s.l_net, s.b_in, s.l_in))
+    else:
+        slowest = max(piece, key=lambda s: s.time(params, nbytes))
+    return sum(piece[1:], piece[0]) + slowest.scaled(pieces - 1, pieces - 1)
+
+
+# ------------------------------------------------------------------ fitting
 
 
 def fit_points(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     """``(a, b)`` >= 0 minimising the sum of ``((a + b n) / t - 1)^2`` over the points."""
     if len(sizes) != len(times) or not sizes:
         raise ValueError("fit_points needs as many sizes as times, at least one")
-    w = [1.0 / t for t in times]
-    s11 = sum(x * x for x in w)
-    s12 = sum(x * x * n for x, n in zip(w, sizes))
-    s22 = sum((x * n) ** 2 for x, n in zip(w, sizes))
-    r1, r2 = sum(w), sum(x * n for x, n in zip(w, sizes))
-    det = s11 * s22 - s12 * s12
-    if det > 0:
-        a, b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    # the unconstrained optimum is outside a, b >= 0: the best of the two edges
-    only_a = (r1 / s11, 0.0)
-    only_b = (0.0, r2 / s22 if s22 > 0 else 0.0)
+    a, b = _nnls([(1.0, float(n)) for n in sizes], times)
+    return a, b
 
-    def loss(ab: tuple[float, float]) -> float:
-        return sum(((ab[0] + ab[1] * n) / t - 1) ** 2 for n, t in zip(sizes, times))
 
-    return min(only_a, only_b, key=loss)
+def _nnls(rows: Sequence[Sequence[float]], times: Sequence[float],
+          known: Sequence[float] | None = None) -> list[float]:
+    """``x >= 0`` minimising ``sum(((row . x + known) / t - 1)^2)`` (``known``: seconds
+    already accounted for, default none): the best of the unconstrained least-squares
+    solutions on every support that come out non-negative (exact for the few columns of
+    this model)."""
+    import numpy as np
+
+    a = np.array([[f / t for f in row] for row, t in zip(rows, times)], dtype=float)
+    y = np.array([1 - c / t for c, t in zip(known or [0.0] * len(times), times)])
+    cols = a.shape[1]
+    scale = np.where(np.abs(a).max(axis=0) > 0, np.abs(a).max(axis=0), 1.0)
+    a = a / scale
+    best, best_loss = np.zeros(cols), float(np.sum(y ** 2))  # all zero
+    for size in range(1, cols + 1):
+        for support in itertools.combinations(range(cols), size):
+            sub = a[:, support]
+            if not np.any(sub):
+                continue
+            x, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(x < 0):
+                continue
+            loss = float(np.sum((sub @ x - y) ** 2))
+            if loss < best_loss - 1e-12 * max(1.0, best_loss):
+                full = np.zeros(cols)
+                full[list(support)] = x
+                best, best_loss = full, loss
+    return list(best / scale)
+
+
+def _separates(pairs: Sequence[tuple[float, float]]) -> bool:
+    """Whether points with these (intra, net) coefficients tell the two apart: both
+    appear, and not always in the same proportion."""
+    if not any(a for a, _ in pairs) or not any(b for _, b in pairs):
+        return False
+    norms = [math.hypot(a, b) for a, b in pairs]
+    unit = [(a / n, b / n) for (a, b), n in zip(pairs, norms) if n > 0]
+    return any(abs(u[0] * v[1] - u[1] * v[0]) > 1e-6 for u, v in zip(unit, unit[1:]))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Measured points and the layout they were measured on (``name``: where from)."""
+
+    points: tuple[Point, ...]
+    layout: Layout
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One measured point against the fitted model."""
+
+    layout: str
+    nbytes: int
+    measured: float
+    model: float
+
+    @property
+    def error(self) -> float:
+        return (self.model - self.measured) / self.measured
 
 
 @dataclass(frozen=True)
 class Fit:
-    """The fitted model of one algorithm and its error on the measured points."""
+    """The fitted two-level model of one algorithm and its error on the measured points.
+
+    ``shared`` names the parameters no sweep could separate by level ("alpha", "beta"):
+    their intra and net values are one fitted number; ``intra_from`` names the entry
+    (same algorithm, other shards) whose intra values this one uses instead."""
 
     label: str
     alg: str
     shards: int
-    alpha: float  # seconds per step
-    beta: float  # seconds per byte on the critical path
-    steps: float  # L at the measured layout
-    volume: float  # B at the measured layout
-    median_error: float  # relative, over the measured points
-    max_error: float
-    points: int
+    alpha_in: float  # seconds per message inside a host
+    beta_in: float  # seconds per byte inside a host
+    alpha_net: float  # seconds per message of a step that crosses links
+    beta_net: float  # seconds per byte on the busiest link direction
+    shared: tuple[str, ...] = ()
+    checks: tuple[Check, ...] = ()
+    intra_from: str | None = None  # the entry whose alpha_in/beta_in this one took
 
-    def time(self, nbytes: int, ranks: int, nodes: int) -> float:
-        steps, volume = terms(self.alg, self.shards, ranks, nodes)
-        return self.alpha * steps + self.beta * volume * nbytes
+    @property
+    def params(self) -> tuple[float, float, float, float]:
+        return (self.alpha_in, self.beta_in, self.alpha_net, self.beta_net)
+
+    def terms(self, nbytes: int, layout: Layout) -> Terms:
+        return terms(self.alg, self.shards, layout, nbytes, params=self.params)
+
+    def parts(self, nbytes: int, layout: Layout) -> tuple[float, float, float, float]:
+        """Seconds per term: intra messages, intra bytes, net messages, net bytes."""
+        f = self.terms(nbytes, layout).features(nbytes)
+        return tuple(x * y for x, y in zip(self.params, f))  # type: ignore[return-value]
+
+    def time(self, nbytes: int, layout: Layout | int, nodes: int | None = None) -> float:
+        if isinstance(layout, int):
+            layout = Layout.even(layout, nodes or 1)
+        return sum(self.parts(nbytes, layout))
+
+    def errors(self, layout: str | None = None) -> list[float]:
+        return [abs(c.error) for c in self.checks if layout in (None, c.layout)]
+
+    @property
+    def median_error(self) -> float:
+        return statistics.median(self.errors()) if self.checks else math.nan
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors()) if self.checks else math.nan
+
+    def formula(self, layout: Layout, nbytes: int) -> str:
+        """The model at ``nbytes`` on ``layout`` with its numbers written in."""
+        t = self.terms(nbytes, layout)
+        parts = []
+        if t.l_in or t.b_in:
+            parts.append(f"{t.l_in:g} x {_us(self.alpha_in)} + {t.b_in:.4g} n x "
+                         f"{_ns(self.beta_in)} inside hosts")
+        if t.l_net or t.b_net:
+            parts.append(f"{t.l_net:g} x {_us(self.alpha_net)} + {t.b_net:.4g} n x "
+                         f"{_ns(self.beta_net)} across links ({t.share} rank(s) of a "
+                         f"host on its link at once)")
+        return "t = " + (" + ".join(parts) if parts else "0 (nothing to exchange)")
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "alg": self.alg, "shards": self.shards,
-                "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
-                "L": self.steps, "B": self.volume, "median_rel_error": self.median_error,
-                "max_rel_error": self.max_error, "points": self.points}
+                "alpha_in_s": self.alpha_in, "beta_in_s_per_byte": self.beta_in,
+                "alpha_net_s": self.alpha_net, "beta_net_s_per_byte": self.beta_net,
+                "shared": list(self.shared), "intra_from": self.intra_from,
+                "median_rel_error": self.median_error,
+                "max_rel_error": self.max_error, "points": len(self.checks),
+                "checks": [{"layout": c.layout, "nbytes": c.nbytes, "measured_s": c.measured,
+                            "model_s": c.model} for c in self.checks]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Fit:
+        return cls(data["label"], data["alg"], int(data["shards"]), data["alpha_in_s"],
+                   data["beta_in_s_per_byte"], data["alpha_net_s"],
+                   data["beta_net_s_per_byte"], tuple(data.get("shared", ())),
+                   intra_from=data.get("intra_from"))
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _ns(seconds: float) -> str:
+    return f"{seconds * 1e9:.3g} ns/B"
+
+
+def _fit_group(label: str, alg: str, shards: int,
+               group: Sequence[tuple[Point, Layout, str]],
+               intra: Fit | None = None) -> Fit:
+    """Fit one algorithm's points (each with its layout) with non-negative least squares
+    on relative errors, sharing a parameter between levels where the points cannot
+    separate it, or taking alpha_in and beta_in from ``intra`` (the same stages inside
+    hosts, fitted on more layouts); pipelined points are refitted until their slowest
+    stage is stable."""
+    sizes = [p.nbytes for p, _, _ in group]
+    times = [p.median for p, _, _ in group]
+    params: Sequence[float] | None = None
+    shared: tuple[str, ...] = ()
+    for _ in range(6):
+        feats = [terms(alg, shards, lay, n, params=params).features(n)
+                 for n, (_, lay, _) in zip(sizes, group)]
+        if intra is not None:
+            known = [intra.alpha_in * f[0] + intra.beta_in * f[1] for f in feats]
+            x = _nnls([[f[2], f[3]] for f in feats], times, known)
+            new = [intra.alpha_in, intra.beta_in, *x]
+        else:
+            # one layout never separates the levels (what differs between its sizes,
+            # short messages or pipelining, is too small or too noisy to carry a level)
+            several = len({lay for _, lay, _ in group}) > 1
+            shared = tuple(name for name, i in (("alpha", 0), ("beta", 1))
+                           if not (several and _separates([(f[i], f[i + 2]) for f in feats])))
+            columns = []  # (which params a column sets, how to read it from features)
+            for name, i in (("alpha", 0), ("beta", 1)):
+                if name in shared:
+                    columns.append(((i, i + 2), lambda f, i=i: f[i] + f[i + 2]))
+                else:
+                    columns += [((i,), lambda f, i=i: f[i]),
+                                ((i + 2,), lambda f, i=i: f[i + 2])]
+            x = _nnls([[read(f) for _, read in columns] for f in feats], times)
+            new = [0.0] * 4
+            for (targets, _), value in zip(columns, x):
+                for j in targets:
+                    new[j] = value
+        if params is not None and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-18)
+                                      for a, b in zip(params, new)):
+            break
+        params = new
+    assert params is not None
+    checks = tuple(Check(name, n, t, terms(alg, shards, lay, n, params=params).time(params, n))
+                   for n, t, (_, lay, name) in zip(sizes, times, group))
+    return Fit(label, alg, shards, *params, shared=shared, checks=checks,
+               intra_from=intra.label if intra is not None else None)
+
+
+def fit_sweeps(sweeps: Sequence[Sweep]) -> CostModel:
+    """Fit every single-algorithm entry over all ``sweeps`` together (only correct
+    points count; an algorithm is fitted on the sweeps that measured it)."""
+    by_label: dict[str, list[tuple[Point, Layout, str]]] = {}
+    for sweep in sweeps:
+        name = sweep.name or sweep.layout.describe()
+        for p in sweep.points:
+            if p.kind == "algorithm" and p.correct and p.median > 0:
+                by_label.setdefault(p.label, []).append((p, sweep.layout, name))
+    fits, skipped = [], []
+    for label, group in by_label.items():
+        alg, shards = group[0][0].alg or label, group[0][0].shards
+        try:
+            moved = [terms(alg, shards, lay, p.nbytes) for p, lay, _ in group]
+        except KeyError:
+            skipped.append(f"{label} (no model for {alg!r} on this layout)")
+            continue
+        keep = [g for g, t in zip(group, moved) if t.features(1.0) != (0, 0, 0, 0)]
+        if not keep:
+            skipped.append(f"{label} (nothing crosses ranks at "
+                           f"{group[0][1].ranks} rank(s))")
+            continue
+        fits.append(_fit_group(label, alg, shards, keep))
+    # an entry measured only across hosts (a/b#2: shards need several nodes) takes the
+    # terms inside hosts from the same algorithm with another shard count, fitted on
+    # more layouts: the stages inside hosts do not depend on the shards
+    separated: dict[str, Fit] = {}
+    for f in fits:
+        best = separated.get(f.alg)
+        if not f.shared and (best is None or len(f.checks) > len(best.checks)):
+            separated[f.alg] = f
+    for i, f in enumerate(fits):
+        sibling = separated.get(f.alg)
+        if f.shared and sibling is not None and sibling is not f:
+            group = [g for g in by_label[f.label]
+                     if terms(f.alg, f.shards, g[1], g[0].nbytes).features(1.0) != (0, 0, 0, 0)]
+            fits[i] = _fit_group(f.label, f.alg, f.shards, group, intra=sibling)
+    return CostModel(tuple(fits), tuple(skipped), _named_layouts(sweeps))
+
+
+def _named_layouts(sweeps: Sequence[Sweep]) -> tuple[tuple[Layout, str], ...]:
+    return tuple(dict.fromkeys((s.layout, s.name or s.layout.describe()) for s in sweeps))
+
+
+def merge_repeats(sweeps: Sequence[Sweep]) -> list[Sweep]:
+    """Sweeps of the same layout as one: each (entry, size) timed as the median of the
+    sweeps' medians (repeats taken at different times even out a busy machine)."""
+    groups: dict[Layout, list[Sweep]] = {}
+    for sweep in sweeps:
+        groups.setdefault(sweep.layout, []).append(sweep)
+    out = []
+    for layout, group in groups.items():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        medians: dict[tuple[str, int], list[Point]] = {}
+        for sweep in group:
+            for p in sweep.points:
+                if p.kind == "algorithm" and p.correct and p.median > 0:
+                    medians.setdefault((p.label, p.nbytes), []).append(p)
+        points = tuple(replace(ps[0], samples=tuple(p.median for p in ps),
+                               per_rank_median=())
+                       for ps in medians.values())
+        names = [s.name for s in group if s.name]
+        tag = f"{len(group)} sweeps" if not names else ", ".join(
+            n.split("[", 1)[-1].rstrip("]") for n in names)
+        out.append(Sweep(points, layout, f"{layout.describe()} [{tag}]"))
+    return out
+
+
+def fit(points: Sequence[Point], ranks: int, nodes: int, *,
+        layout: Layout | None = None, more: Sequence[Sweep] = ()) -> CostModel:
+    """Fit a sweep measured on ``ranks`` ranks over ``nodes`` hosts (or on ``layout``),
+    together with ``more`` sweeps (other layouts: what separates the two levels)."""
+    layout = layout or Layout.even(ranks, nodes)
+    return fit_sweeps([Sweep(tuple(points), layout), *more])
+
+
+# ------------------------------------------------------------------ the model
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Fits of every modelled algorithm of a sweep, and what could not be modelled."""
+    """Fits of every modelled algorithm, what could not be modelled, and the layouts
+    (with names) of the sweeps it was fitted on."""
 
-    ranks: int
-    nodes: int
     fits: tuple[Fit, ...]
     skipped: tuple[str, ...] = ()
+    layouts: tuple[tuple[Layout, str], ...] = ()
+    source: str = ""  # where a loaded model came from (--model-from)
+
+    @property
+    def ranks(self) -> int:
+        return max((lay.ranks for lay, _ in self.layouts), default=1)
+
+    @property
+    def nodes(self) -> int:
+        return max((lay.hosts for lay, _ in self.layouts), default=1)
 
     def lines(self) -> list[str]:
-        out = [f"# Cost model t = alpha*L + beta*B*n, fitted on the medians at {self.ranks} "
-               f"rank(s), {self.nodes} node(s); error = |model - measured| / measured"]
-        rows = [("algorithm", "alpha(us)", "beta(ns/B)", "1/beta(GB/s)", "L", "B",
-                 "err median", "err max", "points")]
+        where = "; ".join(f"{name}" + (f" ({lay.describe()})" if name != lay.describe() else "")
+                          for lay, name in self.layouts) or "?"
+        how = (f"saved in {self.source}, checked against the medians of: {where}"
+               if self.source else f"fitted on the medians of: {where}")
+        out = [f"# Cost model t = a_in*L_in + b_in*B_in*n + a_net*L_net + b_net*B_net*n "
+               f"(inside hosts / across links), {how}"]
+        names = [name for _, name in self.layouts]
+        rows = [("algorithm", "a_in(us)", "b_in(ns/B)", "a_net(us)", "b_net(ns/B)",
+                 "1/b_net(MB/s)", *(f"err {n}" for n in names), "points")]
         for f in self.fits:
-            rows.append((f.label, f"{f.alpha * 1e6:.2f}", f"{f.beta * 1e9:.4g}",
-                         f"{1 / f.beta / 1e9:.3g}" if f.beta > 0 else "inf",
-                         f"{f.steps:g}", f"{f.volume:.3g}", f"{f.median_error:.0%}",
-                         f"{f.max_error:.0%}", str(f.points)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        out += ["#   " + "  ".join(c.rjust(w) if i else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+            errs = []
+            for n in names:
+                e = f.errors(n)
+                errs.append(f"{statistics.median(e):.0%}/{max(e):.0%}" if e else "-")
+            mark = {n: "=" if n in f.shared else "*" if f.intra_from else ""
+                    for n in ("alpha", "beta")}
+            rows.append((f.label, f"{f.alpha_in * 1e6:.2f}" + mark["alpha"],
+                         f"{f.beta_in * 1e9:.4g}" + mark["beta"],
+                         f"{f.alpha_net * 1e6:.2f}", f"{f.beta_net * 1e9:.4g}",
+                         f"{1 / f.beta_net / 1e6:.4g}" if f.beta_net > 0 else "inf",
+                         *errs, str(len(f.checks))))
+        out += _table(rows, left=1)
+        out.append("#   err: median/max of |model - measured| / measured on that sweep's "
+                   "points; '=': no sweep separates the levels, one value serves both")
+        borrowed = [f"{f.label} from {f.intra_from}" for f in self.fits if f.intra_from]
+        if borrowed:
+            out.append("#   '*': inside-host terms of the same algorithm with other shards "
+                       f"({', '.join(borrowed)})")
         out += [f"# not modelled: {s}" for s in self.skipped]
         return out
 
+    def error_lines(self, layout_name: str | None = None) -> list[str]:
+        """Signed error (model / measured - 1) per size and algorithm on one sweep's
+        points (default: the sweep with the most hosts)."""
+        if layout_name is None:
+            if not self.layouts:
+                return []
+            layout_name = max(self.layouts, key=lambda x: (x[0].hosts, x[0].ranks))[1]
+        table: dict[int, dict[str, float]] = {}
+        for f in self.fits:
+            for c in f.checks:
+                if c.layout == layout_name:
+                    table.setdefault(c.nbytes, {})[f.label] = c.error
+        if not table:
+            return []
+        labels = [f.label for f in self.fits if any(c.layout == layout_name for c in f.checks)]
+        rows = [("size", *labels)]
+        for nbytes in sorted(table):
+            rows.append((format_bytes(nbytes),
+                         *(f"{table[nbytes][lb]:+.0%}" if lb in table[nbytes] else "-"
+                           for lb in labels)))
+        return [f"# Model error per size on {layout_name} (model / measured - 1)",
+                *_table(rows)]
+
+    def checked_against(self, sweeps: Sequence[Sweep]) -> CostModel:
+        """This model's fits with their errors on the points of ``sweeps`` instead
+        (validation sweeps: nothing is refitted)."""
+        by_label = {f.label: f for f in self.fits}
+        checks: dict[str, list[Check]] = {}
+        missing: list[str] = []
+        for sweep in sweeps:
+            name = sweep.name or sweep.layout.describe()
+            for p in sweep.points:
+                if p.kind != "algorithm" or not p.correct or p.median <= 0:
+                    continue
+                f = by_label.get(p.label)
+                if f is None:
+                    if p.label not in missing:
+                        missing.append(p.label)
+                    continue
+                try:
+                    model = f.time(p.nbytes, sweep.layout)
+                except KeyError:
+                    continue
+                checks.setdefault(p.label, []).append(Check(name, p.nbytes, p.median, model))
+        fits = tuple(replace(by_label[label], checks=tuple(c)) for label, c in checks.items())
+        skipped = tuple(f"{lb} (not in the model from {self.source or 'the given file'})"
+                        for lb in missing)
+        return CostModel(fits, skipped, _named_layouts(sweeps), self.source)
+
     def as_dict(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "nodes": self.nodes,
+        return {"model": "two-level alpha-beta",
+                "layouts": [{"name": name, **lay.as_dict(), "describe": lay.describe()}
+                            for lay, name in self.layouts],
                 "fits": [f.as_dict() for f in self.fits], "skipped": list(self.skipped)}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "") -> CostModel:
+        """A model saved by :meth:`as_dict` (``cost_model`` of a ``--json`` file)."""
+        if data.get("model") != "two-level alpha-beta":
+            raise ValueError(f"{source or 'the file'} has no two-level cost model (written "
+                             f"by an older mpistrat: refit it with --from-json FILE --model)")
+        layouts = tuple((Layout.from_dict(x), x["name"]) for x in data.get("layouts", []))
+        return cls(tuple(Fit.from_dict(f) for f in data["fits"]),
+                   tuple(data.get("skipped", [])), layouts, source)
 
-def fit(points: Sequence[Point], ranks: int, nodes: int) -> CostModel:
-    """Fit every single-algorithm entry of a sweep measured on ``ranks`` MPI ranks over
-    ``nodes`` nodes (only correct points count)."""
-    by_label: dict[str, list[Point]] = {}
-    for p in points:
-        if p.kind == "algorithm" and p.correct and p.median > 0:
-            by_label.setdefault(p.label, []).append(p)
-    fits, skipped = [], []
-    for label, group in by_label.items():
-        alg, shards = group[0].alg or label, group[0].shards
-        try:
-            steps, volume = terms(alg, shards, ranks, nodes)
-        except KeyError:
-            skipped.append(f"{label} (no model for {alg!r})")
-            continue
-        if steps <= 0 or volume <= 0:
-            skipped.append(f"{label} (nothing crosses ranks at {ranks} rank(s))")
-            continue
-        sizes = [p.nbytes for p in group]
-        times = [p.median for p in group]
-        a, b = fit_points(sizes, times)
-        errors = [abs(a + b * n - t) / t for n, t in zip(sizes, times)]
-        fits.append(Fit(label, alg, shards, a / steps, b / volume, steps, volume,
-                        statistics.median(errors), max(errors), len(group)))
-    return CostModel(ranks, nodes, tuple(fits), tuple(skipped))
+
+def _table(rows: Sequence[Sequence[str]], left: int = 0) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["#   " + "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]
+
+
+# ------------------------------------------------------------------ prediction
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted times (seconds) per size and algorithm for another job size."""
+    """Predicted times (seconds) per size and algorithm for another job, with each
+    algorithm's four terms."""
 
     ranks: int
     ranks_per_node: int
     nodes: int
     sizes: tuple[int, ...]
     times: dict[str, tuple[float, ...]]
+    parts: dict[str, tuple[tuple[float, float, float, float], ...]] = field(
+        default_factory=dict)
+    formulas: dict[str, str] = field(default_factory=dict)
+    terms: dict[str, tuple[Terms, ...]] = field(default_factory=dict)
 
     def best(self) -> list[str]:
         return [min(self.times, key=lambda label: self.times[label][i])
                 for i in range(len(self.sizes))]
 
-    def lines(self) -> list[str]:
+    def header(self) -> str:
+        layout = Layout.per_host(self.ranks, self.ranks_per_node)
+        return (f"# Predicted time (us) at {self.ranks} ranks, {self.ranks_per_node} per host "
+                f"({layout.describe()}), every link like the measured ones")
+
+    def lines(self, detail: bool = True) -> list[str]:
         labels = list(self.times)
-        out = [f"# Predicted time (us) at {self.ranks} ranks, {self.ranks_per_node} per node "
-               f"({self.nodes} node(s)), from the cost model (every link like the measured "
-               f"ones)"]
+        out = [self.header()]
         rows = [["size", *labels, "best"]]
         for i, (size, best) in enumerate(zip(self.sizes, self.best())):
             rows.append([format_bytes(size), *(format_us(self.times[lb][i]) for lb in labels),
                          best])
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        out += ["#   " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        out += _table(rows)
+        if detail:
+            for label in labels:
+                out += self.algorithm_lines(label)
         return out
+
+    def algorithm_lines(self, label: str) -> list[str]:
+        """One algorithm's model written out: its formula at the largest size, then per
+        size the four terms (L and B, and the microseconds each costs)."""
+        if label not in self.parts:
+            return []
+        out = [f"# {label}: {self.formulas.get(label, '')}  (at {format_bytes(self.sizes[-1])})"]
+        rows = [("size", "L_in", "B_in", "L_net", "B_net", "a_in*L_in", "b_in*B_in*n",
+                 "a_net*L_net", "b_net*B_net*n", "total(us)", "net share")]
+        for i, size in enumerate(self.sizes):
+            t = self.terms[label][i]
+            parts = self.parts[label][i]
+            total = sum(parts)
+            rows.append((format_bytes(size), f"{t.l_in:g}", f"{t.b_in:.3g}", f"{t.l_net:g}",
+                         f"{t.b_net:.3g}", *(format_us(x) for x in parts), format_us(total),
+                         f"{(parts[2] + parts[3]) / total:.0%}" if total > 0 else "-"))
+        return out + _table(rows)
 
     def as_dict(self) -> dict[str, Any]:
         return {"ranks": self.ranks, "ranks_per_node": self.ranks_per_node,
                 "nodes": self.nodes, "sizes": list(self.sizes),
-                "times_s": {k: list(v) for k, v in self.times.items()}, "best": self.best()}
+                "times_s": {k: list(v) for k, v in self.times.items()}, "best": self.best(),
+                "formulas": dict(self.formulas),
+                "parts_s": {k: [list(x) for x in v] for k, v in self.parts.items()},
+                "terms": {k: [[t.l_in, t.b_in, t.l_net, t.b_net, t.share] for t in v]
+                          for k, v in self.terms.items()}}
 
 
 def predict(model: CostModel, ranks: int, ranks_per_node: int,
             sizes: Sequence[int]) -> Prediction:
-    """Predict every fitted algorithm at ``ranks`` ranks, ``ranks_per_node`` per node.
+    """Predict every fitted algorithm at ``ranks`` ranks, ``ranks_per_node`` per host
+    (hosts of consecutive ranks, the last one taking the remainder).
 
     Raises:
         ValueError: ranks or ranks_per_node below 1, no sizes, or nothing fitted.
@@ -250,6 +957,56 @@ def predict(model: CostModel, ranks: int, ranks_per_node: int,
     if not model.fits:
         raise ValueError("the cost model has no fitted algorithm to predict with (a sweep "
                          "on one rank moves nothing; measure on 2 or more ranks)")
-    nodes = math.ceil(ranks / min(ranks_per_node, ranks))
-    times = {f.label: tuple(f.time(n, ranks, nodes) for n in sizes) for f in model.fits}
-    return Prediction(ranks, min(ranks_per_node, ranks), nodes, tuple(sizes), times)
+    per_node = min(ranks_per_node, ranks)
+    layout = Layout.per_host(ranks, per_node)
+    sizes = tuple(sizes)
+    times, parts, formulas, all_terms = {}, {}, {}, {}
+    for f in model.fits:
+        try:
+            layers = [f.terms(n, layout) for n in sizes]
+        except KeyError:  # (shm across hosts: a single-node algorithm)
+            continue
+        parts[f.label] = tuple(tuple(x * y for x, y in zip(f.params, t.features(n)))
+                               for t, n in zip(layers, sizes))
+        times[f.label] = tuple(sum(p) for p in parts[f.label])
+        formulas[f.label] = f.formula(layout, sizes[-1])
+        all_terms[f.label] = tuple(layers)
+    if not times:
+        raise ValueError(f"no fitted algorithm runs on {layout.describe()} (shm needs one host)")
+    return Prediction(ranks, per_node, layout.hosts, sizes, times, parts, formulas,
+                      all_terms)
+
+
+# ------------------------------------------------------------------ a run's model
+
+
+def _sweep_from_file(path: str) -> tuple[Sweep, dict[str, Any]]:
+    from .files import read_json
+
+    meta, points, document = read_json(path)
+    layout = layout_from_meta(meta)
+    return Sweep(tuple(points), layout, f"{layout.describe()} [{Path(path).name}]"), document
+
+
+def model_for_run(meta: Mapping[str, Any], points: Sequence[Point], *,
+                  model_with: Sequence[str] = (), model_from: str | None = None) -> CostModel:
+    """The cost model of a run: fitted on its points and the sweeps in the
+    ``model_with`` files (sweeps of one layout merged: median of their medians), or
+    (``model_from``) the model saved in that file with its errors on those points.
+
+    Raises:
+        ValueError: a file is not an ``mpistrat bench`` result or has no usable model.
+    """
+    layout = layout_from_meta(meta)
+    others = bool(model_with or model_from)
+    this = Sweep(tuple(points), layout,
+                 f"{layout.describe()} [this run]" if others else layout.describe())
+    sweeps = merge_repeats([this, *(_sweep_from_file(path)[0] for path in model_with)])
+    if model_from:
+        _, document = _sweep_from_file(model_from)
+        saved = document.get("cost_model")
+        if not saved:
+            raise ValueError(f"{model_from} holds no cost model; give a --json file of a "
+                             f"run with --model (or --from-json it with --model --json)")
+        return CostModel.from_dict(saved, Path(model_from).name).checked_against(sweeps)
+    return fit_sweeps(sweeps)

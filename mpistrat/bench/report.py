@@ -127,7 +127,9 @@ def _hosts_lines(meta: dict[str, Any]) -> list[str]:
     hosts = ", ".join(f"{name} x{count}" for name, count in
                       zip(layout["names"], layout["ranks_per_host"]))
     text = f"# hosts: {layout['count']} ({hosts})"
-    if net and net.get("link_rate"):
+    if net and str(net.get("link_rate")).lower() == "off":
+        text += f"; links unshaped ({net.get('link_rate_from')}=off)"
+    elif net and net.get("link_rate"):
         text += f"; links {net['link_rate']} each ({net.get('link_rate_from')})"
     elif layout["count"] > 1:
         text += "; link rate unknown (set MPISTRAT_LINK_RATE)"

@@ -49,6 +49,9 @@ class Outputs:
         tolerance: ties within this fraction of the fastest (see ``recommend``).
         model: print the cost model; ``predict_ranks``/``predict_ranks_per_node``:
             also predict that job size (ranks per node default: the measured job's).
+        model_with: more ``--json`` sweeps (other layouts) to fit the model on;
+            model_from: use the model saved in this ``--json`` file instead of fitting
+            (its errors on this run's points are what ``model`` prints).
     """
 
     json: str | None = None
@@ -61,6 +64,8 @@ class Outputs:
     model: bool = False
     predict_ranks: int | None = None
     predict_ranks_per_node: int | None = None
+    model_with: tuple[str, ...] = ()
+    model_from: str | None = None
 
 
 @dataclass
@@ -219,9 +224,10 @@ def analyse(meta: Mapping[str, Any], points: Sequence[Point], outputs: Outputs,
         for line in result.recommendation.lines():  # type: ignore[union-attr]
             print(line, file=out)
     ranks, nodes = int(meta.get("ranks", 1)), int(meta.get("nodes", 1))
-    result.model = costmodel.fit(points, ranks, nodes)
+    result.model = costmodel.model_for_run(meta, points, model_with=outputs.model_with,
+                                           model_from=outputs.model_from)
     if outputs.model or outputs.predict_ranks:
-        for line in result.model.lines():
+        for line in result.model.lines() + result.model.error_lines():
             print(line, file=out)
     if outputs.predict_ranks:
         per_node = outputs.predict_ranks_per_node or max(1, -(-ranks // nodes))

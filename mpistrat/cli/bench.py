@@ -102,7 +102,22 @@ def _outputs(p: dict[str, Any]) -> Any:
                    plot=p["plot_path"], recommend=p["recommend"], save=p["save"],
                    tolerance=p["tolerance"] / 100, model=p["model"],
                    predict_ranks=p["predict_ranks"],
-                   predict_ranks_per_node=p["predict_ranks_per_node"] or p["ranks_per_node"])
+                   predict_ranks_per_node=p["predict_ranks_per_node"] or p["ranks_per_node"],
+                   model_with=_model_files(p["model_with"], "--model-with"),
+                   model_from=(_model_files((p["model_from"],), "--model-from")[0]
+                               if p["model_from"] else None))
+
+
+def _model_files(paths: tuple[str, ...], option: str) -> tuple[str, ...]:
+    """Check the saved sweeps given to the cost model now, not after measuring."""
+    from ..bench.files import read_json
+
+    for path in paths:
+        try:
+            read_json(path)
+        except OSError as exc:
+            raise ValueError(f"{option} {path}: {exc.strerror or exc}") from None
+    return tuple(paths)
 
 
 _EPILOG = """\b
@@ -113,6 +128,8 @@ Examples:
   mpistrat bench --np 2 --spec @allreduce.spec          measure a saved spec
   mpistrat bench --np 2 --batch resnet50 --num-packs 1,2,4 --agg-small-grads 64K:16
   mpistrat bench --from-json sweep.json --model --predict-ranks 1024 --ranks-per-node 8
+  mpistrat bench --from-json 2hosts.json --model-with 1host.json --model \
+      --predict-ranks 1024 --predict-ranks-per-node 8     the two-level model
 """
 
 
@@ -186,6 +203,13 @@ Examples:
 @click.option("--predict-ranks-per-node", type=click.IntRange(min=1), metavar="R",
               help="Ranks per node for --predict-ranks (default --ranks-per-node, else as "
                    "measured).")
+@click.option("--model-with", multiple=True, metavar="FILE.json",
+              help="Fit the cost model on this saved sweep too (repeatable): another layout, "
+                   "e.g. one host, which separates the intra-host and link terms, or a "
+                   "repeat (sweeps of one layout count as the median of their medians).")
+@click.option("--model-from", metavar="FILE.json",
+              help="Use the cost model saved in this --json file instead of fitting; --model "
+                   "prints its error on this run's points and --model-with's (validation).")
 @click.option("--compare", type=click.Choice(["torch"]), multiple=True,
               help="Also measure torch.distributed (gloo), when PyTorch is installed.")
 @click.option("--transport", type=click.Choice(["auto", "net"]), default="auto",

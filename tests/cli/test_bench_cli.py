@@ -115,7 +115,8 @@ def test_from_json_recommends_models_and_writes_files(saved, tmp_path):
     assert "# mpistrat bench 0: all-reduce, 2 rank(s)" in out
     assert "16777216" in out and "xring#2" in out
     assert "spec: rechd:128K:xring#2" in out
-    assert "alpha(us)" in out and "Predicted time (us) at 64 ranks, 8 per node (8 node(s))" in out
+    assert "a_in(us)" in out and "a_net(us)" in out
+    assert "Predicted time (us) at 64 ranks, 8 per host (8 hosts x 8)" in out
     assert str(read_spec_file(spec_path)) == "rechd:128K:xring#2"
     assert csv_path.read_text().count("\n") > 5 * 3 * 3
     assert "| 16 MiB |" in md_path.read_text()

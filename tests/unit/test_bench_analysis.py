@@ -144,16 +144,25 @@ def test_boundary_is_a_power_of_two_between_the_sizes():
 
 
 def test_terms_follow_the_classic_formulas():
-    assert costmodel.terms("native", 1, 8) == (6, 1.75)
-    assert costmodel.terms("xring", 2, 4) == (12, 1.5)
-    assert costmodel.terms("rechd", 1, 8) == (6, 1.75)
-    assert costmodel.terms("rechd", 1, 6) == (6, 1.5 + 2)  # 4 folded + 2 extra steps
-    assert costmodel.terms("pscpu", 1, 4) == (6, 6)
-    assert costmodel.terms("pscpu", 4, 4) == (6, 1.5)
-    assert costmodel.terms("xring", 1, 1) == (0, 0)
-    # 8 ranks on 2 nodes: pscpu on 4 ranks (halved), pscpu on 2 leaders, a broadcast
-    steps, volume = costmodel.terms("pscpu/pscpu", 2, 8, 2)
-    assert steps == pytest.approx(3 + 2 + 2) and volume == pytest.approx(3 + 1 + 1.5)
+    # on one host every step stays inside it: the classic single-level counts
+    def one_host(alg, shards, ranks):
+        t = costmodel.terms(alg, shards, costmodel.Layout.from_counts([ranks]), 1 << 20)
+        assert (t.l_net, t.b_net) == (0, 0)
+        return t.l_in, t.b_in
+
+    assert one_host("native", 1, 8) == (6, 1.75)
+    assert one_host("xring", 2, 4) == (12, 1.5)
+    assert one_host("rechd", 1, 8) == (6, 1.75)
+    assert one_host("rechd", 1, 6) == (6, 1.5 + 2)  # 4 folded + 2 extra steps
+    # the gather rank takes p-1 contributions and sends p-1 results, pipelined
+    assert one_host("pscpu", 1, 4) == (3, 3)
+    assert one_host("pscpu", 4, 4) == (6, 1.5)
+    assert one_host("xring", 1, 1) == (0, 0)
+    # 8 ranks on 2 hosts: pscpu reduce onto the leader of 4 (2(k-1) messages, 2(k-1)/k
+    # at the root), pscpu#2 over the 2 leaders (one rank per link), MPICH's broadcast
+    t = costmodel.terms("pscpu/pscpu", 2, 8, 1 << 20, nodes=2)
+    assert (t.l_in, t.b_in) == pytest.approx((6 + 2 + 3, 1.5 + 1.5))
+    assert (t.l_net, t.b_net, t.share) == (2, 1, 1)
     with pytest.raises(KeyError):
         costmodel.terms("nosuch", 1, 2)
 
@@ -164,22 +173,26 @@ def test_fit_recovers_alpha_and_beta():
     sizes = [4 << (2 * i) for i in range(12)]
     points = []
     for name, shards in (("xring", 1), ("rechd", 1), ("pscpu", 4)):
-        steps, volume = costmodel.terms(name, shards, 4)
         label = name if shards == 1 else f"{name}#{shards}"
-        points += [point(label, n, alpha * steps + beta * volume * n, participants=4,
-                         samples=(alpha * steps + beta * volume * n,)) for n in sizes]
+        for n in sizes:
+            t = costmodel.terms(name, shards, 4, n)
+            seconds = alpha * t.l_in + beta * t.b_in * n
+            points.append(point(label, n, seconds, participants=4, samples=(seconds,)))
     model = costmodel.fit(points, ranks=4, nodes=1)
     assert [f.label for f in model.fits] == ["xring", "rechd", "pscpu#4"]
     for f in model.fits:
-        assert f.alpha == pytest.approx(alpha) and f.beta == pytest.approx(beta)
+        # one host: the link level is not measured and shares the host's numbers
+        assert f.alpha_in == pytest.approx(alpha) and f.beta_in == pytest.approx(beta)
+        assert (f.alpha_net, f.beta_net) == (f.alpha_in, f.beta_in)
+        assert set(f.shared) == {"alpha", "beta"}
         assert f.max_error < 1e-9
-    assert "alpha(us)" in "\n".join(model.lines())
+    assert "a_in(us)" in "\n".join(model.lines())
     prediction = costmodel.predict(model, 1024, 8, [4, 1 << 20])
     assert prediction.nodes == 128
     ring = prediction.times["xring"]
     assert ring[0] == pytest.approx(alpha * 2 * 1023)
     assert prediction.best()[0] == "rechd"  # fewest steps at 4 B
-    assert "1024 ranks, 8 per node (128 node(s))" in prediction.lines()[0]
+    assert "1024 ranks, 8 per host (128 hosts x 8)" in prediction.lines()[0]
 
 
 def test_fit_edges_and_skips():
@@ -190,4 +203,4 @@ def test_fit_edges_and_skips():
     assert not model.fits and len(model.skipped) == 2
     with pytest.raises(ValueError, match="no fitted algorithm"):
         costmodel.predict(model, 8, 4, [4])
-    assert math.isfinite(costmodel.fit([point("native", 4, 1e-5)], 2, 1).fits[0].alpha)
+    assert math.isfinite(costmodel.fit([point("native", 4, 1e-5)], 2, 1).fits[0].alpha_in)

@@ -1,0 +1,342 @@
+"""The two-level cost model (inside hosts / across links): term counts worked out by
+hand for known layouts, recovery of known parameters from synthetic sweeps, prediction
+output, saved models, and the hosts/link metadata (pure: no MPI)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from mpistrat.bench import costmodel
+from mpistrat.bench.costmodel import Layout, Sweep, Terms, terms
+from mpistrat.bench.files import write_json
+from mpistrat.bench.metadata import hosts_layout, network, parse_rate
+from mpistrat.bench.report import describe_run
+from mpistrat.bench.results import Point
+
+KiB, MiB = 1 << 10, 1 << 20
+ONE_HOST = Layout.from_counts([4])
+TWO_HOSTS = Layout.from_counts([2, 2])
+
+
+def approx_terms(l_in=0.0, b_in=0.0, l_net=0.0, b_net=0.0):
+    return pytest.approx((l_in, b_in, l_net, b_net))
+
+
+def as_tuple(t: Terms):
+    return (t.l_in, t.b_in, t.l_net, t.b_net)
+
+
+def point(label, nbytes, seconds):
+    alg, _, shards = label.partition("#")
+    return Point(nbytes=nbytes, count=nbytes // 4, dtype="float32", op="sum", label=label,
+                 kind="algorithm", alg=alg, shards=int(shards or 1), participants=4,
+                 samples=(seconds,), checked=1)
+
+
+# ------------------------------------------------------------------ layouts
+
+
+def test_layouts():
+    assert Layout.per_host(1024, 8).describe() == "128 hosts x 8"
+    assert Layout.per_host(10, 4).ranks_per_host == [4, 4, 2]
+    assert Layout.from_counts([3, 1]).describe() == "2 hosts of 3+1"
+    assert ONE_HOST.describe() == "1 host x 4" and ONE_HOST.hosts == 1
+    assert Layout.even(4, 2) == TWO_HOSTS
+    meta = {"ranks": 4, "nodes": 2, "hostnames_by_rank": ["a", "a", "b", "b"]}
+    assert costmodel.layout_from_meta(meta) == TWO_HOSTS
+    # virtual nodes of 2 on one host: one link, two node groups
+    meta = {"ranks": 4, "nodes": 2, "hostnames_by_rank": ["vm"] * 4,
+            "virtual_ranks_per_node": 2}
+    virtual = costmodel.layout_from_meta(meta)
+    assert virtual.hosts == 1 and virtual.node_groups == [[0, 1], [2, 3]]
+    assert costmodel.layout_from_meta({"ranks": 6, "nodes": 3}) == Layout.from_counts([2] * 3)
+    assert Layout.from_dict(virtual.as_dict()) == virtual
+
+
+# ------------------------------------------------------------------ terms by hand
+
+
+def test_ring_crosses_each_link_once_per_direction():
+    # one host: the classic 2(p-1) steps of n/p
+    assert as_tuple(terms("xring", 1, ONE_HOST, MiB)) == approx_terms(6, 1.5)
+    # two hosts: every step has a message on each link direction, one rank's
+    t = terms("xring", 1, TWO_HOSTS, MiB)
+    assert as_tuple(t) == approx_terms(l_net=6, b_net=1.5) and t.share == 1
+    assert terms("xring", 2, TWO_HOSTS, MiB).l_net == 12  # two pipelines: twice the messages
+    # 128 hosts x 8: still one rank per link direction, 2(p-1)/p of the buffer
+    t = terms("xring", 1, Layout.per_host(1024, 8), MiB)
+    assert as_tuple(t) == approx_terms(l_net=2046, b_net=2 * 1023 / 1024) and t.share == 1
+    # ranks interleaved over hosts: the algorithms sort them by host first
+    assert terms("xring", 1, Layout((0, 1, 0, 1)), MiB) == terms("xring", 1, TWO_HOSTS, MiB)
+
+
+def test_halving_doubling_levels_depend_on_rank_order():
+    # host-major, 2 x 2: the mask-1 step stays inside hosts (n/2 each way), the mask-2
+    # step crosses with both ranks of a host at once (2 x n/4 on each link direction)
+    t = terms("rechd", 1, TWO_HOSTS, MiB)
+    assert as_tuple(t) == approx_terms(2, 1.0, 2, 1.0) and t.share == 2
+    # interleaved order (native keeps the launcher's): the n/2 step crosses, 2 ranks at once
+    t = terms("native", 1, Layout((0, 1, 0, 1)), MiB)
+    assert as_tuple(t) == approx_terms(2, 0.5, 2, 2.0) and t.share == 2
+    # 4 hosts x 4: lg k steps inside, lg H across carrying 2(H-1)/H on each link
+    t = terms("rechd", 1, Layout.per_host(16, 4), MiB)
+    assert as_tuple(t) == approx_terms(4, 1.5, 4, 1.5) and t.share == 4
+    t = terms("rechd", 1, Layout.per_host(1024, 8), MiB)
+    assert as_tuple(t) == approx_terms(6, 1.75, 14, 2 * 127 / 128) and t.share == 8
+    # uneven 3 + 1: rank 3 is alone on its host, so every step crosses
+    assert as_tuple(terms("rechd", 1, Layout.from_counts([3, 1]), MiB)) == \
+        approx_terms(l_net=4, b_net=1.5)
+    # short buffers: recursive doubling, lg p steps of the whole buffer
+    assert as_tuple(terms("rechd", 1, TWO_HOSTS, 1 * KiB)) == approx_terms(1, 1.0, 1, 2.0)
+    # 6 ranks on one host: fold in, 2 lg 4 steps among 4, fold out
+    assert as_tuple(terms("rechd", 1, Layout.from_counts([6]), MiB)) == \
+        approx_terms(6, 1.5 + 2)
+
+
+def test_shuffle_link_load():
+    # pscpu#1 on 2 x 2: the gather rank's host link carries both remote contributions in
+    # and both results out (pipelined: the two directions at once)
+    t = terms("pscpu", 1, TWO_HOSTS, MiB)
+    assert as_tuple(t) == approx_terms(l_net=2, b_net=2.0) and t.share == 2
+    # one host: the gather rank takes p-1 contributions and sends p-1 results
+    assert as_tuple(terms("pscpu", 1, ONE_HOST, MiB)) == approx_terms(3, 3.0)
+    assert as_tuple(terms("pscpu", 4, ONE_HOST, MiB)) == approx_terms(6, 0.75 * 2)
+    # the per-host count (large jobs) agrees with the message-by-message one
+    rng = random.Random(7)
+    for _ in range(20):
+        counts = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+        hosts = [h for h, c in enumerate(counts) for _ in range(c)]
+        owners = rng.sample(range(len(hosts)), rng.randint(1, len(hosts)))
+        assert as_tuple(costmodel._shuffle_counted(hosts, owners)) == pytest.approx(
+            as_tuple(costmodel._shuffle_group(hosts, owners)))
+
+
+def test_hierarchical_sends_only_from_leaders():
+    # 4 MiB (one piece): shm reduce + rechd over 2 leaders (one rank per link) + shm bcast
+    t = terms("shm/rechd", 1, TWO_HOSTS, 4 * MiB)
+    assert as_tuple(t) == approx_terms(2 + 2, 1.0 + 1.0, 2, 1.0) and t.share == 1
+    t = terms("shm/rechd", 1, Layout.per_host(1024, 8), 4 * MiB)
+    assert as_tuple(t) == approx_terms(4, 1.75 + 1.0, 14, 2 * 127 / 128) and t.share == 1
+    # pscpu/pscpu#2: pscpu reduce to the leader (2(k-1) messages, 2(k-1)/k at the
+    # root), pscpu#2 over 2 leaders, MPICH's broadcast (scatter + allgather at 4 MiB)
+    assert as_tuple(terms("pscpu/pscpu", 2, TWO_HOSTS, 4 * MiB)) == \
+        approx_terms(2 + 2, 1.0 + 1.0, 2, 1.0)
+    # one node: a's all-reduce over the node, every rank gathering for shuffles
+    assert terms("pscpu/pscpu", 1, ONE_HOST, MiB) == terms("pscpu", 4, ONE_HOST, MiB)
+    # virtual nodes on one host: the cross-node stage stays inside the host
+    virtual = Layout((0,) * 4, (0, 0, 1, 1))
+    assert terms("shm/rechd", 1, virtual, 4 * MiB).l_net == 0
+
+
+def test_pipelined_hierarchical_counts_the_slowest_stage_per_piece():
+    piece = costmodel.sys.modules["mpistrat.algorithms.hierarchical"].__dict__.get(
+        "PIPELINE_BYTES")
+    if piece is None:
+        pytest.skip("a/b does not pipeline in this checkout")
+    n = 8 * piece  # 8 pieces
+    assert costmodel.pipeline_pieces("shm/rechd", TWO_HOSTS, n) == 8
+    assert costmodel.pipeline_pieces("shm/rechd", TWO_HOSTS, piece) == 1
+    assert costmodel.pipeline_pieces("shm/rechd", Layout.from_counts([1, 1]), n) == 1
+    # stages on one piece: (2, 1/8) inside, (2, 1/8) across, (2, 1/8) inside; the
+    # cross-host one is slowest and counts 7 more times
+    t = terms("shm/rechd", 1, TWO_HOSTS, n)
+    assert as_tuple(t) == approx_terms(4, 2 / 8, 2 * 8, 1.0)
+    # parameters that make the node stages slowest move the repeats there
+    slow_node = (1e-3, 1e-6, 1e-9, 1e-12)
+    t = terms("shm/rechd", 1, TWO_HOSTS, n, params=slow_node)
+    assert t.l_in == pytest.approx(4 + 7 * 2) and t.l_net == pytest.approx(2)
+
+
+def test_unmodelled():
+    with pytest.raises(KeyError):
+        terms("nosuch", 1, TWO_HOSTS)
+    with pytest.raises(KeyError):
+        terms("shm", 1, TWO_HOSTS)  # one node only
+
+
+# ------------------------------------------------------------------ fitting
+
+
+TRUE = (8e-6, 0.25e-9, 90e-6, 8e-9)  # alpha_in, beta_in, alpha_net, beta_net
+SIZES = [256 << (2 * i) for i in range(10)]  # 256 B .. 64 MiB
+LABELS = ["xring", "xring#2", "rechd", "native", "pscpu#2", "pscpu/pscpu", "shm/rechd"]
+
+
+def synthetic(layout: Layout, params=TRUE, labels=LABELS) -> list[Point]:
+    out = []
+    for label in labels:
+        alg, _, shards = label.partition("#")
+        for n in SIZES:
+            t = terms(alg, int(shards or 1), layout, n, params=params)
+            out.append(point(label, n, t.time(params, n)))
+    return out
+
+
+def test_two_layouts_recover_both_levels():
+    one, two = synthetic(ONE_HOST), synthetic(TWO_HOSTS)
+    model = costmodel.fit_sweeps([Sweep(tuple(two), TWO_HOSTS), Sweep(tuple(one), ONE_HOST)])
+    assert [f.label for f in model.fits] == LABELS
+    for f in model.fits:
+        assert not f.shared, f.label
+        assert f.params == pytest.approx(TRUE, rel=1e-6), f.label
+        assert f.max_error < 1e-9
+    lines = "\n".join(model.lines())
+    assert "a_net(us)" in lines and "err 2 hosts x 2" in lines and "err 1 host x 4" in lines
+    errors = model.error_lines()
+    assert errors[0] == "# Model error per size on 2 hosts x 2 (model / measured - 1)"
+    assert "+0%" in errors[-1]
+    # a wrong level term would not recover: doubling rechd's link bytes in the data
+    # (as if the ranks of a host did not share the link) moves beta_net
+    wrong = [point("rechd", n, TRUE[1] * 1.0 * n + TRUE[0] * 2 + TRUE[2] * 2
+                   + TRUE[3] * 2.0 * n) for n in SIZES if n > 2 * KiB]
+    model = costmodel.fit_sweeps([Sweep(tuple(wrong), TWO_HOSTS),
+                                  Sweep(tuple(p for p in one if p.label == "rechd"), ONE_HOST)])
+    assert model.fits[0].beta_net == pytest.approx(2 * TRUE[3], rel=1e-3)
+
+
+def test_one_layout_shares_each_parameter_between_levels():
+    model = costmodel.fit(synthetic(TWO_HOSTS, labels=["rechd"]), 4, 2)
+    (f,) = model.fits
+    assert set(f.shared) == {"alpha", "beta"}
+    assert f.alpha_in == f.alpha_net and f.beta_in == f.beta_net
+    assert f.max_error < 0.05  # one line through both levels: still close on the sweep
+    assert "=" in model.lines()[2]
+    # a flat ring on two hosts has no step inside a host: alpha_in/beta_in follow the net
+    (ring,) = costmodel.fit(synthetic(TWO_HOSTS, labels=["xring"]), 4, 2).fits
+    assert ring.alpha_net == pytest.approx(TRUE[2]) and ring.beta_net == pytest.approx(TRUE[3])
+    assert ring.alpha_in == ring.alpha_net
+
+
+def test_prediction_writes_the_model_out():
+    one, two = synthetic(ONE_HOST), synthetic(TWO_HOSTS)
+    model = costmodel.fit_sweeps([Sweep(tuple(two), TWO_HOSTS), Sweep(tuple(one), ONE_HOST)])
+    prediction = costmodel.predict(model, 1024, 8, [4, MiB, 64 * MiB])
+    assert prediction.nodes == 128
+    assert prediction.times["xring"][0] == pytest.approx(TRUE[2] * 2046)
+    assert prediction.times["rechd"][2] == pytest.approx(
+        TRUE[0] * 6 + TRUE[1] * 1.75 * 64 * MiB + TRUE[2] * 14
+        + TRUE[3] * 2 * 127 / 128 * 64 * MiB)
+    text = "\n".join(prediction.lines())
+    assert "1024 ranks, 8 per host (128 hosts x 8)" in prediction.lines()[0]
+    assert "# rechd: t = 6 x 8 us + 1.75 n x 0.25 ns/B inside hosts + 14 x 90 us" in text
+    assert "(8 rank(s) of a host on its link at once)" in text
+    assert "across links" in text and "b_net*B_net*n" in text and "net share" in text
+    record = prediction.as_dict()
+    assert record["terms"]["rechd"][2][:4] == pytest.approx([6, 1.75, 14, 2 * 127 / 128])
+
+
+def test_saved_model_checks_a_validation_sweep(tmp_path):
+    one, two = synthetic(ONE_HOST), synthetic(TWO_HOSTS)
+    model = costmodel.fit_sweeps([Sweep(tuple(two), TWO_HOSTS), Sweep(tuple(one), ONE_HOST)])
+    loaded = costmodel.CostModel.from_dict(model.as_dict(), "fit.json")
+    assert [f.params for f in loaded.fits] == [f.params for f in model.fits]
+    slower = [point(p.label, p.nbytes, p.median * 1.2) for p in two]
+    checked = loaded.checked_against([Sweep(tuple(slower), TWO_HOSTS, "validation")])
+    assert all(e == pytest.approx(1 / 1.2 - 1) for f in checked.fits
+               for e in [c.error for c in f.checks])
+    # through files, as the CLI does: --model-with and --model-from
+    meta_one = {"ranks": 4, "nodes": 1, "hostnames_by_rank": ["n1"] * 4}
+    meta_two = {"ranks": 4, "nodes": 2, "hostnames_by_rank": ["n1", "n1", "n2", "n2"]}
+    write_json(tmp_path / "one.json", meta_one, one, complete=True)
+    fitted = costmodel.model_for_run(meta_two, two, model_with=[str(tmp_path / "one.json")])
+    assert fitted.fits[0].params == pytest.approx(TRUE, rel=1e-6)
+    write_json(tmp_path / "fit.json", meta_two, two, complete=True,
+               extra={"cost_model": fitted.as_dict()})
+    again = costmodel.model_for_run(meta_two, slower, model_from=str(tmp_path / "fit.json"))
+    assert again.fits[0].checks[0].error == pytest.approx(1 / 1.2 - 1)
+    write_json(tmp_path / "old.json", meta_two, two, complete=True,
+               extra={"cost_model": {"ranks": 4, "nodes": 2, "fits": []}})
+    with pytest.raises(ValueError, match="no two-level cost model"):
+        costmodel.model_for_run(meta_two, two, model_from=str(tmp_path / "old.json"))
+
+
+# ------------------------------------------------------------------ metadata
+
+
+def test_hosts_and_link_metadata():
+    assert parse_rate("1gbit") == 1e9 and parse_rate("500mbit") == 5e8
+    assert parse_rate("100mbps") == 8e8 and parse_rate("fast") is None
+    assert parse_rate(None) is None
+    net = network({"MPISTRAT_LINK_RATE": "1gbit", "FI_PROVIDER": "tcp",
+                   "MPIR_CVAR_CH4_NETMOD": "ofi"})
+    assert net["link_rate"] == "1gbit" and net["link_bits_per_s"] == 1e9
+    assert net["transport"] == {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+    assert network({})["link_rate"] is None
+    layout = hosts_layout(["node1", "node1", "node2", "node1"])
+    assert layout == {"count": 2, "names": ["node1", "node2"], "ranks_per_host": [3, 1],
+                      "host_of_rank": [0, 0, 1, 0]}
+    meta = {"mpistrat": "0", "ranks": 4, "nodes": 2, "hosts": ["node1", "node2"],
+            "mpi_library": "MPICH", "host_layout": layout, "network": net,
+            "options": {"replicas_per_rank": 1, "dtype": "float32", "op": "sum",
+                        "size_range": "4 B", "warmup": 1, "iters": 1, "check": "x",
+                        "entries": ["native"]}}
+    lines = describe_run(meta)
+    assert ("# hosts: 2 (node1 x3, node2 x1); links 1gbit each (MPISTRAT_LINK_RATE); "
+            "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp") in lines
+    meta["network"] = network({"MPISTRAT_LINK_RATE": "off"})
+    assert "links unshaped (MPISTRAT_LINK_RATE=off)" in describe_run(meta)[3]
+    meta["network"] = network({})
+    assert any("link rate unknown (set MPISTRAT_LINK_RATE)" in line
+               for line in describe_run(meta))
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_bench_command_fits_two_levels_and_checks_a_saved_model(tmp_path):
+    from click.testing import CliRunner
+
+    from mpistrat.cli import cli
+
+    options = {"dtype": "float32", "op": "sum", "replicas_per_rank": 1, "size_range": "x",
+               "warmup": 1, "iters": 1, "check": "x", "entries": LABELS}
+    base = {"mpistrat": "0", "mpi_library": "MPICH", "argv": ["mpistrat", "bench"],
+            "options": options}
+    one = {**base, "ranks": 4, "nodes": 1, "hosts": ["n1"], "hostnames_by_rank": ["n1"] * 4}
+    two = {**base, "ranks": 4, "nodes": 2, "hosts": ["n1", "n2"],
+           "hostnames_by_rank": ["n1", "n1", "n2", "n2"],
+           "host_layout": hosts_layout(["n1", "n1", "n2", "n2"]),
+           "network": network({"MPISTRAT_LINK_RATE": "1gbit"})}
+    write_json(tmp_path / "one.json", one, synthetic(ONE_HOST), complete=True)
+    write_json(tmp_path / "two.json", two, synthetic(TWO_HOSTS), complete=True)
+
+    def bench(*args):
+        return CliRunner().invoke(cli, ["bench", *args], prog_name="mpistrat")
+
+    result = bench("--from-json", str(tmp_path / "two.json"), "--model-with",
+                   str(tmp_path / "one.json"), "--model", "--predict-ranks", "1024",
+                   "--predict-ranks-per-node", "8", "--json", str(tmp_path / "fit.json"))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "# hosts: 2 (n1 x2, n2 x2); links 1gbit each (MPISTRAT_LINK_RATE)" in out
+    assert "err 2 hosts x 2 [this run]" in out and "err 1 host x 4 [one.json]" in out
+    assert "# Model error per size on 2 hosts x 2 [this run]" in out
+    assert "at 1024 ranks, 8 per host (128 hosts x 8)" in out
+    assert "# shm/rechd: t = " in out
+    saved = json.loads((tmp_path / "fit.json").read_text())
+    assert saved["cost_model"]["fits"][0]["alpha_net_s"] == pytest.approx(TRUE[2])
+    # the saved model against another sweep: nothing refitted, its errors printed
+    result = bench("--from-json", str(tmp_path / "two.json"), "--model-from",
+                   str(tmp_path / "fit.json"), "--model")
+    assert result.exit_code == 0, result.output
+    assert "err 2 hosts x 2 [this run]" in result.output
+    assert "saved in fit.json, checked against the medians of" in result.output
+    # validation on several sweeps: repeats of one layout count as their median
+    write_json(tmp_path / "two-again.json", two, [point(p.label, p.nbytes, p.median * 1.5)
+                                                  for p in synthetic(TWO_HOSTS)], complete=True)
+    write_json(tmp_path / "two-more.json", two, [point(p.label, p.nbytes, p.median * 1.1)
+                                                 for p in synthetic(TWO_HOSTS)], complete=True)
+    result = bench("--from-json", str(tmp_path / "two.json"), "--model-from",
+                   str(tmp_path / "fit.json"), "--model-with", str(tmp_path / "one.json"),
+                   "--model-with", str(tmp_path / "two-again.json"), "--model-with",
+                   str(tmp_path / "two-more.json"), "--model")
+    assert result.exit_code == 0, result.output
+    assert "err 2 hosts x 2 [this run, two-again.json, two-more.json]" in result.output
+    errors = result.output.split("# Model error per size on 2 hosts x 2 [")[1]
+    assert "-9%" in errors.splitlines()[2]  # the median of 1, 1.5 and 1.1 times the model
+    result = bench("--from-json", str(tmp_path / "two.json"), "--model-with",
+                   str(tmp_path / "missing.json"))
+    assert result.exit_code == 2 and "--model-with" in result.output
