@@ -70,8 +70,17 @@ class Local:
                         CLUSTER_LOCAL_DIR=str(self.directory))
 
     def __call__(self, *args, user: str | None = None, timeout=60) -> subprocess.CompletedProcess:
-        argv = ["bash", str(CLUSTER_LOCAL), *map(str, args)]
-        if user:  # runuser keeps the environment (CLUSTER_LOCAL_*)
+        script = CLUSTER_LOCAL
+        if user:  # a copy the user can read wherever the checkout is; runuser keeps the
+            # environment (CLUSTER_LOCAL_*)
+            copy = self.directory.parent / "bin"
+            copy.mkdir(mode=0o755, exist_ok=True)
+            for name in ("cluster-local", "_slurm.sh"):
+                shutil.copy(CLUSTER_LOCAL.with_name(name), copy / name)
+                (copy / name).chmod(0o755)
+            script = copy / "cluster-local"
+        argv = ["bash", str(script), *map(str, args)]
+        if user:
             argv = ["runuser", "-u", user, "--", *argv]
         return subprocess.run(argv, env=self.env, capture_output=True, text=True,
                               timeout=timeout, check=False)
