@@ -66,6 +66,7 @@ def _epoch_lines(output: str) -> list[str]:
             if line.startswith(("epoch ", "final test accuracy"))]
 
 
+@pytest.mark.timeout(240)  # two launches of up to 100 s each (a loaded 2-core machine)
 def test_digits_trained_on_two_hosts_is_the_same_model_as_on_one(cluster, tmp_path):
     """``mpistrat run -n 4 examples/digits_mlp.py`` with its default strategy, on 2 hosts
     x 2 ranks and on this machine alone (4 ranks, no cluster environment), 2 epochs,
