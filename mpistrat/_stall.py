@@ -16,7 +16,13 @@ and what they were last seen waiting in; when neither monitor is waiting, each w
 reports what it knows. After ``timeout`` seconds every waiting rank raises
 :class:`~mpistrat.CollectiveTimeoutError`: a monitor first sends its list of missing ranks
 to every rank, and the other ranks wait for that list (up to another ``timeout``) so that
-every rank names the same ranks.
+every rank names the same ranks (at most ``VERDICT_WAIT`` seconds more).
+
+Each watched agreement also records, per thread, the collective it starts (an
+:class:`Entry`: what, when, and the outermost mpistrat frame of the call), so that
+``mpistrat run``'s watchdog (:mod:`mpistrat.runner.watchdog`) can bound the time a rank
+spends in the rest of the collective too — the algorithm's own MPI calls, which no
+Python loop polls — and name unreachable hosts in the reports (:attr:`Watch.diagnose`).
 """
 
 from __future__ import annotations
@@ -33,12 +39,55 @@ from typing import Any
 from ._mpi import mpi
 from .errors import CollectiveTimeoutError
 
-__all__ = ["watch", "unwatch", "current", "Watch"]
+__all__ = ["watch", "unwatch", "current", "Watch", "Entry", "VERDICT_WAIT"]
 
 _TAG = 0x5A8  # point-to-point tag of notes and verdicts, on the private communicator
 _MONITORS = 2  # ranks 0 and 1 of each communicator
 _ANNOUNCED = 0  # the key of announcements (a channel's key is never 0 in practice)
 _SPIN = 10e-3  # poll (yielding the core) without sleeping for this long: short waits
+VERDICT_WAIT = 2.0  # seconds a timed-out non-monitor waits at most for the monitors' list
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Code that runs collectives but is not one (the script's runner, the CLI, benchmark
+# loops): the outermost frame of a collective is below these.
+_NOT_COLLECTIVE = tuple(os.path.join(_PACKAGE, name) for name in
+                        ("runner" + os.sep, "cli" + os.sep, "bench" + os.sep,
+                         "launch" + os.sep, "__main__.py"))
+_IN_COLLECTIVE: dict[Any, bool] = {}  # code object -> is it mpistrat's collective code
+
+
+class Entry:
+    """One collective a thread has started: its name, its communicator's channel and
+    number, when it started (``time.monotonic()``), when its agreement completed (None
+    while the ranks are still arriving), and ``frame``: the outermost mpistrat frame of the
+    call, which stays on the thread's stack until the collective returns."""
+
+    __slots__ = ("what", "channel", "seq", "started", "agreed", "frame", "reported", "polled")
+
+    def __init__(self, what: str, channel: Any, started: float, frame: Any) -> None:
+        self.what, self.channel, self.seq = what, channel, channel.seq
+        self.started, self.frame = started, frame
+        self.agreed: float | None = None
+        self.reported = 0.0  # how long it had lasted at the watchdog's last stall report
+        self.polled = started  # the agreement's last poll (a poll can block inside MPI)
+
+
+def _outermost(frame: Any) -> Any:
+    """The outermost of the consecutive mpistrat frames from ``frame`` up: the public call
+    the script made (all_reduce, a strategy's reduce, CheckpointManager.save ...)."""
+    cache = _IN_COLLECTIVE
+    while True:
+        up = frame.f_back
+        if up is None:
+            return frame
+        code = up.f_code
+        inside = cache.get(code)
+        if inside is None:
+            name = os.path.abspath(code.co_filename)
+            inside = cache[code] = (name.startswith(_PACKAGE)
+                                    and not name.startswith(_NOT_COLLECTIVE))
+        if not inside:
+            return frame
+        frame = up
 
 
 class _Channel:
@@ -83,6 +132,10 @@ class Watch:
         self._verdicts: dict[int, tuple[int, list[int]]] = {}  # key -> (seq, missing)
         self._outbox: list[Any] = []
         self._lock = threading.Lock()
+        self.active: dict[int, Entry] = {}  # thread id -> the collective it is in
+        # ``diagnose(world_ranks)``: a sentence on why those ranks are missing (hosts that
+        # do not answer), or None; set by mpistrat run's watchdog for the stall reports.
+        self.diagnose: Callable[[list[int]], str | None] | None = None
 
     def close(self) -> None:
         """Take the notes still addressed to this rank, then free the private communicator."""
@@ -103,9 +156,12 @@ class Watch:
             request.Wait()
             return
         channel.seq += 1
+        entry = Entry(what, channel, time.monotonic(), _outermost(sys._getframe(1)))
+        self.active[threading.get_ident()] = entry
         self._drain()
         if not request.Test():
-            self._wait(channel, request, what)
+            self._wait(channel, request, what, entry)
+        entry.agreed = time.monotonic()
 
     def _channel(self, comm: Any) -> _Channel | None:
         channel = comm.Get_attr(self._keyval)
@@ -129,7 +185,7 @@ class Watch:
         comm.Set_attr(self._keyval, channel)
         return channel
 
-    def _wait(self, channel: _Channel, request: Any, what: str) -> None:
+    def _wait(self, channel: _Channel, request: Any, what: str, entry: Entry) -> None:
         start = time.monotonic()
         note_at = self.grace
         report_at = self.stall_check or math.inf
@@ -137,7 +193,8 @@ class Watch:
         deferred = False
         pause = 10e-6
         while not request.Test():
-            waited = time.monotonic() - start
+            now = entry.polled = time.monotonic()
+            waited = now - start
             if waited < _SPIN:
                 _yield()
                 continue
@@ -158,7 +215,7 @@ class Watch:
                 if error is not None:
                     raise error
                 deferred = True
-                give_up_at = waited + (self.timeout or 0) + 1.0
+                give_up_at = waited + min(self.timeout or 0, VERDICT_WAIT)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3 if waited < 1.0 else 10e-3)
 
@@ -225,13 +282,20 @@ class Watch:
                      f"(collective #{channel.seq} on {where}) after {waited:.1f} s; rank(s) "
                      f"{sorted(arrived)} are waiting there."]
             lines += self._whereabouts(channel, missing)
+            diagnosis = self._diagnosis([channel.members[r] for r in missing])
+            diagnosed = bool(diagnosis)
+            lines += diagnosis
         else:
+            monitors = list(range(min(_MONITORS, channel.size)))
             lines = [f"mpistrat: stall: rank {channel.rank} has waited {waited:.1f} s in "
-                     f"{what} (collective #{channel.seq} on {where}); ranks "
-                     f"{list(range(min(_MONITORS, channel.size)))}, which would name every "
-                     f"missing rank, have not arrived either."]
-        lines.append("Every rank must make the same collective calls in the same order; a "
-                     "missing rank is busy, stuck, or took another code path. "
+                     f"{what} (collective #{channel.seq} on {where}); ranks {monitors}, "
+                     f"which would name every missing rank, have not arrived either."]
+            diagnosis = self._diagnosis([channel.members[r] for r in monitors])
+            diagnosed = bool(diagnosis)
+            lines += diagnosis
+        lines.append(("" if diagnosed else
+                      "Every rank must make the same collective calls in the same order; a "
+                      "missing rank is busy, stuck, or took another code path. ")
                      + ("This check repeats; --timeout (MPISTRAT_COLLECTIVE_TIMEOUT) ends the "
                         "job instead." if self.timeout is None else
                         f"The job gives up after {self.timeout:g} s (--timeout)."))
@@ -248,6 +312,21 @@ class Watch:
                 lines.append(f"Rank {rank} was last seen waiting in {seen[1]} on another "
                              f"communicator.")
         return lines
+
+    def _diagnosis(self, world_ranks: list[int]) -> list[str]:
+        """What the watchdog's liveness probe says of missing ranks (nothing without one)."""
+        if self.diagnose is None:
+            return []
+        try:
+            text = self.diagnose(world_ranks)
+        except Exception as exc:  # noqa: BLE001 - a report must not fail the collective
+            text = f"(the liveness probe failed: {type(exc).__name__}: {exc})"
+        return [text] if text else []
+
+    def describe(self, channel: _Channel) -> str:
+        """``the world communicator of N ranks`` or ``a communicator of N ranks (world
+        ranks [...])``: where a collective runs, for messages."""
+        return self._describe(channel)
 
     def _describe(self, channel: _Channel) -> str:
         if channel.members == tuple(range(self.side.Get_size())):

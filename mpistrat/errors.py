@@ -17,6 +17,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CollectiveAbortedError",
+    "PeerLostError",
 ]
 
 
@@ -75,3 +76,20 @@ class CollectiveAbortedError(MpistratError, RuntimeError):
     def __init__(self, message: str, failed: list[int]) -> None:
         super().__init__(message)
         self.failed = failed
+
+
+class PeerLostError(MpistratError, RuntimeError):
+    """Ranks of the job can no longer be reached: their host went down, their processes
+    were killed, or the network between the hosts failed (a partition).
+
+    Raised (and reported) by ``mpistrat run``'s watchdog when a collective cannot finish
+    because of them. An MPI job cannot continue without its ranks: the job ends, and a
+    rerun resumes from the last complete checkpoint.
+
+    Attributes:
+        lost: the ranks that did not answer, by host name (``{"node2": [2, 3]}``).
+    """
+
+    def __init__(self, message: str, lost: dict[str, list[int]]) -> None:
+        super().__init__(message)
+        self.lost = lost

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -34,7 +35,8 @@ def _end_options_at_module(args: list[str]) -> list[str]:
     """``[..., -m, MOD, *rest]`` → ``[..., -m, MOD, --, *rest]``, so that ``rest`` goes
     to the module as ``python -m`` would pass it (only before the script position)."""
     takes_value = {"-n", "--np", "--mpiexec", "--spec", "--num-packs", "--communication",
-                   "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check"}
+                   "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check",
+                   "--report-dir"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -95,10 +97,16 @@ def _settings() -> Any:
 @click.option("--stall-check", type=click.FloatRange(min=0), metavar="SECONDS",
               help="Report the ranks missing from a collective after this long; 0: off "
                    "[default: MPISTRAT_STALL_CHECK, else 60].")
+@click.option("--report-dir", metavar="DIR",
+              help="A rank that ends abnormally (a failure, a timeout, a lost host) also "
+                   "writes its report to DIR/rank-R.txt: the only copy that survives when "
+                   "its host is cut off from the launcher. Use a directory every host "
+                   "shares [default: MPISTRAT_REPORT_DIR, else none].")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
-        gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, script_and_args):
+        gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, report_dir,
+        script_and_args):
     """Run a training script on every rank in a default MultiWorkerMirroredStrategy.
 
     The script runs as __main__ with its arguments; mpistrat.get_strategy() returns the
@@ -106,7 +114,9 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
 
     An uncaught exception or a non-zero sys.exit on any rank prints that rank's
     traceback, tagged with its rank, once, and ends the whole job with a non-zero
-    status. Ranks missing from a collective are named after --stall-check seconds.
+    status. Ranks missing from a collective are named after --stall-check seconds; with
+    --timeout, no rank stays longer than that in one collective (its data exchange
+    included), and ranks or hosts that cannot be reached are named.
     """
     from ..launch.hugepages import restart_with_hugepages
     from ..runner import RunOptions, RunSetupError
@@ -127,13 +137,17 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
         timeout = settings.collective_timeout
     if stall_check is None:
         stall_check = 60.0 if settings.stall_check is None else settings.stall_check
+    if report_dir is None:
+        report_dir = os.environ.get("MPISTRAT_REPORT_DIR") or None
+    if report_dir is not None:
+        report_dir = os.path.abspath(report_dir)  # the ranks may start elsewhere
     try:
         options = RunOptions(
             target=target, args=tuple(args), module=module is not None, spec=spec,
             num_packs=num_packs, communication=communication.lower(),
             local_replicas=local_replicas, gpus_per_rank=gpus_per_rank,
             tag_output=tag_output, quiet_ranks=quiet_ranks, timeout=timeout,
-            stall_check=stall_check)
+            stall_check=stall_check, report_dir=report_dir)
     except MpistratError as exc:  # the spec
         raise click.UsageError(f"--spec {spec}: {exc}") from None
     except ValueError as exc:
@@ -145,11 +159,16 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
         if np_ is not None:
             from ..runner import launch_command, self_launch
             from ..runner.execute import check_target
+            from ..runner.monitor import JobMonitor
 
             problem = check_target(options)  # the ranks check again, on their nodes
             if problem is not None:
                 raise _SetupError(f"mpistrat run: {problem}")
-            ctx.exit(self_launch(launch_command(options, np_, mpiexec)))
+            # the monitor names lost hosts when the launcher cannot (runner/monitor.py)
+            with JobMonitor(np_, timeout=options.timeout,
+                            report_dir=options.report_dir) as monitor:
+                status = self_launch(launch_command(options, np_, mpiexec))
+            ctx.exit(monitor.finish(status))
         from ..runner import run as run_job
 
         ctx.exit(run_job(options))

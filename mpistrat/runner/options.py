@@ -30,6 +30,8 @@ class RunOptions:
         quiet_ranks: only rank 0's output is shown (failure reports always are).
         timeout: seconds a rank waits in a collective before the job aborts (None: never).
         stall_check: seconds before ranks missing from a collective are reported (0: off).
+        report_dir: a directory (on a file system every host shares) where a rank that
+            ends abnormally writes its report, ``rank-R.txt``; None: none.
     """
 
     target: str
@@ -44,6 +46,7 @@ class RunOptions:
     quiet_ranks: bool = False
     timeout: float | None = None
     stall_check: float = DEFAULT_STALL_CHECK
+    report_dir: str | None = None
     parsed_spec: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,9 @@ class RunOptions:
         if not 0 <= self.stall_check < math.inf:
             raise ValueError(f"--stall-check must be a number of seconds >= 0 (0: off), got "
                              f"{self.stall_check!r}")
+        if self.report_dir is not None and (not isinstance(self.report_dir, str)
+                                            or not self.report_dir.strip()):
+            raise ValueError(f"--report-dir must be a directory path, got {self.report_dir!r}")
         if self.spec is not None and self.parsed_spec is None:
             from ..bench.recommend import resolve_spec
 
@@ -94,5 +100,7 @@ class RunOptions:
         if self.timeout is not None:
             argv += ["--timeout", repr(self.timeout)]
         argv += ["--stall-check", repr(self.stall_check)]
+        if self.report_dir is not None:
+            argv += ["--report-dir", self.report_dir]
         argv += ["-m", self.target] if self.module else [self.target]
         return argv + list(self.args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,8 +13,10 @@ from ..errors import MpistratError
 from ..launch.env import detect
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
+from .monitor import MonitorClient
 from .options import RunOptions
 from .output import RankOutput
+from .watchdog import Watchdog
 
 __all__ = ["run", "RunSetupError"]
 
@@ -62,12 +65,31 @@ def run(options: RunOptions, *,
         with output:
             watch = _stall.watch(options.stall_check or None, options.timeout,
                                  report=output.report)
+            client = MonitorClient.connect(env, rank, mpi().Get_processor_name())
+            notify = client.end if client is not None else None
+            dog = None
             try:
+                if watch is not None:
+                    report_file = (os.path.join(options.report_dir, f"rank-{rank}.txt")
+                                   if options.report_dir else None)
+                    dog = Watchdog.start(watch, watch.side, output.report, report_file,
+                                         (lambda status, text: notify(status))
+                                         if notify is not None else None)
+                    dog.phase = "running the script"
                 outcome = _run_script(options, strategy_factory, set_strategy)
+                if dog is not None:
+                    dog.phase = ("finished the script" if outcome.status == 0 else
+                                 f"ending after a failure (status {outcome.status})")
+                    dog.ending = outcome.status != 0
                 if watch is not None and outcome.status == 0:
                     watch.announce("finished the script")
-                return finish(done, outcome, output)
+                status = finish(done, outcome, output, watchdog=dog, notify=notify)
+                if notify is not None:
+                    notify(status)
+                return status
             finally:
+                if dog is not None:
+                    dog.stop()
                 _stall.unwatch()
     finally:
         done.Free()

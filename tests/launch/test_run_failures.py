@@ -140,3 +140,64 @@ def test_mismatched_mpi_is_explained(mpistrat_cmd, tmp_path):
     assert "started 2 processes but MPI sees a world of 1" in outs[0].stderr
     assert "mpistrat run -n N" in outs[0].stderr
     assert "Error" not in outs[1].stderr and "should not run" not in outs[0].stdout
+
+
+# Rank 1 stops itself (SIGSTOP) while its main thread is inside the algorithm of an
+# all-reduce: the others are then blocked inside the algorithm's MPI calls, which no
+# Python loop polls (before the watchdog, they waited there for good, --timeout or not).
+STOPPED = textwrap.dedent("""\
+    import os, signal, sys, threading, time
+    import numpy as np
+    import mpistrat
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    x = np.ones(1 << 21)
+    mpistrat.all_reduce(x, comm=comm, spec="rechd")
+    comm.Barrier()
+
+    def stop_inside_the_algorithm(main=threading.main_thread().ident):
+        time.sleep(0.2)
+        while True:
+            frame = sys._current_frames().get(main)
+            while frame is not None and "algorithms" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(0.0005)
+
+    if comm.rank == 1:
+        threading.Thread(target=stop_inside_the_algorithm, daemon=True).start()
+    for _ in range(100000):
+        mpistrat.all_reduce(x, comm=comm, spec="rechd")
+    print("finished")
+    """)
+
+
+def test_a_rank_that_stops_answering_mid_collective_is_named_within_the_timeout(
+        mpirun, mpistrat_cmd, tmp_path):
+    """The watchdog ends the ranks blocked in the algorithm's MPI calls past --timeout and
+    names the rank that does not answer its liveness probe; rank 0 reports, rank 2 points
+    to it, both write their reports to --report-dir."""
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED)
+    started = time.monotonic()
+    result = mpirun(3, [*mpistrat_cmd, "run", "--stall-check", "1", "--timeout", "3",
+                        "--report-dir", str(tmp_path / "reports"), str(script)], timeout=90)
+    elapsed = time.monotonic() - started
+    err = result.stderr
+    assert result.returncode == 1, result.stdout + err
+    assert elapsed < 20, (elapsed, err)  # 3 s, the probe (1 s), the abort; rank 1 never returns
+    assert "finished" not in result.stdout
+    head = re.search(r"\[0\] mpistrat\.errors\.PeerLostError: lost rank 1 \((\S+)\): rank 0 "
+                     r"\(\S+\) has been in all_reduce \(collective #\d+ on the world "
+                     r"communicator of 3 ranks\) for ([\d.]+) s, past --timeout 3 s, all ranks "
+                     r"having arrived \(exchanging data\)\. Rank 1 \(\S+\) does not answer "
+                     r"mpistrat's liveness probe \(1 s\): it was killed or stopped", err)
+    assert head, err
+    assert 3.0 <= float(head.group(2)) < 5.0, err
+    assert '[0]   File "' in err and "mpistrat.all_reduce(x, comm=comm" in err  # where
+    assert err.count("PeerLostError") == 1, err  # rank 2 points to rank 0's report
+    assert "[2] mpistrat: rank 2 (" in err and "rank 0 reports." in err
+    assert "PeerLostError: lost rank 1" in (tmp_path / "reports" / "rank-0.txt").read_text()
+    assert "rank 0 reports" in (tmp_path / "reports" / "rank-2.txt").read_text()

@@ -120,3 +120,25 @@ def _finish_pending(tb) -> None:
         if isinstance(request, MPI.Request):
             request.Wait()
         tb = tb.tb_next
+
+
+def test_each_collective_is_recorded_for_the_watchdog(comm, reports):
+    """A watched agreement records, for its thread, the collective it starts: its name,
+    number, when it started and agreed, and the outermost mpistrat frame of the call (the
+    public function), which leaves the thread's stack when the collective returns."""
+    import threading
+
+    import mpistrat
+
+    if comm.size == 1:
+        pytest.skip("a communicator of one rank is not watched")
+    watch = _stall.current()
+    mpistrat.all_reduce(np.ones(4), comm=comm)
+    entry = watch.active[threading.get_ident()]
+    assert entry.what == "all_reduce" and entry.frame.f_code.co_name == "all_reduce"
+    assert entry.started <= entry.agreed
+    seq = entry.seq
+    agree(comm, "same call", None, "test_collective")  # called from here: its own frame
+    entry = watch.active[threading.get_ident()]
+    assert (entry.what, entry.seq, entry.frame.f_code.co_name) == ("test_collective",
+                                                                   seq + 1, "agree")

@@ -1,0 +1,343 @@
+"""The job monitor of ``mpistrat run -n N``: how each rank ended, seen from outside the
+job, so that a host lost with all its processes is named even when the launcher kills
+every other rank at once.
+
+When hydra (MPICH's ``mpiexec``) loses the connection to a host's proxy — the host's
+processes were killed, or it went down — it fails with ``assert (!closed) failed`` and
+ends every other rank with ``SIGKILL`` within a fraction of a second: no rank can say
+which host was lost, and hydra does not either. ``mpistrat run -n`` therefore listens on a
+TCP port (:class:`JobMonitor`), and every rank connects to it when it starts
+(:class:`MonitorClient`, address in ``MPISTRAT_RUN_MONITOR``), says who and where it is,
+and says how it ends. Nothing else is sent. When a rank's connection closes without its
+end being announced, its process died; the ranks of the lost host die first (the others
+only once the launcher reacts to that), and the monitor records the order in which the
+connections closed. A rank that never announces its end and whose connection stays open is
+on the far side of a network partition. After the launcher ends, the monitor turns this
+into one message (:meth:`JobMonitor.summary`).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .watchdog import local_addresses, name_ranks
+
+__all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
+           "LAUNCHER_GRACE"]
+
+MONITOR_ENV = "MPISTRAT_RUN_MONITOR"
+_CONNECT_TIMEOUT = 1.0  # seconds per address a rank tries to reach the monitor
+# Once a rank has failed or vanished, the launcher gets this long (beyond --timeout and the
+# watchdog's hard stop) to end before it is ended: it may wait forever for a host it has
+# lost, while every rank ends within its own bound.
+LAUNCHER_GRACE = 20.0
+_ACTIVE: list[JobMonitor] = []
+
+
+def active() -> JobMonitor | None:
+    """The job monitor of the ``mpistrat run -n`` in progress, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@dataclass
+class RankRecord:
+    """What the monitor knows of one rank."""
+
+    rank: int
+    host: str
+    pid: int
+    status: int | None = None  # the status it announced on ending
+    ended: int | None = None  # when it announced it, in the order of events
+    closed: float | None = None  # when its connection closed (time.time())
+    order: int | None = None  # when its connection closed, in the order of events
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    buffer: bytes = b""
+    rank: int | None = None
+
+
+@dataclass
+class JobMonitor:
+    """Listens for the ranks of one job (in the process that runs ``mpiexec``).
+
+    Use as a context manager: inside it, ``MPISTRAT_RUN_MONITOR`` is set in this
+    process's environment (the launcher and the ranks inherit it; :func:`launch_command`
+    also passes it with the launcher's flags) and :func:`active` returns it. Then
+    :meth:`finish` prints what happened.
+
+    Args:
+        size: the number of ranks.
+        timeout: the job's ``--timeout`` (for the launcher's bound, :attr:`bound`).
+        report_dir: the job's ``--report-dir``, where cut-off ranks leave their reports.
+    """
+
+    size: int
+    timeout: float | None = None
+    report_dir: str | None = None
+    records: dict[int, RankRecord] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("", 0))
+        self._listener.listen(min(4096, max(16, self.size)))
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._events = 0  # ends announced and connections closed, counted in order
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mpistrat-job-monitor",
+                                        daemon=True)
+
+    @property
+    def bound(self) -> float:
+        """Seconds the launcher may run on after a rank failed or vanished."""
+        from .watchdog import HARD_STOP
+
+        return (self.timeout or 0.0) + HARD_STOP + LAUNCHER_GRACE
+
+    def __enter__(self) -> JobMonitor:
+        self._thread.start()
+        self._saved = os.environ.get(MONITOR_ENV)
+        os.environ.update(self.env())
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if self._saved is None:
+            os.environ.pop(MONITOR_ENV, None)
+        else:
+            os.environ[MONITOR_ENV] = self._saved
+        self.close()
+
+    def finish(self, status: int) -> int:
+        """Print :meth:`summary` of a launcher that ended with ``status``; return it."""
+        text = self.summary(status, self.report_dir)
+        if text:
+            sys.stdout.flush()
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+        return status
+
+    def env(self) -> dict[str, str]:
+        """``MPISTRAT_RUN_MONITOR=PORT ADDRESS,...`` (loopback first, then this host's)."""
+        port = self._listener.getsockname()[1]
+        return {MONITOR_ENV: f"{port} {','.join(['127.0.0.1', *local_addresses()])}"}
+
+    def close(self) -> None:
+        """Stop listening (after the launcher ended); keeps the records."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(2.0)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            # epoll returns ready connections in the order they became ready: the order
+            # of closes below is the order in which the kernel saw them
+            for key, _ in self._selector.select(timeout=0.2):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ, _Connection(sock))
+
+    def _read(self, connection: _Connection) -> None:
+        try:
+            data = connection.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            connection.buffer += data
+            *lines, connection.buffer = connection.buffer.split(b"\n")
+            for line in lines:
+                self._line(connection, line.decode(errors="replace").split())
+            return
+        self._selector.unregister(connection.sock)
+        connection.sock.close()
+        with self._lock:
+            record = self.records.get(connection.rank) if connection.rank is not None else None
+            if record is not None and record.closed is None:
+                record.closed = time.time()
+                record.order = self._events
+                self._events += 1
+
+    def _line(self, connection: _Connection, words: list[str]) -> None:
+        with self._lock:
+            if len(words) == 4 and words[0] == "hello" and words[1].isdigit() \
+                    and words[3].isdigit():
+                connection.rank = int(words[1])
+                self.records[connection.rank] = RankRecord(connection.rank, words[2],
+                                                           int(words[3]))
+            elif len(words) == 2 and words[0] == "end" and connection.rank is not None \
+                    and words[1].lstrip("-").isdigit():
+                record = self.records[connection.rank]
+                record.status, record.ended = int(words[1]), self._events
+                self._events += 1
+
+    # -- what happened
+
+    def settled(self) -> bool:
+        """Every rank that said hello has announced its end or lost its connection."""
+        with self._lock:
+            return bool(self.records) and all(
+                r.status is not None or r.closed is not None for r in self.records.values())
+
+    def troubled(self) -> bool:
+        """Some rank failed, or vanished without announcing its end."""
+        with self._lock:
+            return any((r.status or 0) != 0 or (r.closed is not None and r.status is None)
+                       for r in self.records.values())
+
+    def summary(self, status: int, report_dir: str | None = None) -> str | None:
+        """What to tell the user after the launcher ended with ``status`` (None: nothing
+        beyond what the ranks reported)."""
+        if status == 0:
+            return None
+        time.sleep(0.2)  # the last closes of a job the launcher just ended
+        with self._lock:
+            records = dict(self.records)
+        if not records:
+            return None
+        hostnames = _hostnames(records, self.size)
+        # a rank that announced a failure ends the job: who vanished after that was ended
+        # by the launcher; who vanished before was lost
+        failed = [r.ended for r in records.values()
+                  if r.status and r.ended is not None]
+        first_failure = min(failed) if failed else None
+        vanished = sorted((r for r in records.values()
+                           if r.status is None and r.closed is not None),
+                          key=lambda r: r.order if r.order is not None else 0)
+        if first_failure is not None:
+            vanished = [r for r in vanished if (r.order or 0) < first_failure]
+        silent = sorted(r.rank for r in records.values()
+                        if r.status is None and r.closed is None)
+        missing = sorted(set(range(self.size)) - set(records))
+        lines = []
+        if vanished:
+            first_host = vanished[0].host
+            lost = sorted(r.rank for r in vanished if r.host == first_host)
+            after = sorted(r.rank for r in vanished if r.host != first_host)
+            when = time.strftime("%H:%M:%S", time.localtime(vanished[0].closed or 0))
+            whole = lost == [r for r, h in enumerate(hostnames) if h == first_host]
+            lines.append(
+                f"mpistrat run: the job lost {name_ranks(lost, hostnames)}: "
+                f"{'its ranks' if whole and len(lost) > 1 else 'it'} ended at {when} "
+                f"without a report, before any other rank (killed, or "
+                f"{'the host' if whole else 'its host'} failed)"
+                + (f"; the launcher then ended {name_ranks(after, hostnames)}" if after
+                   else "") + f". mpiexec exited with status {status}"
+                + (" (hydra's 'assert (!closed) failed': it lost a host's proxy)"
+                   if status == 255 else "")
+                + ". Rerun the job to resume from its last complete checkpoint.")
+        if silent:
+            files = [os.path.join(report_dir, f"rank-{r}.txt") for r in silent] \
+                if report_dir else []
+            lines.append(
+                f"mpistrat run: {name_ranks(silent, hostnames)} never reported how "
+                f"{'it' if len(silent) == 1 else 'they'} ended: this launcher cannot reach "
+                f"{'it' if len(silent) == 1 else 'them'} (host down, or cut off by a "
+                f"network partition), so {'its' if len(silent) == 1 else 'their'} own "
+                f"reports cannot reach this terminal either"
+                + (f"; they are written to {report_dir}" if report_dir else
+                   "; give --report-dir DIR (on a shared file system) to keep them") + ".")
+            lines += _read_reports(files, silent)
+        if missing and (vanished or silent):
+            lines.append(f"mpistrat run: rank(s) {missing} never reached this launcher's "
+                         f"monitor; nothing is known of them.")
+        return "\n".join(lines) if lines else None
+
+
+def _hostnames(records: Mapping[int, RankRecord], size: int) -> list[str]:
+    return [records[r].host if r in records else "?" for r in range(size)]
+
+
+def _read_reports(paths: Sequence[str], ranks: Sequence[int], wait: float = 3.0) -> list[str]:
+    """The report files of ``ranks`` (waiting a little for ones still being written)."""
+    deadline = time.monotonic() + wait
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = []
+    for rank, path in zip(ranks, paths):
+        try:
+            with open(path) as file:
+                text = file.read().rstrip("\n")
+        except OSError:
+            continue
+        lines.append(f"mpistrat run: rank {rank}'s report ({path}):")
+        lines += [f"  {line}" for line in text.split("\n")]
+    return lines
+
+
+class MonitorClient:
+    """A rank's connection to the job monitor (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self._sock = sock
+        self.rank = rank
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, env: Mapping[str, str] | None, rank: int, host: str) -> MonitorClient | None:
+        """Connect to the monitor named in ``MPISTRAT_RUN_MONITOR`` and say hello; None
+        without the variable or when no address answers (the job runs on, unmonitored)."""
+        value = (os.environ if env is None else env).get(MONITOR_ENV, "")
+        port, _, addresses = value.partition(" ")
+        if not port.isdigit() or not addresses:
+            return None
+        for address in addresses.split(","):
+            try:
+                sock = socket.create_connection((address, int(port)),
+                                                timeout=_CONNECT_TIMEOUT)
+            except OSError:
+                continue
+            try:
+                sock.sendall(f"hello {rank} {host.split()[0] if host else '?'} "
+                             f"{os.getpid()}\n".encode())
+            except OSError:
+                sock.close()
+                continue
+            return cls(sock, rank)
+        return None
+
+    def end(self, status: int) -> None:
+        """Announce this rank's exit status and close the connection."""
+        with self._lock:
+            if self._sock is None:
+                return
+            try:
+                self._sock.settimeout(1.0)
+                self._sock.sendall(f"end {int(status)}\n".encode())
+            except OSError:
+                pass
+            finally:
+                self._sock.close()
+                self._sock = None  # type: ignore[assignment]

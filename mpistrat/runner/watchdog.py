@@ -1,0 +1,642 @@
+"""The watchdog of ``mpistrat run``: no rank stays in a collective past ``--timeout``, and
+reports name the hosts and ranks that can no longer be reached.
+
+The watched agreement (:mod:`mpistrat._stall`) bounds the wait for the ranks to *arrive*
+in a collective. Once they have, the algorithm's own MPI calls run (``Recv``, ``Wait``,
+``Sendrecv``: blocking, in C) and nothing in Python polls them: a peer that dies or is cut
+off in the middle leaves the rank blocked for good. Hence a thread per rank:
+
+* **The bound.** Every watched agreement records, per thread, the collective it starts
+  (:class:`mpistrat._stall.Entry`). Once a second (or a tenth of the shortest bound) the
+  watchdog looks at the threads' stacks (``sys._current_frames``): a thread whose
+  collective's outermost frame is still on its stack ``--timeout`` seconds after the
+  collective started is stuck. The watchdog then probes the other ranks (below), prints
+  one report — the hosts and ranks that do not answer, or, when all answer, what each
+  rank is doing — writes it to ``--report-dir`` if given, calls ``MPI_Abort`` and ends the
+  process with ``os._exit`` whatever MPI does (``MPI_Abort`` returns in MPICH 5, and the
+  launcher that would end the rank may be unreachable); ``faulthandler``'s C-level timer
+  ends it even if the interpreter cannot (:data:`HARD_STOP`). After ``--stall-check``
+  seconds (and every as long) it reports such a collective without ending anything.
+  MPI calls release the GIL, so the thread runs while the rank is blocked in one.
+* **The liveness probe.** Every rank has a UDP socket; the addresses and ports are
+  exchanged once at the start. The watchdog thread answers every probe at once with what
+  its rank is doing ("in all_reduce (collective #12 ...) for 10.3 s", "running the
+  script", "ending"). A probe sends one datagram to every rank (three tries in
+  :data:`PROBE_SECONDS`) and collects the answers: ranks that do not answer are
+  unreachable — killed, their host down, or cut off by a network partition — and are
+  named grouped by host (``host node2 (ranks 2, 3)``). Probes happen only when something
+  is already wrong (a timeout, a stall report, a failed rank whose peers do not come).
+
+Of the ranks that a fault stops together, the lowest one that answers the probe and is
+itself stuck or failing prints the full report; the others print one line pointing to it,
+so each side of a partition shows one report. The cost on the normal path: one object and
+a short frame walk per collective (in the agreement), a thread that wakes once a second.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import random
+import runpy
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _stall
+from .._mpi import mpi
+
+__all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "name_ranks",
+           "group_by_host", "local_addresses"]
+
+PROBE_SECONDS = 1.0  # how long a probe waits for answers
+_TRIES = (0.0, 0.3, 0.6)  # when, within a probe, the datagrams are (re)sent
+HARD_STOP = 10.0  # seconds after the watchdog decides to end the rank, it ends regardless
+_BACKSTOP = 1.0  # seconds past the agreement's own timeout before the watchdog acts on it
+_BLOCKED = 1.0  # an agreement that has not polled for this long is blocked inside MPI
+_DELIVERY = 0.25  # seconds between the last report and MPI_Abort (the launcher forwards it)
+_FOLLOWER_DELAY = 1.5  # a non-reporting rank gives the reporter's report time to get out
+_TROUBLED_AFTER = 1.0  # seconds in one collective after which a rank counts as stuck
+_PING, _PONG, _WAKE = b"msp?", b"msp!", b"msp."
+_HEADER = struct.Struct("!4sQII")  # kind, job key, nonce, rank
+_MAX_STATE = 700  # bytes of a state text in an answer
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A rank's answer to a probe: whether it is stuck or ending itself, and what it does."""
+
+    rank: int
+    troubled: bool
+    state: str
+
+
+@dataclass
+class Diagnosis:
+    """What a probe found.
+
+    Attributes:
+        answers: the ranks that answered (this rank included), by rank.
+        unreachable: the ranks that did not.
+        hostnames: every rank's host name.
+    """
+
+    answers: dict[int, Answer]
+    unreachable: list[int]
+    hostnames: Sequence[str]
+    lost: dict[str, list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lost = group_by_host(self.unreachable, self.hostnames)
+
+    def names(self) -> str:
+        """The unreachable ranks in words: ``host node2 (ranks 2, 3)``."""
+        return name_ranks(self.unreachable, self.hostnames)
+
+
+def group_by_host(ranks: Iterable[int], hostnames: Sequence[str]) -> dict[str, list[int]]:
+    """``ranks`` grouped by their host, hosts in the order of their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        groups.setdefault(hostnames[rank], []).append(rank)
+    return groups
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else \
+        "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def name_ranks(ranks: Iterable[int], hostnames: Sequence[str]) -> str:
+    """Ranks in words, by host: a host all of whose ranks are listed is named as one
+    (``host node2 (ranks 2, 3)``), the others rank by rank (``rank 3 (node1)``)."""
+    parts = []
+    for host, members in group_by_host(ranks, hostnames).items():
+        everyone = [r for r, h in enumerate(hostnames) if h == host]
+        if members == everyone:
+            parts.append(f"host {host} ({_ranks(members)})")
+        else:
+            parts.append(f"{_ranks(members)} ({host})")
+    return "; ".join(parts) if len(parts) > 2 else " and ".join(parts)
+
+
+def local_addresses() -> list[str]:
+    """This host's IPv4 addresses other than loopback (every interface's, and what the
+    host name resolves to), for peers on other hosts to send probes to."""
+    found: list[str] = []
+    try:
+        import fcntl
+
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(probe.fileno(), 0x8915,  # SIOCGIFADDR
+                                         struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue  # no IPv4 address on it
+                found.append(socket.inet_ntoa(packed[20:24]))
+        finally:
+            probe.close()
+    except (ImportError, OSError, AttributeError):
+        pass
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.append(info[4][0])
+    except OSError:
+        pass
+    unique = []
+    for address in found:
+        if not address.startswith("127.") and address not in unique:
+            unique.append(address)
+    return unique
+
+
+class Watchdog:
+    """The watchdog thread of one rank (module docstring). Start it with :meth:`start`
+    (collective over ``COMM_WORLD``), stop it with :meth:`stop`.
+
+    Attributes:
+        phase: what the rank does outside collectives, for probe answers (the runner sets
+            ``"running the script"``, ``"finished the script"``, ...).
+        ending: the rank is ending after a failure (probe answers say so).
+    """
+
+    def __init__(self, watch: Any, rank: int, hostnames: Sequence[str],
+                 peers: Sequence[tuple[int, Sequence[str]]], sock: socket.socket, key: int,
+                 report: Callable[[str], None], report_file: str | None = None,
+                 notify: Callable[[int, str], None] | None = None) -> None:
+        self.watch = watch
+        self.rank, self.size = rank, len(hostnames)
+        self.hostnames = tuple(hostnames)
+        self.host = self.hostnames[rank]
+        self.timeout: float | None = watch.timeout
+        self.stall_check: float | None = watch.stall_check
+        bounds = [t for t in (self.timeout, self.stall_check) if t]
+        self.tick = max(0.05, min([1.0, *(t / 10 for t in bounds)]))
+        self.report = report
+        self.report_file = report_file
+        self.notify = notify
+        self.phase = "starting"
+        self.ending = False
+        self._finishing: tuple[float, int, str | None] | None = None
+        self._finish_probed = 0.0
+        self._sock = sock
+        self._key = key
+        self._targets = [self._addresses(r, port, addresses)
+                         for r, (port, addresses) in enumerate(peers)]
+        self._pongs: dict[int, dict[int, Answer]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mpistrat-watchdog",
+                                        daemon=True)
+        self._devnull: Any = None
+
+    def _addresses(self, rank: int, port: int, addresses: Sequence[str]) -> list[tuple]:
+        if rank == self.rank or self.hostnames[rank] == self.host:
+            return [("127.0.0.1", port)]
+        return [(address, port) for address in addresses]
+
+    @classmethod
+    def start(cls, watch: Any, comm: Any, report: Callable[[str], None],
+              report_file: str | None = None,
+              notify: Callable[[int, str], None] | None = None) -> Watchdog:
+        """Exchange the probe addresses over ``comm`` (a private duplicate of
+        ``COMM_WORLD``; collective: every rank calls it), start the thread, and hand the
+        watch its diagnosis (for the stall reports)."""
+        hostnames = _hostnames(mpi().COMM_WORLD)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("", 0))
+        sock.setblocking(False)
+        key = comm.bcast(random.getrandbits(63) if comm.Get_rank() == 0 else None, root=0)
+        peers = comm.allgather((sock.getsockname()[1], local_addresses()))
+        dog = cls(watch, comm.Get_rank(), hostnames, peers, sock, key, report, report_file,
+                  notify)
+        watch.diagnose = dog.explain_missing
+        dog._thread.start()
+        return dog
+
+    def stop(self) -> None:
+        """Stop the thread and close the socket (not collective)."""
+        self.watch.diagnose = None
+        self._stopped.set()
+        try:
+            self._sock.sendto(_HEADER.pack(_WAKE, self._key, 0, self.rank),
+                              ("127.0.0.1", self._sock.getsockname()[1]))
+        except OSError:
+            pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(2 * self.tick + 1.0)
+        self._sock.close()
+
+    # -- the thread
+
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stopped.is_set():
+            try:
+                self._pump(self.tick)
+                if not self._stopped.is_set():
+                    self._check()
+                failures = 0
+            except Exception:  # noqa: BLE001 - the watchdog must keep watching
+                failures += 1
+                if failures == 1:
+                    self.report("mpistrat: watchdog error (it keeps running):\n"
+                                + traceback.format_exc())
+                time.sleep(self.tick)
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for datagrams; answer probes, keep answers."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
+        except (OSError, ValueError):
+            return  # closed by stop()
+        if readable:
+            with self._lock:
+                self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data, source = self._sock.recvfrom(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # e.g. an ICMP error of an earlier datagram
+            if len(data) < _HEADER.size:
+                continue
+            kind, key, nonce, rank = _HEADER.unpack_from(data)
+            if key != self._key or not 0 <= rank < self.size:
+                continue
+            if kind == _PING:
+                troubled, state = self.state()
+                text = state.encode()[:_MAX_STATE]
+                reply = _HEADER.pack(_PONG, self._key, nonce, self.rank) + \
+                    bytes([troubled]) + text
+                try:
+                    self._sock.sendto(reply, source)
+                except OSError:
+                    pass
+            elif kind == _PONG and nonce in self._pongs and len(data) > _HEADER.size:
+                self._pongs[nonce][rank] = Answer(
+                    rank, bool(data[_HEADER.size]),
+                    data[_HEADER.size + 1:].decode(errors="replace"))
+
+    # -- what this rank is doing
+
+    def _collectives(self) -> list[tuple[Any, float]]:
+        """The collectives threads of this rank are in now, with how long each lasted."""
+        now = time.monotonic()
+        frames = sys._current_frames()
+        inside = []
+        for ident, entry in list(self.watch.active.items()):
+            frame = entry.frame
+            if frame is None:
+                continue
+            top = frames.get(ident)
+            if top is None or not _on_stack(top, frame):
+                entry.frame = None  # done: let its locals go
+                continue
+            inside.append((entry, now - entry.started))
+        return inside
+
+    def state(self) -> tuple[bool, str]:
+        """(stuck or ending, what this rank is doing in words), for probe answers."""
+        if self.ending:
+            return True, "ending after a failure"
+        inside = self._collectives()
+        if not inside:
+            return False, self.phase
+        entry, lasted = max(inside, key=lambda item: item[1])
+        return lasted >= _TROUBLED_AFTER, self._doing(entry, lasted)
+
+    def _doing(self, entry: Any, lasted: float, limit: str = "") -> str:
+        """``in all_reduce (collective #12 on ...) for 10.2 s[LIMIT], all ranks having
+        arrived (exchanging data)``."""
+        phase = ("waiting for the other ranks to arrive" if entry.agreed is None else
+                 "all ranks having arrived (exchanging data)")
+        return (f"in {entry.what} (collective #{entry.seq} on "
+                f"{self.watch.describe(entry.channel)}) for {lasted:.1f} s{limit}, {phase}")
+
+    # -- the probe
+
+    def probe(self, wait: float = PROBE_SECONDS) -> Diagnosis:
+        """Ask every rank what it is doing; those that do not answer within ``wait``
+        seconds are unreachable. Any thread may call it."""
+        nonce = random.getrandbits(31) + 1
+        answers: dict[int, Answer] = {}
+        self._pongs[nonce] = answers
+        troubled, state = self.state()
+        answers[self.rank] = Answer(self.rank, troubled, state)
+        start = time.monotonic()
+        try:
+            for when in (*_TRIES, wait):
+                while len(answers) < self.size:
+                    left = start + when - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._pump(min(left, 0.05))
+                if when >= wait or len(answers) == self.size:
+                    break
+                ping = _HEADER.pack(_PING, self._key, nonce, self.rank)
+                for rank, targets in enumerate(self._targets):
+                    if rank in answers:
+                        continue
+                    for target in targets:
+                        try:
+                            self._sock.sendto(ping, target)
+                        except OSError:
+                            pass  # no route (a link that is down): no answer either
+        finally:
+            self._pongs.pop(nonce, None)
+        unreachable = [r for r in range(self.size) if r not in answers]
+        return Diagnosis(dict(answers), unreachable, self.hostnames)
+
+    def is_reporter(self, diagnosis: Diagnosis) -> bool:
+        """Whether this rank prints the full report: the lowest rank that answered and is
+        stuck or ending itself (each side of a partition has one)."""
+        troubled = [r for r, answer in diagnosis.answers.items() if answer.troubled]
+        return not troubled or min(troubled + [self.rank]) == self.rank
+
+    def explain_missing(self, world_ranks: list[int]) -> str | None:
+        """For the agreement's stall report: which of ``world_ranks`` do not answer."""
+        diagnosis = self.probe()
+        silent = [r for r in world_ranks if r in diagnosis.unreachable]
+        if not silent:
+            return None
+        return (f"{_subject(silent, self.hostnames)} not answer mpistrat's liveness probe "
+                f"either: {_cut_off(silent, self.hostnames, self.host)}.")
+
+    # -- stuck collectives
+
+    def _check(self) -> None:
+        self._check_finishing()
+        for entry, lasted in self._collectives():
+            if entry.agreed is None:
+                # the agreement polls its own timeout, unless a poll blocks inside MPI
+                # (a peer killed mid-connection can make MPICH's progress block)
+                blocked = time.monotonic() - entry.polled >= _BLOCKED
+                if self.timeout and (lasted >= self.timeout and blocked or lasted >=
+                                     self.timeout + _stall.VERDICT_WAIT + _BACKSTOP):
+                    self._fire(entry, lasted)
+                continue
+            if self.timeout and lasted >= self.timeout:
+                self._fire(entry, lasted)
+            elif self.stall_check and lasted >= entry.reported + self.stall_check:
+                entry.reported = lasted
+                self._stall_report(entry, lasted)
+
+    def finishing(self, status: int, report: str | None, within: float) -> None:
+        """The runner's last step has begun: this rank waits for the others to end the
+        script too (status 0), or, failed, for them or for its turn to abort. A failed
+        rank still here after ``within`` seconds is blocked inside MPI: it is ended with
+        its report. A finished one whose peers do not come within ``--timeout`` is ended
+        when they do not answer either (a host lost after this rank's last collective)."""
+        self.phase = ("finished the script, waiting for the others" if status == 0 else
+                      f"ending after a failure (status {status})")
+        self._finishing = (time.monotonic() + (within if status else 0.0), status, report)
+
+    def _check_finishing(self) -> None:
+        if self._finishing is None or self.ending and not self._finishing[1]:
+            return
+        deadline, status, report = self._finishing
+        now = time.monotonic()
+        if status:
+            if now >= deadline:
+                self.end(status, (report or "") + "\n(mpistrat: this rank's end was blocked "
+                         "inside MPI; it ends itself)", True)
+            return
+        if not self.timeout or now - deadline < self.timeout or \
+                now - self._finish_probed < self.timeout:
+            return
+        self._finish_probed = now
+        diagnosis = self.probe()
+        if not diagnosis.unreachable:
+            return  # the others still run: the job's own length is not bounded
+        self.ending = True
+        text = (f"mpistrat.errors.PeerLostError: lost {diagnosis.names()}: rank "
+                f"{self.rank} ({self.host}) finished the script and has waited "
+                f"{now - deadline:.1f} s for the other ranks to finish theirs. "
+                + self._findings(diagnosis) + " " + _ENDING)
+        reporter = self.is_reporter(diagnosis)
+        self.end(1, text if reporter else self._follower_line(diagnosis, "the end"),
+                 reporter)
+
+    def _stall_report(self, entry: Any, lasted: float) -> None:
+        diagnosis = self.probe()
+        if not self.is_reporter(diagnosis):
+            return
+        text = (f"mpistrat: stall: rank {self.rank} ({self.host}) has been "
+                f"{self._doing(entry, lasted)}. " + self._findings(diagnosis))
+        text += (" This check repeats; --timeout (MPISTRAT_COLLECTIVE_TIMEOUT) ends the job "
+                 "instead." if self.timeout is None else
+                 f" The job gives up after {self.timeout:g} s (--timeout).")
+        self.report(text)
+
+    def _findings(self, diagnosis: Diagnosis) -> str:
+        if diagnosis.unreachable:
+            answered = sorted(diagnosis.answers)
+            return (f"{_subject(diagnosis.unreachable, self.hostnames)} not answer "
+                    f"mpistrat's liveness probe ({PROBE_SECONDS:g} s): "
+                    f"{_cut_off(diagnosis.unreachable, self.hostnames, self.host)}; MPI "
+                    f"cannot complete a collective without them. Answering: "
+                    + _states(diagnosis, answered) + ".")
+        return ("Every rank answers mpistrat's liveness probe, so MPI itself is stuck (a "
+                "rank that left the collective's pattern, or a network path MPI uses and "
+                "the probe does not): " + _states(diagnosis, sorted(diagnosis.answers)) + ".")
+
+    def _fire(self, entry: Any, lasted: float) -> None:
+        """A collective outlasted --timeout: report, then end this rank (never returns)."""
+        self.ending = True
+        diagnosis = self.probe()
+        reporter = self.is_reporter(diagnosis)
+        doing = self._doing(entry, lasted, f", past --timeout {self.timeout:g} s")
+        if reporter:
+            if diagnosis.unreachable:
+                head = f"mpistrat.errors.PeerLostError: lost {diagnosis.names()}: "
+            else:
+                head = "mpistrat.errors.CollectiveTimeoutError: "
+            text = (f"{self._location(entry)}{head}rank {self.rank} ({self.host}) has been "
+                    f"{doing}. " + self._findings(diagnosis) + " " + _ENDING)
+        else:
+            text = self._follower_line(diagnosis, f"{entry.what} (collective #{entry.seq})")
+        self.end(1, text, reporter)
+
+    def _location(self, entry: Any) -> str:
+        """The script's frames down to its call into mpistrat, as a traceback."""
+        frame = entry.frame
+        if frame is None:
+            return ""
+        summary = traceback.extract_stack(frame.f_back) if frame.f_back is not None else []
+        below = [i for i, f in enumerate(summary) if _hidden(f.filename)]
+        frames = summary[below[-1] + 1:] if below else summary
+        if not frames:
+            return ""
+        return "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+
+    def _follower_line(self, diagnosis: Diagnosis, what: str) -> str:
+        troubled = [r for r, a in diagnosis.answers.items() if a.troubled]
+        lead = min(troubled) if troubled else self.rank
+        lost = (f"{diagnosis.names()} cannot be reached" if diagnosis.unreachable else
+                "the job cannot go on")
+        return (f"mpistrat: rank {self.rank} ({self.host}) stops too in {what}: {lost}; "
+                f"rank {lead} reports.")
+
+    def explain_failure(self, report: str, location: str, symptom: bool,
+                        what: str = "an error",
+                        diagnosis: Diagnosis | None = None) -> tuple[str, bool]:
+        """For a rank whose script failed while its peers do not come (the runner's
+        abort path): (the report to print, whether this rank is the reporter). When ranks
+        do not answer and the failure is a collective's (a timeout, an aborted
+        collective), the report names them instead of the symptom; other failures keep
+        their traceback, with the unreachable ranks added (``diagnosis``: a probe made
+        just before, else one is made now)."""
+        self.ending = True
+        if diagnosis is None:
+            diagnosis = self.probe()
+        reporter = self.is_reporter(diagnosis)
+        if not diagnosis.unreachable:
+            return report, True
+        if not reporter and symptom:
+            return self._follower_line(diagnosis, "its collective"), False
+        findings = self._findings(diagnosis)
+        if symptom:
+            return (f"{location}mpistrat.errors.PeerLostError: lost {diagnosis.names()}: "
+                    f"a collective could not complete on rank {self.rank} ({self.host}) "
+                    f"(it surfaced here as {_article(what)} {what}). "
+                    + findings + " " + _ENDING), True
+        return f"{report.rstrip()}\n(mpistrat: also, {findings})", True
+
+    # -- ending the rank
+
+    def _arm_hard_stop(self) -> None:
+        """End the process HARD_STOP seconds from now even if Python cannot run (a C-level
+        timer of faulthandler; exit status 1). Armed once."""
+        if self._devnull is None:
+            self._devnull = open(os.devnull, "w")  # noqa: SIM115 - kept until the end
+            faulthandler.dump_traceback_later(HARD_STOP, exit=True, file=self._devnull)
+
+    def end(self, status: int, text: str, reporter: bool = True) -> None:
+        """Report ``text``, then end the job from this rank: ``MPI_Abort``, then
+        ``os._exit(status)`` (MPI_Abort returns in MPICH, and the launcher that would end
+        this rank may be cut off). Never returns."""
+        self.ending = True
+        self._arm_hard_stop()
+        self.report(text)
+        self.record(status, text)
+        self.wait_answering(_DELIVERY if reporter else _FOLLOWER_DELAY)
+        try:
+            mpi().COMM_WORLD.Abort(status)
+        finally:
+            self.wait_answering(_DELIVERY)  # the launcher's kill is the usual end
+            os._exit(status)
+
+    def record(self, status: int, text: str) -> None:
+        """Keep a report where it survives a cut link: the report file, and the job
+        monitor of ``mpistrat run -n``."""
+        if self.report_file:
+            write_report(self.report_file, text)
+        if self.notify is not None:
+            try:
+                self.notify(status, text)
+            except Exception:  # noqa: BLE001 - the report is printed already
+                pass
+
+    def wait_answering(self, seconds: float) -> None:
+        """Sleep ``seconds``, answering probes meanwhile (a rank about to end still tells
+        its peers it is alive and ending, so they do not count it as lost)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self._pump(min(left, 0.05))
+
+
+_ENDING = ("An MPI job cannot continue without its ranks: this rank ends now, and the "
+           "others with it; rerun the job to resume from its last complete checkpoint.")
+
+
+def write_report(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a reader sees all of it or nothing)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as file:
+            file.write(text.rstrip("\n") + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a report file is a convenience; stderr has the report
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _subject(ranks: Sequence[int], hostnames: Sequence[str]) -> str:
+    """``Host node2 (ranks 2, 3) does`` / ``Ranks 2 (node1) and 3 (node2) do``."""
+    text = name_ranks(ranks, hostnames)
+    groups = group_by_host(ranks, hostnames)
+    whole = all(members == [r for r, h in enumerate(hostnames) if h == host]
+                for host, members in groups.items())
+    one = len(groups) == 1 and (whole or len(ranks) == 1)
+    return f"{_capital(text)} {'does' if one else 'do'}"
+
+
+def _cut_off(ranks: Sequence[int], hostnames: Sequence[str], here: str) -> str:
+    """Why ranks do not answer, in words."""
+    hosts = sorted({hostnames[r] for r in ranks})
+    if here in hosts:
+        return (f"{'it was' if len(ranks) == 1 else 'they were'} killed or stopped, or "
+                f"{'hangs' if len(ranks) == 1 else 'hang'} without letting Python run")
+    one = len(hosts) == 1
+    names = " and ".join(hosts)
+    return (f"{names} {'is' if one else 'are'} down, {'its' if one else 'their'} processes "
+            f"were killed, or the network between {here} and {names} failed (a partition)")
+
+
+def _states(diagnosis: Diagnosis, ranks: Sequence[int]) -> str:
+    parts = []
+    for rank in ranks:
+        answer = diagnosis.answers[rank]
+        parts.append(f"rank {rank} ({diagnosis.hostnames[rank]}) {answer.state}")
+    return "; ".join(parts)
+
+
+def _on_stack(top: Any, frame: Any) -> bool:
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
+_RUNNER = os.path.dirname(os.path.abspath(__file__))
+
+
+def _hidden(filename: str) -> bool:
+    """Frames of the runner and runpy: the script's frames are those above the last."""
+    path = os.path.abspath(filename)
+    return filename == "<frozen runpy>" or path.startswith(_RUNNER + os.sep) or \
+        path == os.path.abspath(runpy.__file__)
+
+
+def _hostnames(comm: Any) -> tuple[str, ...]:
+    """Every rank's host name, from the topology (processor names)."""
+    try:
+        from ..topology import get_topology
+
+        return tuple(get_topology(comm).hostnames)
+    except Exception:  # noqa: BLE001 - the same on every rank (the environment's fault)
+        return tuple(comm.allgather(mpi().Get_processor_name()))

@@ -1,0 +1,251 @@
+"""The watchdog of ``mpistrat run`` and the job monitor of ``mpistrat run -n``, in one
+process: ranks in words, the liveness probe over loopback between watchdogs, a collective
+that outlasts the timeout, who reports, and the monitor's account of lost hosts."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from mpistrat._stall import Entry
+from mpistrat.runner.failure import outcome_of
+from mpistrat.runner.monitor import JobMonitor, MonitorClient
+from mpistrat.runner.watchdog import Watchdog, name_ranks
+
+HOSTS = ("node1", "node1", "node2", "node2")
+
+
+@pytest.mark.parametrize("ranks, words", [
+    ([2, 3], "host node2 (ranks 2, 3)"),
+    ([3], "rank 3 (node2)"),
+    ([0, 1, 3], "host node1 (ranks 0, 1) and rank 3 (node2)"),
+    ([0, 1, 2, 3], "host node1 (ranks 0, 1) and host node2 (ranks 2, 3)"),
+])
+def test_ranks_are_named_by_host(ranks, words):
+    assert name_ranks(ranks, HOSTS) == words
+
+
+class FakeWatch:
+    """What a Watchdog reads of mpistrat._stall.Watch."""
+
+    def __init__(self, timeout=None, stall_check=None):
+        self.timeout, self.stall_check = timeout, stall_check
+        self.active = {}
+        self.diagnose = None
+
+    def describe(self, channel):
+        return "the world communicator of 4 ranks"
+
+
+@pytest.fixture
+def dogs():
+    """Four watchdogs (ranks 0-3, 'hosts' node1 and node2) talking over loopback; the
+    first has a 0.5 s timeout. ``end`` is replaced by a recorder (it would exit)."""
+    socks = []
+    for _ in HOSTS:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.setblocking(False)
+        socks.append(sock)
+    peers = [(s.getsockname()[1], ["127.0.0.1"]) for s in socks]
+    made = []
+    for rank, sock in enumerate(socks):
+        watch = FakeWatch(timeout=0.5 if rank == 0 else None)
+        dog = Watchdog(watch, rank, HOSTS, peers, sock, key=1234, report=lambda text: None)
+        dog.ended = []
+        dog.end = (lambda d: lambda status, text, reporter=True:
+                   d.ended.append((status, text, reporter)))(dog)
+        dog.phase = "running the script"
+        dog._thread.start()
+        made.append(dog)
+    yield made
+    for dog in made:
+        if not dog._stopped.is_set():
+            dog.stop()
+
+
+def test_every_rank_answers_the_probe_with_what_it_does(dogs):
+    diagnosis = dogs[0].probe()
+    assert diagnosis.unreachable == []
+    assert {r: a.state for r, a in diagnosis.answers.items()} == {
+        r: "running the script" for r in range(4)}
+
+
+def test_ranks_that_do_not_answer_are_unreachable_and_named_by_host(dogs):
+    dogs[2].stop()
+    dogs[3].stop()
+    started = time.monotonic()
+    diagnosis = dogs[0].probe()
+    assert 0.9 <= time.monotonic() - started < 3.0  # the probe's wait, not longer
+    assert diagnosis.unreachable == [2, 3]
+    assert diagnosis.lost == {"node2": [2, 3]}
+    assert diagnosis.names() == "host node2 (ranks 2, 3)"
+    text = dogs[0].explain_missing([2, 3])
+    assert text.startswith("Host node2 (ranks 2, 3) does not answer mpistrat's liveness probe")
+    assert "the network between node1 and node2 failed (a partition)" in text
+
+
+def _stuck_in_a_collective(watch, release):
+    """A thread inside a 'collective' whose data exchange never completes."""
+    entry = Entry("all_reduce", SimpleNamespace(seq=7), time.monotonic(), sys._getframe())
+    entry.agreed = entry.started
+    watch.active[threading.get_ident()] = entry
+    release.wait(10)
+
+
+def train_step(watch, release):
+    _stuck_in_a_collective(watch, release)
+
+
+def test_a_collective_past_the_timeout_is_reported_naming_the_lost_host(dogs):
+    dogs[2].stop()
+    dogs[3].stop()
+    release = threading.Event()
+    stuck = threading.Thread(target=train_step, args=(dogs[0].watch, release))
+    stuck.start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while not dogs[0].ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        release.set()
+        stuck.join()
+    assert dogs[0].ended, "the watchdog did not act on a collective past its timeout"
+    status, text, reporter = dogs[0].ended[0]
+    assert status == 1 and reporter
+    assert "mpistrat.errors.PeerLostError: lost host node2 (ranks 2, 3): rank 0 (node1)" in text
+    assert "in all_reduce (collective #7 on the world communicator of 4 ranks)" in text
+    assert "past --timeout 0.5 s, all ranks having arrived (exchanging data)" in text
+    assert "rank 1 (node1) running the script" in text  # what the ranks that answer do
+    assert "in train_step\n    _stuck_in_a_collective(watch, release)\n" in text  # where
+
+
+def test_a_finished_collective_is_not_watched_any_more(dogs):
+    def collective():
+        entry = Entry("all_reduce", SimpleNamespace(seq=1), time.monotonic(),
+                      sys._getframe())
+        dogs[0].watch.active[threading.get_ident()] = entry
+
+    worker = threading.Thread(target=lambda: (collective(), time.sleep(1.5)))
+    worker.start()  # the 'collective' returned at once; its thread runs on for 1.5 s
+    worker.join()
+    assert dogs[0].ended == []
+
+
+def test_the_lowest_troubled_rank_reports_and_the_others_point_to_it(dogs):
+    dogs[3].stop()
+    dogs[0].ending = dogs[1].ending = True
+    report, reporter = dogs[1].explain_failure("Traceback ...\nCollectiveTimeoutError: x",
+                                               "Traceback (most recent call last):\n",
+                                               symptom=True, what="CollectiveTimeoutError")
+    assert not reporter
+    assert report == ("mpistrat: rank 1 (node1) stops too in its collective: rank 3 (node2) "
+                      "cannot be reached; rank 0 reports.")
+    report, reporter = dogs[0].explain_failure("Traceback ...\nCollectiveTimeoutError: x",
+                                               "Traceback (most recent call last):\n",
+                                               symptom=True, what="CollectiveTimeoutError")
+    assert reporter
+    assert report.startswith("Traceback (most recent call last):\nmpistrat.errors."
+                             "PeerLostError: lost rank 3 (node2): a collective could not "
+                             "complete on rank 0 (node1) (it surfaced here as a "
+                             "CollectiveTimeoutError).")
+    assert "waited" not in report  # the symptom's text (which blames a local peer) is gone
+    # a failure that is not a collective's keeps its traceback, the lost rank added
+    report, _ = dogs[0].explain_failure("Traceback ...\nValueError: bad", "", symptom=False)
+    assert report.startswith("Traceback ...\nValueError: bad\n(mpistrat: also, Rank 3 (node2)")
+
+
+def test_outcome_keeps_the_location_and_whether_a_collective_failed():
+    from mpistrat.errors import CollectiveTimeoutError
+
+    try:
+        raise CollectiveTimeoutError("all_reduce timed out", [1])
+    except CollectiveTimeoutError as exc:
+        outcome = outcome_of(exc, "train.py")
+    assert outcome.symptom and outcome.what == "CollectiveTimeoutError"
+    assert outcome.location.startswith("Traceback (most recent call last):\n")
+    assert "CollectiveTimeoutError: all_reduce" not in outcome.location  # frames only
+    assert outcome.report == outcome.location + "mpistrat.errors.CollectiveTimeoutError: " \
+        "all_reduce timed out\n"
+    try:
+        raise ValueError("bad")
+    except ValueError as exc:
+        assert not outcome_of(exc, "train.py").symptom
+
+
+# -- the job monitor of mpistrat run -n
+
+
+def _clients(monitor, hosts=HOSTS):
+    env = monitor.env()
+    clients = [MonitorClient.connect(env, rank, host) for rank, host in enumerate(hosts)]
+    assert all(clients)
+    _settle(lambda: len(monitor.records) == len(hosts))
+    return clients
+
+
+def _settle(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the monitor did not see it"
+        time.sleep(0.02)
+
+
+def _vanish(monitor, client):
+    client._sock.close()  # as the kernel does for a killed process: no 'end' line
+    _settle(lambda: monitor.records[client.rank].closed is not None)
+
+
+def test_the_host_whose_ranks_vanish_first_is_named(monkeypatch):
+    monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
+    with JobMonitor(4) as monitor:
+        clients = _clients(monitor)
+        for rank in (3, 2, 0, 1):  # node2 dies; then the launcher kills node1's ranks
+            _vanish(monitor, clients[rank])
+        text = monitor.summary(255)
+    assert text.startswith("mpistrat run: the job lost host node2 (ranks 2, 3): its ranks "
+                           "ended at ")
+    assert "the launcher then ended host node1 (ranks 0, 1)" in text
+    assert "hydra's 'assert (!closed) failed'" in text
+
+
+def test_ranks_ended_by_the_launcher_after_a_reported_failure_are_not_lost(monkeypatch):
+    monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
+    with JobMonitor(4) as monitor:
+        clients = _clients(monitor)
+        clients[0].end(1)
+        _settle(lambda: monitor.records[0].closed is not None)
+        for rank in (1, 2, 3):
+            _vanish(monitor, clients[rank])
+        assert monitor.summary(1) is None
+        assert monitor.summary(0) is None
+
+
+def test_ranks_cut_off_from_the_launcher_are_named_with_their_reports(tmp_path, monkeypatch):
+    monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
+    (tmp_path / "rank-2.txt").write_text("PeerLostError: lost host node1 (ranks 0, 1)\n")
+    with JobMonitor(4, report_dir=str(tmp_path)) as monitor:
+        import os
+
+        assert os.environ["MPISTRAT_RUN_MONITOR"] == monitor.env()["MPISTRAT_RUN_MONITOR"]
+        clients = _clients(monitor)
+        clients[0].end(1)
+        clients[1].end(1)
+        _settle(lambda: monitor.records[1].closed is not None)
+        text = monitor.summary(1, str(tmp_path))  # ranks 2 and 3 stay connected, silent
+        for client in clients[2:]:
+            client.end(0)
+    assert "MPISTRAT_RUN_MONITOR" not in os.environ
+    assert text.startswith("mpistrat run: host node2 (ranks 2, 3) never reported how they "
+                           "ended: this launcher cannot reach them")
+    assert f"rank 2's report ({tmp_path}/rank-2.txt):\n  PeerLostError: lost host node1" in text
+
+
+def test_no_monitor_variable_means_no_client():
+    assert MonitorClient.connect({}, 0, "node1") is None
+    assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": "1 127.0.0.1"}, 0, "n") is None
