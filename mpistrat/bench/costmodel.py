@@ -14,40 +14,35 @@ bytes per byte of the buffer (inside hosts: the busiest rank's larger direction;
 hosts: the busiest link direction, so ``B_net`` counts every rank of a host whose
 message crosses the link in the same step). :func:`terms` derives them by laying each
 algorithm's messages out over the ranks' hosts, so any layout works (uneven hosts, one
-host, virtual nodes). For ``H`` hosts of ``k`` ranks, ``p = H k``, host-major order (the
-flat algorithms sort ranks by host; ``native`` keeps the launcher's order):
+host, virtual nodes). For ``H > 1`` hosts of ``k`` ranks, ``p = H k``, in host-major
+order (the flat algorithms sort ranks by host; ``native`` keeps the launcher's order):
 
-============  ====================  ===========================  =====================
-algorithm     inside hosts          across links                 ranks per link
-============  ====================  ===========================  =====================
-xring#s       (H = 1: 2(p-1)s,      L 2(p-1)s, B 2(p-1)/p:       1 each way
-              2(p-1)/p)             every step crosses a link
-rechd,        L 2 lg k,             L 2 lg H, B 2(H-1)/H: the    k at once
-native        B 2(k-1)/k (the       last lg H halving steps and
-              first lg k halving    first doubling steps (recursive
-              steps and the last    doubling at <= 2 KiB: lg p steps
-              doubling steps)       of the whole buffer)
-pscpu#s       (H = 1: one step of   one step, gather and scatter     k
-              p-1 messages, B       pipelined: B = max over hosts of
-              (p-1)/s)              (g(p-k) + (s-g)k)/s, g = pieces
-                                    gathered on the host
-a/b#s         a's reduce to the     b#s over the H leaders          1 (leaders only)
-              leader on k ranks,
-              a broadcast on k
-============  ====================  ===========================  =====================
+* ``xring#s``: every one of its ``2(p-1)`` steps crosses links, one rank per link
+  direction: ``L_net = 2(p-1)s``, ``B_net = 2(p-1)/p``.
+* ``rechd`` (and ``native``, modelled as MPICH's reduce-scatter + allgather): the first
+  ``lg k`` halving steps and the last ``lg k`` doubling steps stay inside hosts
+  (``L_in = 2 lg k``, ``B_in = 2(k-1)/k``); the other ``2 lg H`` cross with all ``k``
+  ranks of a host on its link at once (``B_net = 2(H-1)/H``). At or below 2 KiB:
+  ``lg p`` steps of the whole buffer (``B_net = k lg H``).
+* ``pscpu#s``: gather and scatter overlap as one step; ``B_net`` is the most any host
+  link carries one way, ``(g(p-k) + (s-g)k)/s`` for ``g`` pieces gathered on the host.
+* ``a/b#s``: ``a``'s reduce onto the leader and a broadcast inside hosts, ``b#s`` over
+  the ``H`` leaders across links (one rank per link). On several nodes with several
+  ranks on some node and at least two :data:`~mpistrat.algorithms.hierarchical.
+  PIPELINE_BYTES` pieces, the three stages run at once over ``m = ceil(n /
+  PIPELINE_BYTES)`` pieces: the stages on one piece plus ``(m - 1)`` x the slowest.
 
-``a/b`` on more than one node with several ranks on a node and buffers of at least two
-:data:`mpistrat.algorithms.hierarchical.PIPELINE_BYTES` pieces runs its three stages
-at once over ``m = ceil(n / PIPELINE_BYTES)`` pieces: ``t = sum of the stages on one
-piece + (m - 1) x the slowest stage on one piece``.
+On one host every step stays inside it and the counts are the classic single-level ones.
 
-**Fitting.** Each algorithm's four numbers are fitted on every point of the sweeps given
-(each with its own layout), by non-negative least squares on relative errors (every
-size counts alike). One sweep's layout cannot tell the levels apart (``L_in`` and
-``L_net`` are then constants): a level that no sweep separates shares the other level's
-alpha (or beta), and the model says so. The documented recipe is one sweep on one host
-(``k`` ranks: the intra terms) plus one across two hosts (``2 x k``). Nothing here
-needs MPI.
+**Fitting.** Each algorithm's four numbers (all >= 0) are fitted on every point of the
+sweeps given (each with its own layout) by least absolute relative error: every size
+counts alike, and a few sizes disturbed by a busy machine do not drag the line (sweeps
+of one layout merge first, each point the median of their medians). One layout cannot
+tell the levels apart (``L_in`` and ``L_net`` are then constants): a parameter that no
+sweep separates serves both levels (marked ``=``), and ``a/b#s``, measurable only
+across nodes, takes its intra terms from ``a/b`` (marked ``*``). The documented recipe
+is one sweep on one host (``k`` ranks: the intra terms) plus one across two hosts
+(``2 x k``). Nothing here needs MPI.
 """
 
 from __future__ import annotations
@@ -68,7 +63,7 @@ from ..spec import format_bytes
 from .report import format_us
 from .results import Point
 
-__all__ = ["Layout", "Terms", "Sweep", "Fit", "CostModel", "Prediction", "terms",
+__all__ = ["Layout", "Terms", "Sweep", "Check", "Fit", "CostModel", "Prediction", "terms",
            "fit_points", "fit", "fit_sweeps", "predict", "layout_from_meta",
            "model_for_run", "pipeline_pieces", "merge_repeats"]
 
@@ -308,8 +303,10 @@ def _halving_doubling(hosts: Sequence[int], nbytes: int) -> Terms:
 
 def _shuffle_group(hosts: Sequence[int], owners: Sequence[int],
                    destinations: Sequence[int] | None = None) -> Terms:
-    """One shuffle (pieces to their gather ranks, reduced pieces back to
-    ``destinations``, every rank by default), gather and scatter pipelined: one step."""
+    """One shuffle: pieces to their gather ranks, reduced pieces back to
+    ``destinations`` (every rank by default), gather and scatter as one step: the
+    gather rank sends each message back as it is added, and the socket buffers overlap
+    the two even for a piece of one message."""
     p, s = len(hosts), len(owners)
     targets = range(p) if destinations is None else destinations
     frac = 1 / s
@@ -330,17 +327,21 @@ def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int]) -> Terms:
     pieces: dict[int, int] = {}
     for owner in owners:
         pieces[owner] = pieces.get(owner, 0) + 1
-    if len(per_host) == 1:
+    if len(per_host) == 1:  # rank r: g(p-1)/s in and out for its pieces, (s-g)/s others
+        held = [*pieces.values()] + [0] * (p > len(pieces))  # (0: a rank gathering none)
         g = max(pieces.values())
-        return Terms(l_in=g * (p - 1) + (s - g), b_in=(g * (p - 1) + (s - g)) / s)
+        return Terms(l_in=g * (p - 1) + (s - g),
+                     b_in=max((g * (p - 1) + s - g) / s for g in held))
     on_host: dict[int, int] = {}
     for owner, g in pieces.items():
         on_host[hosts[owner]] = on_host.get(hosts[owner], 0) + g
+    # host h's link, one way: its pieces' remote contributions (or results) and the
+    # remote pieces' results for (or contributions from) its k ranks
     load = max((on_host.get(h, 0) * (p - k) + (s - on_host.get(h, 0)) * k) / s
                for h, k in per_host.items())
-    messages = max(pieces.get(r, 0) * (p - per_host[hosts[r]])
-                   + (s - on_host.get(hosts[r], 0)) for r in range(p))
-    return Terms(l_net=messages, b_net=load, share=max(per_host.values()))
+    count = max(pieces.get(r, 0) * (p - per_host[hosts[r]])
+                + (s - on_host.get(hosts[r], 0)) for r in range(p))
+    return Terms(l_net=count, b_net=load, share=max(per_host.values()))
 
 
 def _shuffle(hosts: Sequence[int], shards: int) -> Terms:
@@ -465,27 +466,46 @@ def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
 # ------------------------------------------------------------------ fitting
 
 
-def fit_points(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
-    """``(a, b)`` >= 0 minimising the sum of ``((a + b n) / t - 1)^2`` over the points."""
+def fit_points(sizes: Sequence[int], times: Sequence[float], *,
+               robust: bool = False) -> tuple[float, float]:
+    """``(a, b)`` >= 0 minimising the sum of ``((a + b n) / t - 1)^2`` over the points
+    (with ``robust``: of ``|(a + b n) / t - 1|``, as the cost model fits)."""
     if len(sizes) != len(times) or not sizes:
         raise ValueError("fit_points needs as many sizes as times, at least one")
-    a, b = _nnls([(1.0, float(n)) for n in sizes], times)
+    a, b = _nnls([(1.0, float(n)) for n in sizes], times, robust=robust)
     return a, b
 
 
 def _nnls(rows: Sequence[Sequence[float]], times: Sequence[float],
-          known: Sequence[float] | None = None) -> list[float]:
-    """``x >= 0`` minimising ``sum(((row . x + known) / t - 1)^2)`` (``known``: seconds
-    already accounted for, default none): the best of the unconstrained least-squares
-    solutions on every support that come out non-negative (exact for the few columns of
-    this model)."""
+          known: Sequence[float] | None = None, *, robust: bool = True) -> list[float]:
+    """``x >= 0`` minimising the relative errors ``(row . x + known) / t - 1`` (``known``:
+    seconds already accounted for, default none): their sum of absolute values when
+    ``robust`` (iteratively reweighted, so a few sizes disturbed by a busy machine do not
+    drag the line), else their sum of squares."""
     import numpy as np
 
     a = np.array([[f / t for f in row] for row, t in zip(rows, times)], dtype=float)
     y = np.array([1 - c / t for c, t in zip(known or [0.0] * len(times), times)])
-    cols = a.shape[1]
     scale = np.where(np.abs(a).max(axis=0) > 0, np.abs(a).max(axis=0), 1.0)
     a = a / scale
+    x = _nonnegative_lstsq(a, y)
+    for _ in range(30 if robust else 0):
+        # weights 1/sqrt(|error|) turn squares into absolute values (errors under 1 %
+        # count as 1 %, which keeps the weights finite and the iteration stable)
+        w = 1 / np.sqrt(np.maximum(np.abs(a @ x - y), 0.01))
+        new = _nonnegative_lstsq(a * w[:, None], y * w)
+        if np.allclose(new, x, rtol=1e-9, atol=1e-15):
+            break
+        x = new
+    return list(x / scale)
+
+
+def _nonnegative_lstsq(a: Any, y: Any) -> Any:
+    """The ``x >= 0`` minimising ``|a x - y|^2``: the best of the unconstrained solutions
+    on every support that come out non-negative (exact for this model's few columns)."""
+    import numpy as np
+
+    cols = a.shape[1]
     best, best_loss = np.zeros(cols), float(np.sum(y ** 2))  # all zero
     for size in range(1, cols + 1):
         for support in itertools.combinations(range(cols), size):
@@ -497,10 +517,10 @@ def _nnls(rows: Sequence[Sequence[float]], times: Sequence[float],
                 continue
             loss = float(np.sum((sub @ x - y) ** 2))
             if loss < best_loss - 1e-12 * max(1.0, best_loss):
-                full = np.zeros(cols)
-                full[list(support)] = x
-                best, best_loss = full, loss
-    return list(best / scale)
+                best = np.zeros(cols)
+                best[list(support)] = x
+                best_loss = loss
+    return best
 
 
 def _separates(pairs: Sequence[tuple[float, float]]) -> bool:
@@ -625,8 +645,8 @@ def _ns(seconds: float) -> str:
 def _fit_group(label: str, alg: str, shards: int,
                group: Sequence[tuple[Point, Layout, str]],
                intra: Fit | None = None) -> Fit:
-    """Fit one algorithm's points (each with its layout) with non-negative least squares
-    on relative errors, sharing a parameter between levels where the points cannot
+    """Fit one algorithm's points (each with its layout), non-negative, on absolute
+    relative errors (:func:`_nnls`), sharing a parameter between levels where the points cannot
     separate it, or taking alpha_in and beta_in from ``intra`` (the same stages inside
     hosts, fitted on more layouts); pipelined points are refitted until their slowest
     stage is stable."""

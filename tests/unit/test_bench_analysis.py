@@ -154,7 +154,7 @@ def test_terms_follow_the_classic_formulas():
     assert one_host("xring", 2, 4) == (12, 1.5)
     assert one_host("rechd", 1, 8) == (6, 1.75)
     assert one_host("rechd", 1, 6) == (6, 1.5 + 2)  # 4 folded + 2 extra steps
-    # the gather rank takes p-1 contributions and sends p-1 results, pipelined
+    # the gather rank takes p-1 contributions and sends p-1 results, overlapped
     assert one_host("pscpu", 1, 4) == (3, 3)
     assert one_host("pscpu", 4, 4) == (6, 1.5)
     assert one_host("xring", 1, 1) == (0, 0)

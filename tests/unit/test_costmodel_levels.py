@@ -4,11 +4,13 @@ output, saved models, and the hosts/link metadata (pure: no MPI)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 
 import pytest
 
+from mpistrat.algorithms.shuffle import PIECE_BYTES  # (one message per piece)
 from mpistrat.bench import costmodel
 from mpistrat.bench.costmodel import Layout, Sweep, Terms, terms
 from mpistrat.bench.files import write_json
@@ -98,15 +100,20 @@ def test_halving_doubling_levels_depend_on_rank_order():
 
 def test_shuffle_link_load():
     # pscpu#1 on 2 x 2: the gather rank's host link carries both remote contributions in
-    # and both results out (pipelined: the two directions at once)
-    t = terms("pscpu", 1, TWO_HOSTS, MiB)
+    # and both results out, the two directions at once (gather and scatter overlap)
+    t = terms("pscpu", 1, TWO_HOSTS, PIECE_BYTES)
     assert as_tuple(t) == approx_terms(l_net=2, b_net=2.0) and t.share == 2
+    # pscpu#2: a gather rank on each host, n/2 + n/2 each way
+    assert as_tuple(terms("pscpu", 2, TWO_HOSTS, MiB)) == approx_terms(l_net=3, b_net=2.0)
+    # 3 + 1: the lone rank's link carries its piece's 3 contributions and 3 results
+    assert as_tuple(terms("pscpu", 4, Layout.from_counts([3, 1]), MiB)) == \
+        approx_terms(l_net=6, b_net=1.5)
     # one host: the gather rank takes p-1 contributions and sends p-1 results
     assert as_tuple(terms("pscpu", 1, ONE_HOST, MiB)) == approx_terms(3, 3.0)
-    assert as_tuple(terms("pscpu", 4, ONE_HOST, MiB)) == approx_terms(6, 0.75 * 2)
+    assert as_tuple(terms("pscpu", 4, ONE_HOST, MiB)) == approx_terms(6, 1.5)
     # the per-host count (large jobs) agrees with the message-by-message one
     rng = random.Random(7)
-    for _ in range(20):
+    for _ in range(40):
         counts = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
         hosts = [h for h, c in enumerate(counts) for _ in range(c)]
         owners = rng.sample(range(len(hosts)), rng.randint(1, len(hosts)))
@@ -132,8 +139,8 @@ def test_hierarchical_sends_only_from_leaders():
 
 
 def test_pipelined_hierarchical_counts_the_slowest_stage_per_piece():
-    piece = costmodel.sys.modules["mpistrat.algorithms.hierarchical"].__dict__.get(
-        "PIPELINE_BYTES")
+    piece = getattr(importlib.import_module("mpistrat.algorithms.hierarchical"),
+                    "PIPELINE_BYTES", None)
     if piece is None:
         pytest.skip("a/b does not pipeline in this checkout")
     n = 8 * piece  # 8 pieces
@@ -195,6 +202,19 @@ def test_two_layouts_recover_both_levels():
     model = costmodel.fit_sweeps([Sweep(tuple(wrong), TWO_HOSTS),
                                   Sweep(tuple(p for p in one if p.label == "rechd"), ONE_HOST)])
     assert model.fits[0].beta_net == pytest.approx(2 * TRUE[3], rel=1e-3)
+
+
+def test_a_disturbed_size_does_not_drag_the_fit():
+    # two sizes measured while the machine was busy (5x): the absolute-error fit keeps
+    # the line through the others, least squares would not
+    sizes = [256 << (2 * i) for i in range(10)]
+    times = [30e-6 + 8e-9 * n for n in sizes]
+    times[4] *= 5
+    times[5] *= 5
+    assert costmodel.fit_points(sizes, times, robust=True) == pytest.approx((30e-6, 8e-9),
+                                                                           rel=1e-3)
+    a, b = costmodel.fit_points(sizes, times)
+    assert b > 8.4e-9  # least squares: 6 % high on every large size
 
 
 def test_one_layout_shares_each_parameter_between_levels():
