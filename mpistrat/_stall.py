@@ -19,7 +19,7 @@ to every rank, and the other ranks wait for that list (up to another ``timeout``
 every rank names the same ranks (at most ``VERDICT_WAIT`` seconds more).
 
 Each watched agreement also records, per thread, the collective it starts (an
-:class:`Entry`: what, when, and the outermost mpistrat frame of the call), so that
+an entry: what, when, and the outermost mpistrat frame of the call), so that
 ``mpistrat run``'s watchdog (:mod:`mpistrat.runner.watchdog`) can bound the time a rank
 spends in the rest of the collective too — the algorithm's own MPI calls, which no
 Python loop polls — and name unreachable hosts in the reports (:attr:`Watch.diagnose`).
@@ -39,7 +39,8 @@ from typing import Any
 from ._mpi import mpi
 from .errors import CollectiveTimeoutError
 
-__all__ = ["watch", "unwatch", "current", "Watch", "Entry", "VERDICT_WAIT"]
+__all__ = ["watch", "unwatch", "current", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",
+           "CHANNEL", "SEQ", "STARTED", "AGREED", "FRAME", "REPORTED", "POLLED"]
 
 _TAG = 0x5A8  # point-to-point tag of notes and verdicts, on the private communicator
 _MONITORS = 2  # ranks 0 and 1 of each communicator
@@ -55,20 +56,18 @@ _NOT_COLLECTIVE = tuple(os.path.join(_PACKAGE, name) for name in
 _IN_COLLECTIVE: dict[Any, bool] = {}  # code object -> is it mpistrat's collective code
 
 
-class Entry:
-    """One collective a thread has started: its name, its communicator's channel and
-    number, when it started (``time.monotonic()``), when its agreement completed (None
-    while the ranks are still arriving), and ``frame``: the outermost mpistrat frame of the
-    call, which stays on the thread's stack until the collective returns."""
+# What a watched agreement records, per thread, of the collective it starts: a list (the
+# cheapest record to make once per collective), indexed by these names. FRAME is the
+# outermost mpistrat frame of the call, which stays on the thread's stack until the
+# collective returns; AGREED is None while the ranks are still arriving, then True; POLLED
+# is the agreement's last poll (a poll can block inside MPI); REPORTED is how long the
+# collective had lasted at the watchdog's last stall report.
+WHAT, CHANNEL, SEQ, STARTED, AGREED, FRAME, REPORTED, POLLED = range(8)
 
-    __slots__ = ("what", "channel", "seq", "started", "agreed", "frame", "reported", "polled")
 
-    def __init__(self, what: str, channel: Any, started: float, frame: Any) -> None:
-        self.what, self.channel, self.seq = what, channel, channel.seq
-        self.started, self.frame = started, frame
-        self.agreed: float | None = None
-        self.reported = 0.0  # how long it had lasted at the watchdog's last stall report
-        self.polled = started  # the agreement's last poll (a poll can block inside MPI)
+def new_entry(what: str, channel: Any, started: float, frame: Any) -> list:
+    """An entry (see above) of a collective that started at ``started``."""
+    return [what, channel, channel.seq, started, None, frame, 0.0, started]
 
 
 def _outermost(frame: Any) -> Any:
@@ -132,7 +131,7 @@ class Watch:
         self._verdicts: dict[int, tuple[int, list[int]]] = {}  # key -> (seq, missing)
         self._outbox: list[Any] = []
         self._lock = threading.Lock()
-        self.active: dict[int, Entry] = {}  # thread id -> the collective it is in
+        self.active: dict[int, list] = {}  # thread id -> the entry of its collective
         # ``diagnose(world_ranks)``: a sentence on why those ranks are missing (hosts that
         # do not answer), or None; set by mpistrat run's watchdog for the stall reports.
         self.diagnose: Callable[[list[int]], str | None] | None = None
@@ -156,12 +155,13 @@ class Watch:
             request.Wait()
             return
         channel.seq += 1
-        entry = Entry(what, channel, time.monotonic(), _outermost(sys._getframe(1)))
+        now = time.monotonic()
+        entry = [what, channel, channel.seq, now, None, _outermost(sys._getframe(1)), 0.0, now]
         self.active[threading.get_ident()] = entry
         self._drain()
         if not request.Test():
             self._wait(channel, request, what, entry)
-        entry.agreed = time.monotonic()
+        entry[AGREED] = True
 
     def _channel(self, comm: Any) -> _Channel | None:
         channel = comm.Get_attr(self._keyval)
@@ -185,7 +185,7 @@ class Watch:
         comm.Set_attr(self._keyval, channel)
         return channel
 
-    def _wait(self, channel: _Channel, request: Any, what: str, entry: Entry) -> None:
+    def _wait(self, channel: _Channel, request: Any, what: str, entry: list) -> None:
         start = time.monotonic()
         note_at = self.grace
         report_at = self.stall_check or math.inf
@@ -193,7 +193,7 @@ class Watch:
         deferred = False
         pause = 10e-6
         while not request.Test():
-            now = entry.polled = time.monotonic()
+            now = entry[POLLED] = time.monotonic()
             waited = now - start
             if waited < _SPIN:
                 _yield()

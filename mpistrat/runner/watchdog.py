@@ -7,7 +7,7 @@ in a collective. Once they have, the algorithm's own MPI calls run (``Recv``, ``
 off in the middle leaves the rank blocked for good. Hence a thread per rank:
 
 * **The bound.** Every watched agreement records, per thread, the collective it starts
-  (:class:`mpistrat._stall.Entry`). Once a second (or a tenth of the shortest bound) the
+  (an entry of :mod:`mpistrat._stall`). Once a second (or a tenth of the shortest bound) the
   watchdog looks at the threads' stacks (``sys._current_frames``): a thread whose
   collective's outermost frame is still on its stack ``--timeout`` seconds after the
   collective started is stuck. The watchdog then probes the other ranks (below), prints
@@ -52,6 +52,7 @@ from typing import Any
 
 from .. import _stall
 from .._mpi import mpi
+from .._stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
 
 __all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "name_ranks",
            "group_by_host", "local_addresses"]
@@ -298,14 +299,14 @@ class Watchdog:
         frames = sys._current_frames()
         inside = []
         for ident, entry in list(self.watch.active.items()):
-            frame = entry.frame
+            frame = entry[FRAME]
             if frame is None:
                 continue
             top = frames.get(ident)
             if top is None or not _on_stack(top, frame):
-                entry.frame = None  # done: let its locals go
+                entry[FRAME] = None  # done: let its locals go
                 continue
-            inside.append((entry, now - entry.started))
+            inside.append((entry, now - entry[STARTED]))
         return inside
 
     def state(self) -> tuple[bool, str]:
@@ -318,13 +319,13 @@ class Watchdog:
         entry, lasted = max(inside, key=lambda item: item[1])
         return lasted >= _TROUBLED_AFTER, self._doing(entry, lasted)
 
-    def _doing(self, entry: Any, lasted: float, limit: str = "") -> str:
+    def _doing(self, entry: list, lasted: float, limit: str = "") -> str:
         """``in all_reduce (collective #12 on ...) for 10.2 s[LIMIT], all ranks having
         arrived (exchanging data)``."""
-        phase = ("waiting for the other ranks to arrive" if entry.agreed is None else
+        phase = ("waiting for the other ranks to arrive" if entry[AGREED] is None else
                  "all ranks having arrived (exchanging data)")
-        return (f"in {entry.what} (collective #{entry.seq} on "
-                f"{self.watch.describe(entry.channel)}) for {lasted:.1f} s{limit}, {phase}")
+        return (f"in {entry[WHAT]} (collective #{entry[SEQ]} on "
+                f"{self.watch.describe(entry[CHANNEL])}) for {lasted:.1f} s{limit}, {phase}")
 
     # -- the probe
 
@@ -380,18 +381,18 @@ class Watchdog:
     def _check(self) -> None:
         self._check_finishing()
         for entry, lasted in self._collectives():
-            if entry.agreed is None:
+            if entry[AGREED] is None:
                 # the agreement polls its own timeout, unless a poll blocks inside MPI
                 # (a peer killed mid-connection can make MPICH's progress block)
-                blocked = time.monotonic() - entry.polled >= _BLOCKED
+                blocked = time.monotonic() - entry[POLLED] >= _BLOCKED
                 if self.timeout and (lasted >= self.timeout and blocked or lasted >=
                                      self.timeout + _stall.VERDICT_WAIT + _BACKSTOP):
                     self._fire(entry, lasted)
                 continue
             if self.timeout and lasted >= self.timeout:
                 self._fire(entry, lasted)
-            elif self.stall_check and lasted >= entry.reported + self.stall_check:
-                entry.reported = lasted
+            elif self.stall_check and lasted >= entry[REPORTED] + self.stall_check:
+                entry[REPORTED] = lasted
                 self._stall_report(entry, lasted)
 
     def finishing(self, status: int, report: str | None, within: float) -> None:
@@ -430,7 +431,7 @@ class Watchdog:
         self.end(1, text if reporter else self._follower_line(diagnosis, "the end"),
                  reporter)
 
-    def _stall_report(self, entry: Any, lasted: float) -> None:
+    def _stall_report(self, entry: list, lasted: float) -> None:
         diagnosis = self.probe()
         if not self.is_reporter(diagnosis):
             return
@@ -453,7 +454,7 @@ class Watchdog:
                 "rank that left the collective's pattern, or a network path MPI uses and "
                 "the probe does not): " + _states(diagnosis, sorted(diagnosis.answers)) + ".")
 
-    def _fire(self, entry: Any, lasted: float) -> None:
+    def _fire(self, entry: list, lasted: float) -> None:
         """A collective outlasted --timeout: report, then end this rank (never returns)."""
         self.ending = True
         diagnosis = self.probe()
@@ -467,12 +468,12 @@ class Watchdog:
             text = (f"{self._location(entry)}{head}rank {self.rank} ({self.host}) has been "
                     f"{doing}. " + self._findings(diagnosis) + " " + _ENDING)
         else:
-            text = self._follower_line(diagnosis, f"{entry.what} (collective #{entry.seq})")
+            text = self._follower_line(diagnosis, f"{entry[WHAT]} (collective #{entry[SEQ]})")
         self.end(1, text, reporter)
 
-    def _location(self, entry: Any) -> str:
+    def _location(self, entry: list) -> str:
         """The script's frames down to its call into mpistrat, as a traceback."""
-        frame = entry.frame
+        frame = entry[FRAME]
         if frame is None:
             return ""
         summary = traceback.extract_stack(frame.f_back) if frame.f_back is not None else []

@@ -132,13 +132,15 @@ def test_each_collective_is_recorded_for_the_watchdog(comm, reports):
 
     if comm.size == 1:
         pytest.skip("a communicator of one rank is not watched")
+    from mpistrat._stall import AGREED, FRAME, SEQ, STARTED, WHAT
+
     watch = _stall.current()
     mpistrat.all_reduce(np.ones(4), comm=comm)
     entry = watch.active[threading.get_ident()]
-    assert entry.what == "all_reduce" and entry.frame.f_code.co_name == "all_reduce"
-    assert entry.started <= entry.agreed
-    seq = entry.seq
+    assert entry[WHAT] == "all_reduce" and entry[FRAME].f_code.co_name == "all_reduce"
+    assert entry[AGREED] is True and entry[STARTED] <= time.monotonic()
+    seq = entry[SEQ]
     agree(comm, "same call", None, "test_collective")  # called from here: its own frame
     entry = watch.active[threading.get_ident()]
-    assert (entry.what, entry.seq, entry.frame.f_code.co_name) == ("test_collective",
-                                                                   seq + 1, "agree")
+    assert (entry[WHAT], entry[SEQ], entry[FRAME].f_code.co_name) == (
+        "test_collective", seq + 1, "agree")

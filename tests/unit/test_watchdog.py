@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpistrat._stall import Entry
+from mpistrat._stall import AGREED, STARTED, new_entry
 from mpistrat.runner.failure import outcome_of
 from mpistrat.runner.monitor import JobMonitor, MonitorClient
 from mpistrat.runner.watchdog import Watchdog, name_ranks
@@ -92,8 +92,8 @@ def test_ranks_that_do_not_answer_are_unreachable_and_named_by_host(dogs):
 
 def _stuck_in_a_collective(watch, release):
     """A thread inside a 'collective' whose data exchange never completes."""
-    entry = Entry("all_reduce", SimpleNamespace(seq=7), time.monotonic(), sys._getframe())
-    entry.agreed = entry.started
+    entry = new_entry("all_reduce", SimpleNamespace(seq=7), time.monotonic(), sys._getframe())
+    entry[AGREED] = entry[STARTED]
     watch.active[threading.get_ident()] = entry
     release.wait(10)
 
@@ -127,8 +127,8 @@ def test_a_collective_past_the_timeout_is_reported_naming_the_lost_host(dogs):
 
 def test_a_finished_collective_is_not_watched_any_more(dogs):
     def collective():
-        entry = Entry("all_reduce", SimpleNamespace(seq=1), time.monotonic(),
-                      sys._getframe())
+        entry = new_entry("all_reduce", SimpleNamespace(seq=1), time.monotonic(),
+                          sys._getframe())
         dogs[0].watch.active[threading.get_ident()] = entry
 
     worker = threading.Thread(target=lambda: (collective(), time.sleep(1.5)))
