@@ -535,7 +535,8 @@ def _separates(pairs: Sequence[tuple[float, float]]) -> bool:
 
 @dataclass(frozen=True)
 class Sweep:
-    """Measured points and the layout they were measured on (``name``: where from)."""
+    """Measured points and the layout they were measured on (``name``: where they come
+    from, e.g. a file name)."""
 
     points: tuple[Point, ...]
     layout: Layout
@@ -695,7 +696,7 @@ def fit_sweeps(sweeps: Sequence[Sweep]) -> CostModel:
     points count; an algorithm is fitted on the sweeps that measured it)."""
     by_label: dict[str, list[tuple[Point, Layout, str]]] = {}
     for sweep in sweeps:
-        name = sweep.name or sweep.layout.describe()
+        name = sweep.layout.describe()
         for p in sweep.points:
             if p.kind == "algorithm" and p.correct and p.median > 0:
                 by_label.setdefault(p.label, []).append((p, sweep.layout, name))
@@ -731,7 +732,7 @@ def fit_sweeps(sweeps: Sequence[Sweep]) -> CostModel:
 
 
 def _named_layouts(sweeps: Sequence[Sweep]) -> tuple[tuple[Layout, str], ...]:
-    return tuple(dict.fromkeys((s.layout, s.name or s.layout.describe()) for s in sweeps))
+    return tuple(dict.fromkeys((s.layout, s.name) for s in sweeps))
 
 
 def merge_repeats(sweeps: Sequence[Sweep]) -> list[Sweep]:
@@ -754,9 +755,8 @@ def merge_repeats(sweeps: Sequence[Sweep]) -> list[Sweep]:
                                per_rank_median=())
                        for ps in medians.values())
         names = [s.name for s in group if s.name]
-        tag = f"{len(group)} sweeps" if not names else ", ".join(
-            n.split("[", 1)[-1].rstrip("]") for n in names)
-        out.append(Sweep(points, layout, f"{layout.describe()} [{tag}]"))
+        out.append(Sweep(points, layout, ", ".join(names) if len(names) == len(group)
+                         else f"{len(group)} sweeps"))
     return out
 
 
@@ -773,8 +773,9 @@ def fit(points: Sequence[Point], ranks: int, nodes: int, *,
 
 @dataclass(frozen=True)
 class CostModel:
-    """Fits of every modelled algorithm, what could not be modelled, and the layouts
-    (with names) of the sweeps it was fitted on."""
+    """Fits of every modelled algorithm, what could not be modelled, and the layouts of
+    the sweeps it was fitted on (or checked against) with where those came from; a
+    fit's checks name their layout (:meth:`Layout.describe`)."""
 
     fits: tuple[Fit, ...]
     skipped: tuple[str, ...] = ()
@@ -790,13 +791,13 @@ class CostModel:
         return max((lay.hosts for lay, _ in self.layouts), default=1)
 
     def lines(self) -> list[str]:
-        where = "; ".join(f"{name}" + (f" ({lay.describe()})" if name != lay.describe() else "")
+        where = "; ".join(lay.describe() + (f" ({name})" if name else "")
                           for lay, name in self.layouts) or "?"
         how = (f"saved in {self.source}, checked against the medians of: {where}"
                if self.source else f"fitted on the medians of: {where}")
         out = [f"# Cost model t = a_in*L_in + b_in*B_in*n + a_net*L_net + b_net*B_net*n "
                f"(inside hosts / across links), {how}"]
-        names = [name for _, name in self.layouts]
+        names = list(dict.fromkeys(lay.describe() for lay, _ in self.layouts))
         rows = [("algorithm", "a_in(us)", "b_in(ns/B)", "a_net(us)", "b_net(ns/B)",
                  "1/b_net(MB/s)", *(f"err {n}" for n in names), "points")]
         for f in self.fits:
@@ -827,7 +828,8 @@ class CostModel:
         if layout_name is None:
             if not self.layouts:
                 return []
-            layout_name = max(self.layouts, key=lambda x: (x[0].hosts, x[0].ranks))[1]
+            layout = max((lay for lay, _ in self.layouts), key=lambda x: (x.hosts, x.ranks))
+            layout_name = layout.describe()
         table: dict[int, dict[str, float]] = {}
         for f in self.fits:
             for c in f.checks:
@@ -851,7 +853,7 @@ class CostModel:
         checks: dict[str, list[Check]] = {}
         missing: list[str] = []
         for sweep in sweeps:
-            name = sweep.name or sweep.layout.describe()
+            name = sweep.layout.describe()
             for p in sweep.points:
                 if p.kind != "algorithm" or not p.correct or p.median <= 0:
                     continue
@@ -1005,7 +1007,7 @@ def _sweep_from_file(path: str) -> tuple[Sweep, dict[str, Any]]:
 
     meta, points, document = read_json(path)
     layout = layout_from_meta(meta)
-    return Sweep(tuple(points), layout, f"{layout.describe()} [{Path(path).name}]"), document
+    return Sweep(tuple(points), layout, Path(path).name), document
 
 
 def model_for_run(meta: Mapping[str, Any], points: Sequence[Point], *,
@@ -1018,9 +1020,7 @@ def model_for_run(meta: Mapping[str, Any], points: Sequence[Point], *,
         ValueError: a file is not an ``mpistrat bench`` result or has no usable model.
     """
     layout = layout_from_meta(meta)
-    others = bool(model_with or model_from)
-    this = Sweep(tuple(points), layout,
-                 f"{layout.describe()} [this run]" if others else layout.describe())
+    this = Sweep(tuple(points), layout, "this sweep" if model_with or model_from else "")
     sweeps = merge_repeats([this, *(_sweep_from_file(path)[0] for path in model_with)])
     if model_from:
         _, document = _sweep_from_file(model_from)

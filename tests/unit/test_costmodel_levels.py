@@ -332,8 +332,9 @@ def test_bench_command_fits_two_levels_and_checks_a_saved_model(tmp_path):
     assert result.exit_code == 0, result.output
     out = result.output
     assert "# hosts: 2 (n1 x2, n2 x2); links 1gbit each (MPISTRAT_LINK_RATE)" in out
-    assert "err 2 hosts x 2 [this run]" in out and "err 1 host x 4 [one.json]" in out
-    assert "# Model error per size on 2 hosts x 2 [this run]" in out
+    assert "fitted on the medians of: 2 hosts x 2 (this sweep); 1 host x 4 (one.json)" in out
+    assert "err 2 hosts x 2" in out and "err 1 host x 4" in out
+    assert "# Model error per size on 2 hosts x 2 (model / measured - 1)" in out
     assert "at 1024 ranks, 8 per host (128 hosts x 8)" in out
     assert "# shm/rechd: t = " in out
     saved = json.loads((tmp_path / "fit.json").read_text())
@@ -342,8 +343,8 @@ def test_bench_command_fits_two_levels_and_checks_a_saved_model(tmp_path):
     result = bench("--from-json", str(tmp_path / "two.json"), "--model-from",
                    str(tmp_path / "fit.json"), "--model")
     assert result.exit_code == 0, result.output
-    assert "err 2 hosts x 2 [this run]" in result.output
-    assert "saved in fit.json, checked against the medians of" in result.output
+    assert "saved in fit.json, checked against the medians of: 2 hosts x 2 (this sweep)" \
+        in result.output
     # validation on several sweeps: repeats of one layout count as their median
     write_json(tmp_path / "two-again.json", two, [point(p.label, p.nbytes, p.median * 1.5)
                                                   for p in synthetic(TWO_HOSTS)], complete=True)
@@ -354,8 +355,8 @@ def test_bench_command_fits_two_levels_and_checks_a_saved_model(tmp_path):
                    "--model-with", str(tmp_path / "two-again.json"), "--model-with",
                    str(tmp_path / "two-more.json"), "--model")
     assert result.exit_code == 0, result.output
-    assert "err 2 hosts x 2 [this run, two-again.json, two-more.json]" in result.output
-    errors = result.output.split("# Model error per size on 2 hosts x 2 [")[1]
+    assert "2 hosts x 2 (this sweep, two-again.json, two-more.json)" in result.output
+    errors = result.output.split("# Model error per size on 2 hosts x 2")[1]
     assert "-9%" in errors.splitlines()[2]  # the median of 1, 1.5 and 1.1 times the model
     result = bench("--from-json", str(tmp_path / "two.json"), "--model-with",
                    str(tmp_path / "missing.json"))
