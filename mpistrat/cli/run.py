@@ -167,8 +167,8 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
             # the monitor names lost hosts when the launcher cannot (runner/monitor.py)
             with JobMonitor(np_, timeout=options.timeout,
                             report_dir=options.report_dir) as monitor:
-                status = self_launch(launch_command(options, np_, mpiexec))
-            ctx.exit(monitor.finish(status))
+                status = monitor.finish(self_launch(launch_command(options, np_, mpiexec)))
+            ctx.exit(status)
         from ..runner import run as run_job
 
         ctx.exit(run_job(options))

@@ -42,8 +42,7 @@ __all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
 FAILURE_GRACE = 1.0  # seconds a failed rank waits for the others to end too
 _DELIVERY = 0.25  # seconds between the last report and MPI_Abort
 _DEFER = 3.0  # extra seconds a secondary report waits for the primary one's abort
-_FOLLOWER = 1.5  # seconds a rank that defers to another's report waits before aborting
-_KILLED_WITHIN = 1.0  # seconds after MPI_Abort for the launcher to end this rank
+_FOLLOWER = 1.0  # seconds a rank that defers to another's report waits before aborting
 HARD_STOP = 10.0  # after this long in the abort path, the process ends regardless
 _PROBE = 1.0  # the watchdog's liveness probe (runner/watchdog.py PROBE_SECONDS)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -244,8 +243,10 @@ def _arm_hard_stop() -> None:
 
 
 def _abort(status: int, delay: float = _DELIVERY, notify: Any = None) -> None:
-    """``MPI_Abort(status)``, and the end of this process whatever it does: MPICH's
-    returns, leaving the end to the launcher, which a rank cut off from it never gets."""
+    """``MPI_Abort(status)``, and the end of this process whatever it does (see
+    :func:`~mpistrat.runner.watchdog.abort_and_exit`). Never returns."""
+    from .watchdog import abort_and_exit
+
     _arm_hard_stop()
     if notify is not None:
         try:
@@ -253,11 +254,7 @@ def _abort(status: int, delay: float = _DELIVERY, notify: Any = None) -> None:
         except Exception:  # noqa: BLE001 - the job ends anyway
             pass
     time.sleep(delay)  # let the launcher forward the last report first
-    try:
-        mpi().COMM_WORLD.Abort(status)
-    finally:
-        time.sleep(_KILLED_WITHIN)  # the launcher's kill is the usual end
-        os._exit(status)
+    abort_and_exit(status)
 
 
 def _grouped(reports: Sequence[str | None]) -> list[tuple[str, list[int]]]:

@@ -34,6 +34,7 @@ __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
 
 MONITOR_ENV = "MPISTRAT_RUN_MONITOR"
 _CONNECT_TIMEOUT = 1.0  # seconds per address a rank tries to reach the monitor
+_SETTLE = 1.0  # seconds the summary waits for the connections of ended ranks to close
 # Once a rank has failed or vanished, the launcher gets this long (beyond --timeout and the
 # watchdog's hard stop) to end before it is ended: it may wait forever for a host it has
 # lost, while every rank ends within its own bound.
@@ -222,7 +223,9 @@ class JobMonitor:
         beyond what the ranks reported)."""
         if status == 0:
             return None
-        time.sleep(0.2)  # the last closes of a job the launcher just ended
+        deadline = time.monotonic() + _SETTLE
+        while not self.settled() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the last closes of a job the launcher just ended
         with self._lock:
             records = dict(self.records)
         if not records:

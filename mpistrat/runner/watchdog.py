@@ -55,7 +55,7 @@ from .._mpi import mpi
 from .._stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
 
 __all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "name_ranks",
-           "group_by_host", "local_addresses"]
+           "group_by_host", "local_addresses", "abort_and_exit"]
 
 PROBE_SECONDS = 1.0  # how long a probe waits for answers
 _TRIES = (0.0, 0.3, 0.6)  # when, within a probe, the datagrams are (re)sent
@@ -63,7 +63,8 @@ HARD_STOP = 10.0  # seconds after the watchdog decides to end the rank, it ends 
 _BACKSTOP = 1.0  # seconds past the agreement's own timeout before the watchdog acts on it
 _BLOCKED = 1.0  # an agreement that has not polled for this long is blocked inside MPI
 _DELIVERY = 0.25  # seconds between the last report and MPI_Abort (the launcher forwards it)
-_FOLLOWER_DELAY = 1.5  # a non-reporting rank gives the reporter's report time to get out
+ABORT_WAIT = 1.0  # seconds after MPI_Abort starts before the rank ends itself
+_FOLLOWER_DELAY = 1.0  # a non-reporting rank gives the reporter's report time to get out
 _TROUBLED_AFTER = 1.0  # seconds in one collective after which a rank counts as stuck
 _PING, _PONG, _WAKE = b"msp?", b"msp!", b"msp."
 _HEADER = struct.Struct("!4sQII")  # kind, job key, nonce, rank
@@ -527,18 +528,13 @@ class Watchdog:
 
     def end(self, status: int, text: str, reporter: bool = True) -> None:
         """Report ``text``, then end the job from this rank: ``MPI_Abort``, then
-        ``os._exit(status)`` (MPI_Abort returns in MPICH, and the launcher that would end
-        this rank may be cut off). Never returns."""
+        ``os._exit(status)`` (see :func:`abort_and_exit`). Never returns."""
         self.ending = True
         self._arm_hard_stop()
         self.report(text)
         self.record(status, text)
         self.wait_answering(_DELIVERY if reporter else _FOLLOWER_DELAY)
-        try:
-            mpi().COMM_WORLD.Abort(status)
-        finally:
-            self.wait_answering(_DELIVERY)  # the launcher's kill is the usual end
-            os._exit(status)
+        abort_and_exit(status, self.wait_answering)
 
     def record(self, status: int, text: str) -> None:
         """Keep a report where it survives a cut link: the report file, and the job
@@ -557,6 +553,22 @@ class Watchdog:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             self._pump(min(left, 0.05))
+
+
+def abort_and_exit(status: int, wait: Callable[[float], None] = time.sleep) -> None:
+    """``MPI_Abort(COMM_WORLD, status)`` on a thread of its own, then ``os._exit(status)``:
+    MPICH's MPI_Abort returns under hydra (the launcher then ends the rank, usually within
+    a fraction of a second), blocks for seconds under Slurm's PMI, and the launcher of a
+    rank cut off from it never ends it. The rank waits for MPI_Abort at most ABORT_WAIT
+    seconds, then for the launcher's kill at most ABORT_WAIT more, then exits with
+    ``status``: either way the launcher has the abort, or sees this rank fail. Never
+    returns."""
+    aborter = threading.Thread(target=lambda: mpi().COMM_WORLD.Abort(status),
+                               name="mpistrat-abort", daemon=True)
+    aborter.start()
+    aborter.join(ABORT_WAIT)
+    wait(ABORT_WAIT)  # the launcher's kill is the usual end
+    os._exit(status)
 
 
 _ENDING = ("An MPI job cannot continue without its ranks: this rank ends now, and the "

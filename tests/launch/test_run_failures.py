@@ -114,7 +114,8 @@ def test_a_rank_that_finished_early_is_named_and_the_job_ends(job):
     assert "Rank 1 has finished the script." in err
     assert err.count("Traceback") == 1, err
     assert err.count("[0] mpistrat.errors.CollectiveTimeoutError") == 1
-    assert "Abort(1)" in err
+    # MPICH's own "Abort(1) on node 0 ..." line races with the kill hydra makes of the
+    # abort (stderr and the abort reach hydra separately): the status is what is certain
 
 
 def test_missing_script_is_one_clear_error(mpirun, mpistrat_cmd):
