@@ -19,13 +19,18 @@ also sending its reduced half to the leader and receiving the whole result).
 Across several nodes with several ranks on some node, host buffers of at least two
 :data:`PIPELINE_BYTES` pieces are **pipelined**: the buffer is cut into pieces of about
 that size and the three stages run at once, each in its own thread on its own
-communicator — while the leaders all-reduce piece ``k`` across nodes, the node reduces
-piece ``k + 1`` onto its leader and broadcasts piece ``k - 1``. The cross-node stage is
-the one on the network, so the node stages hide behind it: the call takes about the
-cross-node time plus one piece's node stages, instead of the three stages' sum. Every
-piece goes through the same steps as the whole buffer would, so the results stay bitwise
-identical on every rank. Whether to pipeline depends only on values every rank shares
-(the buffer's size, the node layout), so all ranks cut the same pieces.
+communicator — while piece ``k`` is all-reduced across nodes, the node reduces piece
+``k + 1`` and broadcasts piece ``k - 1``. The cross-node stage is the one on the network,
+so the node stages hide behind it: the call takes about the cross-node time plus one
+piece's node stages, instead of the three stages' sum. And the pieces take turns among a
+node's ranks: piece ``i`` is reduced onto local rank ``i mod m`` (``m`` the fewest ranks
+any node has), which all-reduces it with the same local rank of the other nodes and
+broadcasts it, so all ``m`` ranks of a node drive the network at once (the bytes on a
+node's link stay those of one leader; the network stack's work per byte is spread over
+``m`` cores, which is what limits a fast link). Every piece goes through the same steps as
+the whole buffer would, so the results stay bitwise identical on every rank. Whether to
+pipeline depends only on values every rank shares (the buffer's size, the node layout),
+so all ranks cut the same pieces.
 """
 
 from __future__ import annotations
@@ -149,7 +154,60 @@ class _StageBackend:
         return getattr(self._backend, name)
 
 
-class _BroadcastComm:
+def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
+               rotation: int, intra: Implementation, inter: Implementation) -> None:
+    """Reduce each piece onto its owner, all-reduce it across the owners of the nodes and
+    broadcast it from the owner, with the stages this rank takes part in running at once
+    (see the module docstring). Piece ``i``'s owner is local rank ``i mod m`` of every
+    node, ``m`` the fewest ranks any node has, so the nodes' ranks take turns on the
+    network instead of the leader carrying every piece."""
+    pieces = -(-buf.nbytes // PIPELINE_BYTES)
+    bounds = even_bounds(buf.size, pieces)
+    items = [(i, buf[a:b]) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    owners = min(len(ranks) for ranks in topology.node_ranks)
+    node_comm, local = topology.node_comm, topology.local_rank
+    stages: list[Callable[[tuple[int, Any]], None]] = []
+    if topology.local_size > 1:
+        near = _StageBackend(backend, "node")
+        if intra.reduce_to_root is not None:
+            stages.append(lambda item: intra.reduce_to_root(
+                node_comm, item[1], op=op, backend=near, root=item[0] % owners))
+        else:
+            stages.append(lambda item: intra.all_reduce(node_comm, item[1], op=op, shards=1,
+                                                        backend=near, rotation=rotation))
+    peers = _shared(topology.comm, ("pipeline-peers", owners), lambda: _PeerComm(topology, owners))
+    if local < owners:
+        far = _StageBackend(backend, "nodes")
+
+        def across(item: tuple[int, Any]) -> None:
+            if item[0] % owners == local:
+                inter.all_reduce(peers.comm, item[1], op=op, shards=shards, backend=far,
+                                 rotation=rotation)
+
+        stages.append(across)
+    if topology.local_size > 1:
+        fan = _shared(node_comm, "pipeline-broadcast", lambda: _DupComm(node_comm))
+        out = _StageBackend(backend, "fan-out")
+        if intra.broadcast is not None:
+            stages.append(lambda item: intra.broadcast(fan.comm, item[1], backend=out,
+                                                       root=item[0] % owners))
+        else:
+            stages.append(lambda item: out.transport(fan.comm).bcast(
+                backend.comm_view(item[1]), item[0] % owners))
+    run_stages(stages, items)
+
+
+def _shared(comm: Any, key: Any, make: Callable[[], Any]) -> Any:
+    """A sub-communicator cached on ``comm`` (made collectively on first use: every rank
+    of ``comm`` takes the same path, since the decision to pipeline is the same)."""
+    cache = comm_cache(comm)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
+class _DupComm:
     """A duplicate of the node communicator for the broadcast stage, freed with it: two
     stages that run at once may not share a communicator."""
 
@@ -160,38 +218,21 @@ class _BroadcastComm:
         self.comm.Free()
 
 
-def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
-               rotation: int, intra: Implementation, inter: Implementation) -> None:
-    """Reduce onto the leader, all-reduce across leaders and broadcast, piece by piece,
-    with the stages this rank takes part in running at once (see the module docstring)."""
-    pieces = -(-buf.nbytes // PIPELINE_BYTES)
-    bounds = even_bounds(buf.size, pieces)
-    chunks = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    node_comm = topology.node_comm
-    stages: list[Callable[[Any], None]] = []
-    if topology.local_size > 1:
-        near = _StageBackend(backend, "node")
-        if intra.reduce_to_root is not None:
-            stages.append(lambda c: intra.reduce_to_root(node_comm, c, op=op, backend=near,
-                                                         root=0))
-        else:
-            stages.append(lambda c: intra.all_reduce(node_comm, c, op=op, shards=1,
-                                                     backend=near, rotation=rotation))
-    if topology.is_leader:
-        far = _StageBackend(backend, "nodes")
-        stages.append(lambda c: inter.all_reduce(topology.leader_comm, c, op=op, shards=shards,
-                                                 backend=far, rotation=rotation))
-    if topology.local_size > 1:
-        cache = comm_cache(node_comm)
-        fan = cache.get("pipeline-broadcast")
-        if fan is None:  # (collective over the node: every rank of it gets here together)
-            fan = cache["pipeline-broadcast"] = _BroadcastComm(node_comm)
-        out = _StageBackend(backend, "fan-out")
-        if intra.broadcast is not None:
-            stages.append(lambda c: intra.broadcast(fan.comm, c, backend=out, root=0))
-        else:
-            stages.append(lambda c: out.transport(fan.comm).bcast(backend.comm_view(c), 0))
-    run_stages(stages, chunks)
+class _PeerComm:
+    """Local rank ``j`` of every node, ``j < owners``, ordered by node: the ranks that
+    all-reduce the pieces ``j`` owns across nodes (local rank 0: the leaders)."""
+
+    def __init__(self, topology: Any, owners: int) -> None:
+        from .._mpi import mpi
+
+        MPI = mpi()
+        color = topology.local_rank if topology.local_rank < owners else MPI.UNDEFINED
+        comm = topology.comm.Split(color, key=topology.node)
+        self.comm = None if comm == MPI.COMM_NULL else comm
+
+    def release(self) -> None:
+        if self.comm is not None:
+            self.comm.Free()
 
 
 def run_stages(stages: Sequence[Callable[[Any], None]], items: Sequence[Any]) -> None:

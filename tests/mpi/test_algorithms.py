@@ -340,37 +340,41 @@ def test_one_node_runs_the_node_stage_as_one_all_reduce(comm, ranks_per_node):
 @pytest.mark.parametrize("alg", [("shm", "rechd"), ("pscpu", "pscpu"), ("xring", "xring"),
                                  ("native", "pscpu")], ids="/".join)
 def test_multi_node_buffers_run_pipelined_piece_by_piece(comm, alg):
-    """Across virtual nodes of 2 ranks, a buffer of several PIPELINE_BYTES pieces runs
-    each stage once per piece, in order, and every rank ends exact and identical (also
-    the ranks of a node of one rank, at 3 ranks)."""
+    """Across virtual nodes of 2 ranks, a buffer of several PIPELINE_BYTES pieces goes
+    across nodes piece by piece, each piece once per node, the pieces taking turns among
+    the local ranks every node has (at 4 ranks: pieces 0 and 2 from the leaders, 1 from
+    local rank 1; at 3 ranks the node of one rank leaves it all to the leaders), and
+    every rank ends exact and identical."""
     from mpistrat.algorithms.hierarchical import PIPELINE_BYTES
 
     topology = get_topology(comm, 2)
     intra, inter = algorithms.implementation(alg[0]), algorithms.implementation(alg[1])
-    near, far = _Spy(intra.reduce_to_root or intra.all_reduce), _Spy(inter.all_reduce)
     sizes: list[int] = []
 
-    def far_all_reduce(leaders, buf, **kwargs):
+    def far_all_reduce(peers, buf, **kwargs):
         sizes.append(buf.size)
-        far(leaders, buf, **kwargs)
+        inter.all_reduce(peers, buf, **kwargs)
 
     dtype = np.dtype(np.float32)
     length = (5 * PIPELINE_BYTES) // dtype.itemsize // 2 + 3  # 2.5 pieces -> 3
     buf = contribution(comm.rank, length, dtype)
     hierarchical(comm, buf, op=ReduceOp.SUM, shards=1, backend=get_backend(buf), rotation=0,
-                 intra=Implementation(intra.all_reduce, near if intra.reduce_to_root else None,
-                                      broadcast=intra.broadcast),
-                 inter=Implementation(far_all_reduce), ranks_per_node=2)
+                 intra=intra, inter=Implementation(far_all_reduce), ranks_per_node=2)
     problems = []
     found = problem(buf, *reference(ReduceOp.SUM, comm.size, length, dtype), dtype, "pipe")
     if found:
         problems.append(found)
-    pipelined = topology.num_nodes > 1
-    pieces = 3 if pipelined else 0
-    if topology.num_nodes > 1 and topology.is_leader and len(sizes) != pieces:
-        problems.append(f"cross-node stage ran on pieces {sizes}, expected {pieces} pieces")
-    if sizes and sum(sizes) != length:
-        problems.append(f"pieces {sizes} do not cover the {length} elements")
+    seen = comm.allgather((topology.node, topology.local_rank, sizes))
+    if topology.num_nodes > 1:
+        owners = min(len(ranks) for ranks in topology.node_ranks)
+        for node in range(topology.num_nodes):
+            by_rank = {local: s for n, local, s in seen if n == node}
+            counts = {local: len(s) for local, s in by_rank.items()}
+            want = {local: (len(range(local, 3, owners)) if local < owners else 0)
+                    for local in by_rank}
+            if counts != want or sum(map(sum, by_rank.values())) != length:
+                problems.append(f"node {node}: pieces across nodes by local rank {by_rank}, "
+                                f"expected counts {want} covering {length} elements")
     finish(comm, problems, [("pipe", digest(buf))])
 
 
