@@ -24,11 +24,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from _cluster import give_up, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_LOCAL = ROOT / "bin" / "cluster-local"
@@ -107,23 +107,6 @@ class Cluster:
         return {h: after[h][0] - before[h][0] for h in after}
 
 
-def _unavailable() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return f"bin/cluster-local needs Linux namespaces, not {sys.platform}"
-    if os.environ.get("MPISTRAT_CLUSTER_UNAVAILABLE"):
-        return os.environ["MPISTRAT_CLUSTER_UNAVAILABLE"]
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces (run the tests as root, as CI does)"
-    return None
-
-
-def _give_up(reason: str):
-    if os.environ.get("MPISTRAT_CLUSTER_REQUIRED") == "1":
-        pytest.fail(f"multi-host tests required (MPISTRAT_CLUSTER_REQUIRED=1) but: {reason}",
-                    pytrace=False)
-    pytest.skip(reason)
-
-
 def _free_port_pair() -> int:
     for _ in range(100):
         with socket.socket() as probe:
@@ -153,9 +136,9 @@ def _slurm_missing() -> str | None:
 @pytest.fixture(scope="session")
 def cluster():
     """Two hosts of two slots each, with Slurm when it is installed (module docstring)."""
-    reason = _unavailable()
+    reason = unavailable()
     if reason:
-        _give_up(reason)
+        give_up(reason)
     directory = Path(tempfile.mkdtemp(prefix="mpistrat-cluster-", dir="/tmp"))
     directory.chmod(0o755)  # munged's socket must be reachable through every parent
     base = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN)}
@@ -180,7 +163,7 @@ def cluster():
         down()
         tail = "\n".join((started.stdout + started.stderr).strip().splitlines()[-15:])
         if started.returncode == 2:   # a precondition: no namespaces, not root, ...
-            _give_up(f"bin/cluster-local up: {tail}")
+            give_up(f"bin/cluster-local up: {tail}")
         pytest.fail(f"bin/cluster-local {' '.join(args)} failed ({started.returncode}):\n{tail}")
     printed = subprocess.run(["bash", str(CLUSTER_LOCAL), "env"], env=control,
                              capture_output=True, text=True, timeout=30, check=True).stdout
@@ -203,11 +186,3 @@ def slurm_cluster(cluster):
         pytest.skip(cluster.slurm)
     return cluster
 
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
-        time.sleep(interval)

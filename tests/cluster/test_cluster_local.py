@@ -16,41 +16,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from _cluster import give_up, unavailable, wait_until
 
 pytestmark = pytest.mark.cluster
 
 
 CLUSTER_LOCAL = Path(__file__).resolve().parents[2] / "bin" / "cluster-local"
-
-
-# (conftest.py's rules; ``from conftest import`` could get another directory's conftest)
-def _unavailable() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return f"bin/cluster-local needs Linux namespaces, not {sys.platform}"
-    if os.environ.get("MPISTRAT_CLUSTER_UNAVAILABLE"):
-        return os.environ["MPISTRAT_CLUSTER_UNAVAILABLE"]
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces (run the tests as root, as CI does)"
-    return None
-
-
-def _give_up(reason: str):
-    if os.environ.get("MPISTRAT_CLUSTER_REQUIRED") == "1":
-        pytest.fail(f"multi-host tests required (MPISTRAT_CLUSTER_REQUIRED=1) but: {reason}",
-                    pytrace=False)
-    pytest.skip(reason)
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
-        time.sleep(interval)
 
 
 _FOREIGN = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "HYDRA_",
@@ -129,9 +103,9 @@ class Local:
 
 @pytest.fixture
 def local():
-    reason = _unavailable()
+    reason = unavailable()
     if reason:
-        _give_up(reason)
+        give_up(reason)
     parent = Path(tempfile.mkdtemp(prefix="mpistrat-cluster-local-", dir="/tmp"))
     parent.chmod(0o755)
     control = Local(parent)
@@ -147,7 +121,7 @@ def up(local):
     """A cluster of 2 hosts (no Slurm: quick) of this test's own."""
     result = local("up", "--hosts", "2", "--slots", "2")
     if result.returncode == 2:
-        _give_up(f"bin/cluster-local up: {result.stderr.strip()}")
+        give_up(f"bin/cluster-local up: {result.stderr.strip()}")
     assert result.returncode == 0, f"up failed ({result.returncode}):\n{result.stderr}"
     return local
 
