@@ -163,6 +163,18 @@ class Watch:
             self._wait(channel, request, what, entry)
         entry[AGREED] = True
 
+    def track(self, comm: Any, what: str) -> None:
+        """Record, for ``mpistrat run``'s watchdog, a collective that starts without an
+        agreement (``all_reduce(check=False)``): the watchdog then bounds it by
+        ``--timeout`` like a watched one (its number in reports is that of the last
+        agreement on ``comm``). Costs what an agreement's record costs (about 0.4 µs)."""
+        channel = self._channel(comm)
+        if channel is None:
+            return
+        now = time.monotonic()
+        self.active[threading.get_ident()] = [what, channel, channel.seq, now, True,
+                                              _outermost(sys._getframe(1)), 0.0, now]
+
     def _channel(self, comm: Any) -> _Channel | None:
         channel = comm.Get_attr(self._keyval)
         if channel is not None:

@@ -135,9 +135,11 @@ class JobMonitor:
         return status
 
     def env(self) -> dict[str, str]:
-        """``MPISTRAT_RUN_MONITOR=PORT ADDRESS,...`` (loopback first, then this host's)."""
+        """``MPISTRAT_RUN_MONITOR=PORT HOST ADDRESS,...``: this host's name (ranks on it
+        connect through the loopback) and its other addresses (for the other hosts)."""
         port = self._listener.getsockname()[1]
-        return {MONITOR_ENV: f"{port} {','.join(['127.0.0.1', *local_addresses()])}"}
+        addresses = ",".join(local_addresses()) or "-"
+        return {MONITOR_ENV: f"{port} {socket.gethostname()} {addresses}"}
 
     def close(self) -> None:
         """Stop listening (after the launcher ended); keeps the records."""
@@ -312,11 +314,14 @@ class MonitorClient:
     def connect(cls, env: Mapping[str, str] | None, rank: int, host: str) -> MonitorClient | None:
         """Connect to the monitor named in ``MPISTRAT_RUN_MONITOR`` and say hello; None
         without the variable or when no address answers (the job runs on, unmonitored)."""
-        value = (os.environ if env is None else env).get(MONITOR_ENV, "")
-        port, _, addresses = value.partition(" ")
-        if not port.isdigit() or not addresses:
+        words = (os.environ if env is None else env).get(MONITOR_ENV, "").split()
+        if len(words) != 3 or not words[0].isdigit():
             return None
-        for address in addresses.split(","):
+        port, monitor_host, addresses = words
+        # the loopback only on the monitor's own host: elsewhere it is another machine's
+        candidates = ["127.0.0.1"] if socket.gethostname() == monitor_host else []
+        candidates += [a for a in addresses.split(",") if a != "-"]
+        for address in candidates:
             try:
                 sock = socket.create_connection((address, int(port)),
                                                 timeout=_CONNECT_TIMEOUT)

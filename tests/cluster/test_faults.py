@@ -76,9 +76,10 @@ def _processes(cluster, host: str) -> dict[int, str]:
 
 
 def _ranks(cluster, host: str) -> list[int]:
-    """The training ranks still running on ``host``."""
+    """The training ranks still running on ``host``: Python processes running the script
+    (not the batch script or srun, whose command lines name it too)."""
     return [pid for pid, cmd in _processes(cluster, host).items()
-            if str(TRAIN) in cmd or TRAIN.name in cmd]
+            if TRAIN.name in cmd and os.path.basename(cmd.split()[0]).startswith("python")]
 
 
 def _job_leftovers(cluster) -> dict[str, list[str]]:

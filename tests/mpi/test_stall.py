@@ -144,3 +144,27 @@ def test_each_collective_is_recorded_for_the_watchdog(comm, reports):
     entry = watch.active[threading.get_ident()]
     assert (entry[WHAT], entry[SEQ], entry[FRAME].f_code.co_name) == (
         "test_collective", seq + 1, "agree")
+
+
+def test_a_collective_without_agreement_can_be_tracked(comm, reports):
+    """Watch.track records a collective that makes no agreement (all_reduce with
+    check=False) the same way, already past the arrival, numbered after the last one."""
+    import threading
+
+    from mpistrat._stall import AGREED, FRAME, SEQ, WHAT
+
+    if comm.size == 1:
+        pytest.skip("a communicator of one rank is not watched")
+    watch = _stall.current()
+    agree(comm, "same call", None, "test_collective")
+    seq = watch.active[threading.get_ident()][SEQ]
+
+    def unchecked_collective():
+        watch.track(comm, "unchecked")
+        return watch.active[threading.get_ident()]
+
+    entry = unchecked_collective()
+    assert (entry[WHAT], entry[SEQ], entry[AGREED]) == ("unchecked", seq, True)
+    assert entry[FRAME].f_code.co_name == "unchecked_collective"
+    watch.track(MPI.COMM_SELF, "alone")  # one rank: nothing to watch
+    assert watch.active[threading.get_ident()] is entry

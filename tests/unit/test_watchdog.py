@@ -249,3 +249,10 @@ def test_ranks_cut_off_from_the_launcher_are_named_with_their_reports(tmp_path, 
 def test_no_monitor_variable_means_no_client():
     assert MonitorClient.connect({}, 0, "node1") is None
     assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": "1 127.0.0.1"}, 0, "n") is None
+    # another host's monitor: no loopback (it would reach whatever listens here)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": f"{port} elsewhere -"},
+                                     0, "n") is None
