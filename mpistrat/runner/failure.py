@@ -215,6 +215,8 @@ def _fail_alone(outcome: Outcome, output: Any, watchdog: Any, notify: Any,
                 diagnosis: Any = None) -> None:
     """The failed rank's report and abort when its peers do not come (never returns)."""
     _arm_hard_stop()
+    if watchdog is not None and watchdog.exiting:  # it reported and ends the rank already
+        time.sleep(HARD_STOP)
     text, reporter = outcome.report, True
     if watchdog is not None and text is not None:
         text, reporter = watchdog.explain_failure(text, outcome.location, outcome.symptom,

@@ -188,6 +188,7 @@ class Watchdog:
         self.notify = notify
         self.phase = "starting"
         self.ending = False
+        self.exiting = False  # the watchdog is ending this rank (end() runs)
         self._finishing: tuple[float, int, str | None] | None = None
         self._finish_probed = 0.0
         self._sock = sock
@@ -529,7 +530,7 @@ class Watchdog:
     def end(self, status: int, text: str, reporter: bool = True) -> None:
         """Report ``text``, then end the job from this rank: ``MPI_Abort``, then
         ``os._exit(status)`` (see :func:`abort_and_exit`). Never returns."""
-        self.ending = True
+        self.ending = self.exiting = True
         self._arm_hard_stop()
         self.report(text)
         self.record(status, text)
