@@ -92,8 +92,10 @@ def _settings() -> Any:
 @click.option("--quiet-ranks", is_flag=True,
               help="Show only rank 0's output (failure reports are always shown).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-              help="Abort the job when a rank waits longer than this in a collective "
-                   "[default: MPISTRAT_COLLECTIVE_TIMEOUT, else never].")
+              help="End the job when a rank stays longer than this in one collective "
+                   "(waiting for the others, or exchanging the data), naming the ranks or "
+                   "hosts that did not come or do not answer [default: "
+                   "MPISTRAT_COLLECTIVE_TIMEOUT, else never].")
 @click.option("--stall-check", type=click.FloatRange(min=0), metavar="SECONDS",
               help="Report the ranks missing from a collective after this long; 0: off "
                    "[default: MPISTRAT_STALL_CHECK, else 60].")
