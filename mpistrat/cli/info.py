@@ -20,17 +20,20 @@ def _yes_no(value: Any) -> str:
     return {True: "yes", False: "no", None: "unknown"}.get(value, str(value))
 
 
+def _spans(values: list[int], sep: str) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2" + sep + "5"``: runs of consecutive numbers joined."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _cpu_list(cpus: list[int] | None) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    if not cpus:
-        return "?"
-    runs: list[list[int]] = []
-    for cpu in cpus:
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return _spans(cpus, ",") if cpus else "?"
 
 
 def _slurm_line(slurm: dict[str, Any]) -> str:
@@ -71,13 +74,7 @@ def _mapping_lines(data: dict[str, Any]) -> list[str]:
 
 def _rank_list(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+    return _spans(ranks, ", ")
 
 
 def render_info(data: dict[str, Any]) -> str:
