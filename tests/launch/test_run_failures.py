@@ -190,13 +190,15 @@ def test_a_rank_that_stops_answering_mid_collective_is_named_within_the_timeout(
     assert result.returncode == 1, result.stdout + err
     assert elapsed < 20, (elapsed, err)  # 3 s, the probe (1 s), the abort; rank 1 never returns
     assert "finished" not in result.stdout
+    # Rank 1 stops inside the algorithm: usually while every rank is exchanging data, but
+    # it may be in the tail of a collective the others have finished, and then they wait
+    # for it to arrive in the next one. Either way rank 1 is named as not answering.
     head = re.search(r"\[0\] mpistrat\.errors\.PeerLostError: lost rank 1 \((\S+)\): rank 0 "
                      r"\(\S+\) has been in all_reduce \(collective #\d+ on the world "
-                     r"communicator of 3 ranks\) for ([\d.]+) s, past --timeout 3 s, all ranks "
-                     r"having arrived \(exchanging data\)\. Rank 1 \(\S+\) does not answer "
-                     r"mpistrat's liveness probe \(1 s\): it was killed or stopped", err)
+                     r"communicator of 3 ranks\) for ([\d.]+) s, past --timeout 3 s", err)
     assert head, err
     assert 3.0 <= float(head.group(2)) < 5.0, err
+    assert re.search(r"Rank 1 \(\S+\) does not answer mpistrat's liveness probe", err), err
     assert '[0]   File "' in err and "mpistrat.all_reduce(x, comm=comm" in err  # where
     assert err.count("PeerLostError") == 1, err  # rank 2 points to rank 0's report
     assert "PeerLostError: lost rank 1" in (tmp_path / "reports" / "rank-0.txt").read_text()
