@@ -175,7 +175,9 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
         else:
             stages.append(lambda item: intra.all_reduce(node_comm, item[1], op=op, shards=1,
                                                         backend=near, rotation=rotation))
-    peers = _shared(topology.comm, ("pipeline-peers", owners), lambda: _PeerComm(topology, owners))
+    # (keyed by the node layout too: virtual nodes give one communicator several layouts)
+    peers = _shared(topology.comm, ("pipeline-peers", topology.ranks_per_node, owners),
+                    lambda: _PeerComm(topology, owners))
     if local < owners:
         far = _StageBackend(backend, "nodes")
 
