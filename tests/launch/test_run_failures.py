@@ -193,11 +193,14 @@ def test_a_rank_that_stops_answering_mid_collective_is_named_within_the_timeout(
     # Rank 1 stops inside the algorithm: usually while every rank is exchanging data, but
     # it may be in the tail of a collective the others have finished, and then they wait
     # for it to arrive in the next one. Either way rank 1 is named as not answering.
-    head = re.search(r"\[0\] mpistrat\.errors\.PeerLostError: lost rank 1 \((\S+)\): rank 0 "
-                     r"\(\S+\) has been in all_reduce \(collective #\d+ on the world "
-                     r"communicator of 3 ranks\) for ([\d.]+) s, past --timeout 3 s", err)
-    assert head, err
-    assert 3.0 <= float(head.group(2)) < 5.0, err
+    assert re.search(r"\[0\] mpistrat\.errors\.PeerLostError: lost rank 1 \(\S+\): ", err), err
+    inside = re.search(r"PeerLostError: lost rank 1 \(\S+\): rank 0 \(\S+\) has been in "
+                       r"all_reduce \(collective #\d+ on the world communicator of 3 ranks\) "
+                       r"for ([\d.]+) s, past --timeout 3 s", err)
+    if inside:  # (the others arrived too: the watchdog's bound, not the agreement's)
+        assert 3.0 <= float(inside.group(1)) < 5.0, err
+    else:  # (the others wait for rank 1 in the next collective: the agreement's timeout)
+        assert "rank(s) [1] have not arrived in all_reduce" in err, err
     assert re.search(r"Rank 1 \(\S+\) does not answer mpistrat's liveness probe", err), err
     assert '[0]   File "' in err and "mpistrat.all_reduce(x, comm=comm" in err  # where
     assert err.count("PeerLostError") == 1, err  # rank 2 points to rank 0's report
