@@ -75,9 +75,14 @@ stop_pid() {  # stop_pid NAME PIDFILE
 # slurm_conf_common CTLHOST SLURMD_SUFFIX SLURMD_TIMEOUT: the slurm.conf lines before the nodes.
 # SLURMD_SUFFIX names each slurmd's spool, pid and log file ("" for one slurmd, "-%n" for one
 # per node); SLURMD_TIMEOUT is how many seconds of silence make slurmctld mark a node down.
+# Job ids start at a random number: the MPICH wheel names its shared-memory segment after the
+# PMI job name, which under srun is "<job id>.<step id>", and a job killed before MPI_Finalize
+# leaves that segment in /dev/shm; a later cluster counting from 1 again would reuse the name,
+# attach to the stale segment and fail in MPI_Init ("Message truncated; 8 bytes received").
 slurm_conf_common() {
     cat <<EOF
 ClusterName=local$PORT
+FirstJobId=$(( (RANDOM << 15 | RANDOM) % 60000000 + 1000 ))
 SlurmctldHost=$1
 SlurmUser=root
 AuthType=auth/munge
