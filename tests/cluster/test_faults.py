@@ -3,7 +3,8 @@
 * its processes killed (all of them, as a crash or the OOM killer would), under
   ``mpistrat run -n 4`` and under ``mpiexec -n 4 mpistrat run``;
 * its link pulled in the middle of a collective (a network partition), under both;
-* under Slurm (``sbatch --nodes=2 slurm/cpu.sbatch``), its slurmd and processes killed.
+* under Slurm (``sbatch --nodes=2 slurm/cpu.sbatch``), its slurmd and processes killed,
+  or its link pulled.
 
 Each test trains with ``_fault_train.py`` (all-reduces with ``shm/rechd``, a checkpoint
 every 5 steps) until two checkpoints exist, makes the fault, and measures how long each
@@ -354,7 +355,10 @@ def _wait_job_done(cluster, job_id: str, timeout: float) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-def test_slurm_node_killed_fails_the_job_and_the_next_run_resumes(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("fault", ["kill", "link"])
+def test_slurm_node_lost_fails_the_job_and_the_next_run_resumes(slurm_cluster, tmp_path, fault):
+    """``kill``: node2's slurmd, slurmstepd and ranks SIGKILLed; ``link``: node2's link
+    pulled, slurmd and the ranks left running on the far side of the partition."""
     cluster = slurm_cluster
     ckpt, reports, out = tmp_path / "ckpt", tmp_path / "reports", tmp_path / "job.out"
     options = " ".join([*RUN_OPTIONS, "--report-dir", str(reports)])
@@ -370,23 +374,33 @@ def test_slurm_node_killed_fails_the_job_and_the_next_run_resumes(slurm_cluster,
         return result.stdout.strip().split(";")[0]
 
     job_id = submit(out)
+    link_down = False
     try:
         _wait_for(lambda: (ckpt / "ckpt-2.json").exists(), 120, "two checkpoints")
         fault_at = time.monotonic()
-        _kill_host(cluster, "node2", keep_slurmd=False)  # slurmd, slurmstepd, the ranks
+        if fault == "kill":
+            _kill_host(cluster, "node2", keep_slurmd=False)  # slurmd, slurmstepd, the ranks
+        else:
+            cluster.local("link", "node2", "down")
+            link_down = True
         ended = _watch_until_ended(cluster, None, fault_at, BOUND + 30)
         fields = _wait_job_stopped(cluster, job_id, 120)
-        _record(f"kill, Slurm (srun): job {fields.get('JobState')} {fields.get('ExitCode')}",
-                ended, None, out.read_text())
-        assert ended.hosts["node1"] is not None and ended.hosts["node1"] <= BOUND, (
-            ended, out.read_text())
+        _record(f"{fault}, Slurm (srun): job {fields.get('JobState')} "
+                f"{fields.get('ExitCode')}", ended, None, out.read_text())
+        late = {h: t for h, t in ended.hosts.items() if t is None or t > BOUND}
+        assert not late, (ended, out.read_text())
     finally:
+        if link_down:
+            cluster.local("link", "node2", "up")
         _restart_slurmd(cluster, "node2")
     output = out.read_text()
     assert re.search(r"\[0\] mpistrat\.errors\.PeerLostError: lost host node2 \(ranks 2, 3\): ",
                      output), output
+    if fault == "link":  # the far side's report, written to --report-dir
+        far = (reports / "rank-2.txt").read_text()
+        assert "mpistrat.errors.PeerLostError: lost host node1 (ranks 0, 1): " in far, far
     assert fields.get("JobState") in ("FAILED", "NODE_FAIL", "PENDING"), fields
-    assert not _job_leftovers(cluster), _job_leftovers(cluster)
+    _wait_for(lambda: not _job_leftovers(cluster), 60, "the job's processes gone")
     path, step = _check_checkpoints(ckpt)
     if fields.get("JobState") == "PENDING":  # requeued (node failure): it runs again itself
         rerun_id, rerun_out = job_id, out
