@@ -1,5 +1,6 @@
 """Gradient batches and training across real hosts (bin/cluster-local): ResNet-50's batch
-through ``batch_reduce``, and the digits example trained on 2 hosts against 1."""
+through ``batch_reduce``, the digits example trained on 2 hosts against 1, and the spec the
+strategy's AUTO communication picks from the hosts."""
 
 from __future__ import annotations
 
@@ -113,3 +114,47 @@ def test_digits_trained_on_two_hosts_is_the_same_model_as_on_one(cluster, tmp_pa
     # host (the launcher alone sends some 10 KB)
     assert all(sent > 512 << 10 for sent in moved.values()), (
         f"bytes sent over each host's link while training: {moved}; expected > 512 KiB each")
+
+
+_AUTO_PROBE = """
+import json, socket
+import numpy as np
+from mpi4py import MPI
+import mpistrat as ms
+from mpistrat.spec import parse_spec
+from mpistrat.strategy import mirrored
+strategy = ms.MultiWorkerMirroredStrategy()
+spec = strategy.extended.cross_device_ops.spec
+rank, size = MPI.COMM_WORLD.rank, strategy.num_replicas_in_sync
+value = np.arange(1 << 18, dtype=np.float32) + rank  # 1 MiB: past the spec's 16K limit
+total = strategy.reduce(ms.ReduceOp.SUM, strategy.run(lambda: value), axis=None)
+expected = size * np.arange(1 << 18, dtype=np.float32) + size * (size - 1) // 2
+names = [name for name in ("RING_SPEC", "AUTO_SPEC_ONE_NODE", "AUTO_SPEC_NODES")
+         if parse_spec(getattr(mirrored, name)) == spec]
+reports = MPI.COMM_WORLD.gather({"rank": rank, "host": socket.gethostname(), "spec": names,
+                                 "exact": bool(np.array_equal(np.asarray(total), expected))})
+if rank == 0:
+    print("AUTO " + json.dumps(reports), flush=True)
+"""
+
+
+@pytest.mark.parametrize("hosts, chosen", [
+    ("node1:2,node2:2", "AUTO_SPEC_NODES"),   # several ranks a host: shm inside, rechd across
+    ("node1:3,node2:1", "AUTO_SPEC_NODES"),
+    ("node1:1,node2:1", "RING_SPEC"),         # one rank a host: nothing to share memory with
+])
+def test_strategy_auto_picks_the_hierarchical_spec_across_hosts(cluster, hosts, chosen):
+    """MultiWorkerMirroredStrategy's default (AUTO) communication reads the hosts from MPI:
+    every rank picks the same spec and reduces exactly through it."""
+    before = cluster.bytes()
+    result = cluster.mpiexec(hosts, [sys.executable, "-c", _AUTO_PROBE], timeout=100)
+    moved = cluster.moved(before)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("AUTO ")]
+    reports = json.loads(line[len("AUTO "):])
+    n = sum(int(part.split(":")[1]) for part in hosts.split(","))
+    assert [r["rank"] for r in reports] == list(range(n)), result.stdout
+    assert [r["host"] for r in reports] == [
+        part.split(":")[0] for part in hosts.split(",") for _ in range(int(part.split(":")[1]))]
+    assert all(r["spec"] == [chosen] and r["exact"] for r in reports), reports
+    assert all(sent > 256 << 10 for sent in moved.values()), moved
