@@ -23,20 +23,19 @@ else by the ordinal itself; identities are compared together with the host name.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BackendUnavailable, TopologyError
+from ._mpi import mpi
+from .errors import BackendUnavailable, DuplicateDeviceError, TopologyError
+from .topology import get_topology
 
 __all__ = [
     "DeviceAssignment", "DuplicateDeviceError", "parse_visible_devices", "assign_devices",
     "node_assignment", "require_distinct_devices", "duplicate_devices", "device_identity",
 ]
-
-
-class DuplicateDeviceError(TopologyError):
-    """Two ranks of one communicator would use the same physical GPU."""
 
 
 @dataclass(frozen=True)
@@ -160,8 +159,6 @@ def require_distinct_devices(comm: Any, physical: Sequence[str], *, host: str | 
         purpose: what needs distinct GPUs, for the message.
     """
     if host is None:
-        from ._mpi import mpi
-
         host = mpi().Get_processor_name()
     claims = comm.allgather((host, tuple(physical)))
     duplicates = duplicate_devices(claims)
@@ -183,7 +180,7 @@ def require_distinct_devices(comm: Any, physical: Sequence[str], *, host: str | 
 def _probe_devices() -> tuple[int, list[str | None]]:
     """This process's CUDA device count and the UUID (else PCI bus id) of each device."""
     try:
-        import cupy
+        import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
     except Exception as exc:
         raise BackendUnavailable(
             f"GPU workers need CuPy, which failed to import ({exc}); install it with "
@@ -224,10 +221,6 @@ def node_assignment(comm: Any, gpus_per_rank: int, *, ranks_per_node: int | None
         environ: this rank's environment (default ``os.environ``).
         probe: ``() -> (device_count, identities)``; default asks CuPy.
     """
-    import os
-
-    from .topology import get_topology
-
     env = os.environ if environ is None else environ
     topology = get_topology(comm, ranks_per_node)
     error = None

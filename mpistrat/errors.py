@@ -18,6 +18,12 @@ __all__ = [
     "CollectiveTimeoutError",
     "CollectiveAbortedError",
     "PeerLostError",
+    "DuplicateDeviceError",
+    "PackingError",
+    "PackingTypeError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "RunSetupError",
 ]
 
 
@@ -93,3 +99,29 @@ class PeerLostError(MpistratError, RuntimeError):
     def __init__(self, message: str, lost: dict[str, list[int]]) -> None:
         super().__init__(message)
         self.lost = lost
+
+
+class DuplicateDeviceError(TopologyError):
+    """Two ranks of one communicator would use the same physical GPU."""
+
+
+class PackingError(MpistratError, ValueError):
+    """A batch, plan or packing option that cannot be packed as asked."""
+
+
+class PackingTypeError(PackingError, TypeError):
+    """A packing argument of the wrong Python type."""
+
+
+class CheckpointNotFoundError(MpistratError, FileNotFoundError):
+    """No complete checkpoint at the path (never written, or its manifest is missing)."""
+
+
+class CheckpointCorruptError(MpistratError, ValueError):
+    """A checkpoint whose files do not match its manifest (torn, truncated, edited)."""
+
+
+class RunSetupError(MpistratError, RuntimeError):
+    """``mpistrat run`` (or ``bench --np``) cannot start: a missing script, an MPI launcher
+    that does not match mpi4py's library, ``-n``/``--np`` under a launcher. Raised on every
+    rank."""

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import MpistratError
+from .errors import PackingError, PackingTypeError
 
 __all__ = [
     "PackingError",
@@ -62,14 +62,6 @@ __all__ = [
 ]
 
 _CACHE_SIZE = 256
-
-
-class PackingError(MpistratError, ValueError):
-    """A batch, plan or packing option that cannot be packed as asked."""
-
-
-class PackingTypeError(PackingError, TypeError):
-    """A packing argument of the wrong Python type."""
 
 
 class TensorSpec(NamedTuple):
@@ -571,9 +563,10 @@ def flat_arrays(shapes: Iterable[Any], dtype: Any = np.float32) -> list[np.ndarr
     this order) is the one array they are views of, so it travels as one buffer instead
     of tensor by tensor, and one large allocation gets the kernel's huge pages, which
     separately allocated small arrays do not (reading 35 MiB of ResNet-50's gradients
-    from small arrays cost 2–4 ms more per all-reduce here: docs/batch_reduce.md). Compute
-    each gradient into its array (``np.matmul(a, b, out=grads[0])``). For ``shm``, use
-    :func:`mpistrat.shared_arrays`, the same in shared memory.
+    from small arrays cost 2–4 ms more per all-reduce here:
+    docs/notes/batch-reduce-history.md). Compute each gradient into its array
+    (``np.matmul(a, b, out=grads[0])``). For ``shm``, use :func:`mpistrat.shared_arrays`,
+    the same in shared memory.
     """
     shapes = checked_shapes(shapes)
     return views_in_order(np.zeros(sum(math.prod(s) for s in shapes), dtype=dtype), shapes)

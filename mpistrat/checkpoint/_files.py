@@ -24,21 +24,13 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..errors import MpistratError
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError, MpistratError
 
 __all__ = ["CheckpointNotFoundError", "CheckpointCorruptError", "write", "read", "scan",
            "remove", "remove_temporaries", "FORMAT", "VERSION"]
 
 FORMAT = "mpistrat.checkpoint"
 VERSION = 1
-
-
-class CheckpointNotFoundError(MpistratError, FileNotFoundError):
-    """No complete checkpoint at the path (never written, or its manifest is missing)."""
-
-
-class CheckpointCorruptError(MpistratError, ValueError):
-    """A checkpoint whose files do not match its manifest (torn, truncated, edited)."""
 
 
 def _fsync_dir(directory: str) -> None:

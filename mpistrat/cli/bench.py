@@ -4,7 +4,6 @@ recommend a spec. A thin layer over :mod:`mpistrat.bench`."""
 from __future__ import annotations
 
 import importlib
-import subprocess
 from typing import Any
 
 import click
@@ -41,18 +40,14 @@ def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
 
 def _self_launch(ctx: click.Context, np_: int, mpiexec: str | None) -> None:
     from ..bench.launch import relaunch_command
-    from ..launch.env import detect
-    from ..launch.mpiexec import find_launcher
+    from ..launch.selflaunch import launch_argv, self_launch
 
-    launched = detect()
-    if launched.size and launched.size > 1:
-        raise click.UsageError(f"--np {np_}: already running under {launched.launcher} with "
-                               f"{launched.size} ranks; leave out --np")
     try:
-        argv = find_launcher(mpiexec).argv(np_, relaunch_command(ctx.meta["mpistrat.bench.args"]))
+        argv = launch_argv("mpistrat bench", "--np", np_,
+                           relaunch_command(ctx.meta["mpistrat.bench.args"]), mpiexec=mpiexec)
     except (MpistratError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
-    ctx.exit(subprocess.call(argv))
+    ctx.exit(self_launch(argv))
 
 
 def _sweep_config(p: dict[str, Any]) -> Any:

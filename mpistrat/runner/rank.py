@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import _stall
 from .._mpi import mpi
-from ..errors import MpistratError
+from ..errors import RunSetupError
 from ..launch.env import detect
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
@@ -19,11 +19,6 @@ from .output import RankOutput
 from .watchdog import Watchdog
 
 __all__ = ["run", "RunSetupError"]
-
-
-class RunSetupError(MpistratError, RuntimeError):
-    """``mpistrat run`` cannot start the script: a missing script, an MPI launcher that
-    does not match mpi4py's library, ``-n`` under a launcher. Raised on every rank."""
 
 
 def run(options: RunOptions, *,
