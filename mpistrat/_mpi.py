@@ -15,7 +15,7 @@ def mpi() -> Any:
     """Return the ``mpi4py.MPI`` module, initialising MPI on first use."""
     global _MPI
     if _MPI is None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # (MPI starts on first use: validate and --help never start it)
 
         _MPI = MPI
     return _MPI

@@ -27,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms
+from . import algorithms, dispatch, engine
+from ._agreement import agree
 from ._commcache import comm_cache
 from ._mpi import world
 from .backends import get_backend
-from ._agreement import agree
+from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
+from .topology import env_ranks_per_node
 
 __all__ = ["all_reduce", "CollectiveMismatchError"]
 
@@ -42,7 +44,7 @@ __all__ = ["all_reduce", "CollectiveMismatchError"]
 @dataclass(frozen=True)
 class _Call:
     arrays: list[Any]
-    backend: Any
+    backend: ArrayBackend
     op: ReduceOp
     spec: AllReduceSpec
     entry: AllReduceSpecTuple
@@ -56,8 +58,6 @@ class _Call:
         text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
                 f"op={self.op.name} spec={self.spec} inplace={self.inplace}")
         if algorithms.get(self.entry.alg).hierarchical:
-            from .topology import env_ranks_per_node
-
             # ranks must agree on the node grouping too (a cached topology would hide it)
             effective = self.ranks_per_node if self.ranks_per_node is not None \
                 else env_ranks_per_node()  # (the same parse get_topology uses)
@@ -194,36 +194,21 @@ def all_reduce(
     arrays, backend, reduce_op = call.arrays, call.backend, call.op
     replicas = len(arrays)
     workers = comm.Get_size()
-    info = algorithms.get(call.entry.alg)
-    nodes = 1
-    if info.hierarchical:
-        from .topology import get_topology
+    dispatch.fit(call.entry.alg, comm, call.entry.shards, ranks_per_node=ranks_per_node,
+                 devices_per_worker=replicas)
 
-        nodes = get_topology(comm, ranks_per_node).num_nodes
-    algorithms.check_fits(call.entry.alg, call.entry.shards, workers, nodes, replicas)
-
-    # combine the local replicas in replica order
+    # the engine combines the local replicas in replica order, then runs the algorithm
     first = arrays[0]
-    source = None
-    if inplace and replicas == 1:
-        buf = backend.flat_view(first)
-    elif replicas == 1 and workers > 1 and backend.flat_view(first) is not None:
-        # one contiguous input: the algorithm reads it and writes a new buffer (no copy)
-        source = algorithms.Source.of(backend.flat_view(first))
-        buf = backend.xp.empty(first.size, dtype=first.dtype)
-    else:
-        buf = backend.flat_copy(first)
-    for array in arrays[1:]:
-        view = backend.flat_view(array)
-        backend.combine(reduce_op, buf, view if view is not None else backend.flat_copy(array))
+    into = backend.flat_view(first) if inplace and replicas == 1 else None
+    sources = [] if into is not None else \
+        [algorithms.Source.of(engine.flat(array, backend)) for array in arrays]
+    counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
+    buf = engine.reduce_sources(comm, reduce_op, call.entry.alg, call.entry.shards, sources,
+                                counter.value, checked=True, ranks_per_node=ranks_per_node,
+                                into=into, backend=backend)
     if workers > 1 and buf.size:
-        counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
-        algorithms.run(call.entry.alg, comm, buf, op=reduce_op, shards=call.entry.shards,
-                       backend=backend, rotation=counter.value, ranks_per_node=ranks_per_node,
-                       source=source)
         counter.value += 1
-    if reduce_op is ReduceOp.MEAN:
-        buf = backend.divide(buf, workers * replicas)
+    buf = engine.mean(buf, reduce_op, workers * replicas)
     result = buf.reshape(first.shape)
     if inplace:
         for array in arrays:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import abc
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import algorithms, packing, shared
+from . import dispatch, engine
 from ._agreement import agree
 from ._mpi import world
 from .backends import get_backend
@@ -433,125 +432,15 @@ class ReductionToOneDevice(CrossDeviceOps):
 
 # --------------------------------------------------------------- batched all-reduce
 
-Reducer = Callable[[list[Any], int], Any]
-"""``reduce(sources, index) -> buffer``: all-reduce one pack or tensor given as one
-:class:`~mpistrat.algorithms.Source` per local device (inputs, never modified) into a new
-1-D buffer; ``index`` counts the all-reduces of the call (for rotating roots)."""
-
 
 def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
-                      groups: list[tuple[Sequence[int], packing.PackPlan, Reducer]],
+                      groups: list[tuple[Sequence[int], Any, engine.Reducer]],
                       ) -> list[Mirrored]:
-    """All-reduce a batch: each group of tensor indices is reduced pack by pack (the packs
-    read straight from the tensors, see :mod:`mpistrat.algorithms.source`) into new
-    buffers, which are then cut into the results; results in input order."""
-    replicas = len(values[0])
+    """All-reduce a batch of distributed values through :func:`mpistrat.engine.
+    reduce_batch`; results in input order, on the values' devices."""
     devices = values[0].device_set
-    contributions = comm.Get_size() * replicas
-    components = [_as_arrays(v) for v in values]
-    results: list[Any] = [None] * len(values)
-    counter = 0
-    for indices, plan, reducer in groups:
-        per_device = [[components[i][d] for i in indices] for d in range(replicas)]
-        # the plan was looked up by the first device's shapes and dtypes: only the other
-        # devices' tensors need checking against it
-        packs = [plan.segments(batch, validate=d > 0) for d, batch in enumerate(per_device)]
-        wire = [[algorithms.Source(p[b]) for p in packs] for b in range(len(plan.packs))]
-        for i in plan.passthrough:
-            wire.append([algorithms.Source.of(_flat(batch[i])) for batch in per_device])
-        reduced = []
-        for sources in wire:
-            buf = reducer(sources, counter)
-            counter += 1
-            if op is ReduceOp.MEAN and get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
-                buf = get_backend(buf).divide(buf, contributions)
-            reduced.append(buf)
-        tensors = plan.unpack(reduced[:len(plan.packs)], reduced[len(plan.packs):])
-        for i, tensor in zip(indices, tensors):
-            if op is ReduceOp.MEAN and tensor.dtype.kind in "iub":
-                backend = get_backend(tensor)
-                tensor = backend.divide(backend.flat_copy(tensor), contributions) \
-                    .reshape(tensor.shape)
-            results[i] = Mirrored._trusted(
-                (tensor,) if replicas == 1 else
-                [tensor] + [tensor.copy() for _ in range(replicas - 1)], devices)
-    return results
-
-
-def _flat(array: Any) -> Any:
-    """A 1-D view of ``array`` (a copy when it is not C-contiguous)."""
-    view = get_backend(array).flat_view(array)
-    return view if view is not None else get_backend(array).flat_copy(array)
-
-
-def _local_sum(op: ReduceOp, sources: list[Any], backend: Any) -> Any:
-    """A new buffer (recycled memory: it becomes a result) holding the combination of the
-    local devices' sources, in device order."""
-    buf = backend.recycled(sources[0].size, sources[0].dtype)
-    sources[0].copy_into(buf, backend=backend)
-    for source in sources[1:]:
-        source.combine_into(op, buf, 0, source.size, backend)
-    return buf
-
-
-SHARED_RESULT_BYTES = 1 << 20
-"""Packs from this size reduced by ``shm`` (or ``shm/<b>``) get their result buffer in
-shared memory (:func:`mpistrat.shared.recycled`): each rank writes its reduced slice
-there in place and its peers copy it from there, instead of one more copy through the
-window; below it, one small all-reduce to agree on a buffer would cost more than it saves."""
-
-
-def _algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int) -> Reducer:
-    """Combine the local components in device order, then run ``alg`` across ranks; with
-    one device the algorithm reads the source directly (out of place, no copy)."""
-
-    info = algorithms.get(alg)
-    shares = "shm" in (alg, info.intra)  # its results can live in shared memory
-
-    def reduce(sources: list[Any], index: int) -> Any:
-        backend = get_backend(sources[0].segments[0])
-        if len(sources) == 1 and comm.Get_size() > 1 and sources[0].size:
-            buf = None
-            if shares and sources[0].nbytes >= SHARED_RESULT_BYTES \
-                    and getattr(backend, "name", None) == "numpy":
-                buf = shared.recycled(comm, sources[0].size, sources[0].dtype)
-            if buf is None:
-                buf = backend.recycled(sources[0].size, sources[0].dtype)
-            algorithms.run(alg, comm, buf, op=op, shards=shards, backend=backend,
-                           rotation=index, source=sources[0])
-            return buf
-        buf = _local_sum(op, sources, backend)
-        if comm.Get_size() > 1 and buf.size:
-            algorithms.run(alg, comm, buf, op=op, shards=shards, backend=backend,
-                           rotation=index)
-        return buf
-
-    return reduce
-
-
-def _structure(arrays: Sequence[Any]) -> tuple:
-    """A batch's shapes and dtypes: the key its packing plan and routing are cached by."""
-    return tuple((a.shape, a.dtype) for a in arrays)
-
-
-def _plan_for(arrays: list[Any], num_packs: int, agg_max_bytes: int, agg_max_group: int,
-              options: CommunicationOptions) -> packing.PackPlan:
-    """The packing plan of a batch (cached: a training loop reduces the same structure)."""
-    return _cached_plan(_structure(arrays), options.bytes_per_pack, num_packs,
-                        agg_max_bytes, agg_max_group)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_plan(structure: tuple, bytes_per_pack: int, num_packs: int, agg_max_bytes: int,
-                 agg_max_group: int) -> packing.PackPlan:
-    specs = [(tuple(shape), np.dtype(dtype)) for shape, dtype in structure]
-    if bytes_per_pack > 0:
-        return packing.plan_by_size(specs, bytes_per_pack)
-    if num_packs > 0:
-        return packing.plan_concat_and_split(specs, num_packs)
-    if agg_max_bytes > 0 and agg_max_group > 0:
-        return packing.plan_small_tensor_aggregation(specs, agg_max_bytes, agg_max_group)
-    return packing.no_packing(specs)
+    return [Mirrored._trusted(parts, devices) for parts in
+            engine.reduce_batch(comm, op, [_as_arrays(v) for v in values], groups)]
 
 
 def _check_num_packs(num_packs: Any, message: str) -> int:
@@ -618,13 +507,14 @@ class AllReduceCrossDeviceOps(_AllReduceBase):
 
     def _batch(self, op, values, options):
         num_packs = self.num_packs if self.num_packs > 0 else 0
-        plan = _plan_for([_first_array(v) for v in values], num_packs, 0, 0, options)
+        plan = engine.cached_plan(engine.structure([_first_array(v) for v in values]),
+                                  options.bytes_per_pack, num_packs, 0, 0)
         return _all_reduce_batch(self.comm, op, values,
                                  [(list(range(len(values))), plan, self._reducer(op, values))])
 
-    def _reducer(self, op: ReduceOp, values: list[DistributedValues]) -> Reducer:
+    def _reducer(self, op: ReduceOp, values: list[DistributedValues]) -> engine.Reducer:
         if self.all_reduce_alg == "nccl":
-            return _algorithm_reducer(self.comm, op, "nccl", 1)
+            return engine.algorithm_reducer(self.comm, op, "nccl", 1)
         return _hierarchical_copy_reducer(self.comm, op, len(values[0]))
 
 
@@ -661,7 +551,7 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
         super().__init__("hierarchical_copy", num_packs, comm)
 
 
-def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reducer:
+def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> engine.Reducer:
     size = comm.Get_size()
     devices = size * replicas
     if devices % 2:
@@ -674,7 +564,7 @@ def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> Reduce
 
     def reduce(sources: list[Any], index: int) -> Any:
         backend = get_backend(sources[0].segments[0])
-        parts = [s.segments[0] if s.contiguous else _local_sum(op, [s], backend)
+        parts = [s.segments[0] if s.contiguous else engine.local_sum(op, [s], backend)
                  for s in sources]
         root0 = index % devices
         owner = root0 // replicas
@@ -753,39 +643,15 @@ class MultiWorkerAllReduce(_AllReduceBase):
                 f"num_gpus_per_worker={self.num_gpus_per_worker} but the values have "
                 f"{replicas} component(s) per rank"
             )
-        routes = _routes(_structure([_first_array(v) for v in values]), self.spec,
+        routes = engine.routes(engine.structure([_first_array(v) for v in values]), self.spec,
                          self.num_packs, self.agg_small_grads_max_bytes,
                          self.agg_small_grads_max_group, options.bytes_per_pack)
-        nodes = None
         groups = []
         for indices, plan, alg, shards in routes:
-            if algorithms.get(alg).hierarchical and nodes is None:
-                from .topology import get_topology
-
-                nodes = get_topology(comm).num_nodes
-            algorithms.check_fits(alg, shards, size, nodes or 1, replicas,
-                                  self.num_gpus_per_worker > 0)
-            groups.append((indices, plan, _algorithm_reducer(comm, op, alg, shards)))
+            dispatch.fit(alg, comm, shards, devices_per_worker=replicas,
+                         gpus=self.num_gpus_per_worker > 0)
+            groups.append((indices, plan,
+                           engine.algorithm_reducer(comm, op, alg, shards, checked=True)))
         return _all_reduce_batch(comm, op, values, groups)
 
 
-Route = tuple[tuple[int, ...], packing.PackPlan, str, int]
-
-
-@functools.lru_cache(maxsize=64)
-def _routes(structure: tuple, spec: AllReduceSpec, num_packs: int, agg_max_bytes: int,
-            agg_max_group: int, bytes_per_pack: int) -> tuple[Route, ...]:
-    """Which tensors of a batch go to which spec entry (by byte size, entries in spec
-    order) and each entry's packing plan: ``(indices, plan, algorithm, shards)`` per
-    entry that gets tensors. Cached: a training loop reduces the same structure."""
-    routed: dict[int, list[int]] = {}
-    for i, (shape, dtype) in enumerate(structure):
-        routed.setdefault(spec.index_for(math.prod(shape) * dtype.itemsize), []).append(i)
-    routes = []
-    for entry_index in sorted(routed):
-        alg, shards, _ = spec[entry_index]
-        indices = tuple(routed[entry_index])
-        plan = _cached_plan(tuple(structure[i] for i in indices), bytes_per_pack, num_packs,
-                            agg_max_bytes, agg_max_group)
-        routes.append((indices, plan, alg, shards))
-    return tuple(routes)

@@ -16,7 +16,8 @@ from .algorithms.registry import Pool, Shards
 from .errors import TopologyError
 from .spec import AllReduceSpec, SpecLike, parse_spec
 
-__all__ = ["Layout", "Finding", "check_spec", "require_fits"]
+__all__ = ["Layout", "Finding", "check_spec", "entry_findings", "require_fits",
+           "require_entry_fits"]
 
 
 @dataclass(frozen=True)
@@ -90,56 +91,68 @@ class Finding:
         return {"level": self.level, "entry": self.entry, "message": self.message}
 
 
-def check_spec(spec: SpecLike, layout: Layout) -> list[Finding]:
-    """Check a spec against a job's layout.
+def entry_findings(index: int | None, alg: str, shards: int,
+                   layout: Layout) -> tuple[list[Finding], list[Finding]]:
+    """What :func:`check_spec` finds for one spec entry ``alg#shards``: (errors, warnings).
 
-    Errors: a GPU algorithm on CPU replicas; ``shards`` above the number of gather
-    ranks of a shuffle. Warnings: a ``shards`` value the algorithm ignores; a
-    hierarchical algorithm on one node (its cross-node stage is skipped); a single
-    replica (nothing to reduce).
+    Errors: a GPU algorithm on CPU replicas; a shared-memory algorithm across nodes;
+    ``shards`` above the number of gather ranks of a shuffle. Warnings: a ``shards``
+    value the algorithm ignores; a hierarchical algorithm on one node (its cross-node
+    stage is skipped).
+    """
+    info = algorithms.get(alg)
+    where = f"entry {index} {alg!r}" if index is not None else repr(alg)
+    errors: list[Finding] = []
+    warnings: list[Finding] = []
+    if info.needs_gpu and not layout.gpus:
+        errors.append(Finding("error", index, (
+            f"{where} needs GPUs, but the job has CPU replicas only "
+            f"({layout.describe()}); use a CPU algorithm such as 'xring', 'rechd', "
+            f"'pscpu' or 'pscpu/pscpu', or give the workers GPUs (--gpus-per-worker)"
+        )))
+    if info.single_node and layout.nodes > 1:
+        across = ", ".join(repr(n) for n in algorithms.names()
+                           if algorithms.get(n).intra == alg)
+        errors.append(Finding("error", index, (
+            f"{where} works inside one node (shared memory), but the job has "
+            f"{layout.nodes} nodes ({layout.describe()}); use a hierarchical form "
+            f"({across}: {alg} inside each node, the second algorithm across nodes)"
+        )))
+    if info.pool is not None and not (info.hierarchical and layout.nodes == 1):
+        # (on one node a hierarchical algorithm skips its cross-node stage, where
+        # the shards apply: the warning below says so)
+        available = layout.pool_size(info.pool)
+        if available and shards > available:
+            errors.append(Finding("error", index, (
+                f"{where} has shards={shards} but its gather pool ({info.pool.value}) "
+                f"has only {available} ({layout.describe()}); use shards <= {available}"
+            )))
+    if info.shards is Shards.IGNORED and shards > 1:
+        warnings.append(Finding("warning", index, (
+            f"{where} ignores shards (got {shards}); write it without '#{shards}'"
+        )))
+    if info.hierarchical and layout.nodes == 1:
+        warnings.append(Finding("warning", index, (
+            f"{where} is hierarchical but the job has one node: only its intra-node "
+            f"stage {info.intra!r} runs (set MPISTRAT_RANKS_PER_NODE to form virtual "
+            f"nodes, or use a flat algorithm)"
+        )))
+    return errors, warnings
+
+
+def check_spec(spec: SpecLike, layout: Layout) -> list[Finding]:
+    """Check a spec against a job's layout: :func:`entry_findings` for every entry, and
+    a warning for a single replica (nothing to reduce).
 
     Returns:
         The findings, errors first, in entry order.
     """
-    spec = parse_spec(spec)
     errors: list[Finding] = []
     warnings: list[Finding] = []
-    for index, (alg, shards, _limit) in enumerate(spec):
-        info = algorithms.get(alg)
-        where = f"entry {index} {alg!r}"
-        if info.needs_gpu and not layout.gpus:
-            errors.append(Finding("error", index, (
-                f"{where} needs GPUs, but the job has CPU replicas only "
-                f"({layout.describe()}); use a CPU algorithm such as 'xring', 'rechd', "
-                f"'pscpu' or 'pscpu/pscpu', or give the workers GPUs (--gpus-per-worker)"
-            )))
-        if info.single_node and layout.nodes > 1:
-            across = ", ".join(repr(n) for n in algorithms.names()
-                               if algorithms.get(n).intra == alg)
-            errors.append(Finding("error", index, (
-                f"{where} works inside one node (shared memory), but the job has "
-                f"{layout.nodes} nodes ({layout.describe()}); use a hierarchical form "
-                f"({across}: {alg} inside each node, the second algorithm across nodes)"
-            )))
-        if info.pool is not None and not (info.hierarchical and layout.nodes == 1):
-            # (on one node a hierarchical algorithm skips its cross-node stage, where
-            # the shards apply: the warning below says so)
-            available = layout.pool_size(info.pool)
-            if available and shards > available:
-                errors.append(Finding("error", index, (
-                    f"{where} has shards={shards} but its gather pool ({info.pool.value}) "
-                    f"has only {available} ({layout.describe()}); use shards <= {available}"
-                )))
-        if info.shards is Shards.IGNORED and shards > 1:
-            warnings.append(Finding("warning", index, (
-                f"{where} ignores shards (got {shards}); write it without '#{shards}'"
-            )))
-        if info.hierarchical and layout.nodes == 1:
-            warnings.append(Finding("warning", index, (
-                f"{where} is hierarchical but the job has one node: only its intra-node "
-                f"stage {info.intra!r} runs (set MPISTRAT_RANKS_PER_NODE to form virtual "
-                f"nodes, or use a flat algorithm)"
-            )))
+    for index, (alg, shards, _limit) in enumerate(parse_spec(spec)):
+        entry_errors, entry_warnings = entry_findings(index, alg, shards, layout)
+        errors += entry_errors
+        warnings += entry_warnings
     if layout.replicas == 1:
         warnings.append(Finding("warning", None, (
             "the job has a single replica (1 worker x 1 device): every all-reduce is a copy"
@@ -158,3 +171,11 @@ def require_fits(spec: SpecLike, layout: Layout) -> AllReduceSpec:
         if finding.level == "error":
             raise TopologyError(finding.message)
     return parsed
+
+
+def require_entry_fits(alg: str, shards: int, layout: Layout, index: int = 0) -> None:
+    """Raise :class:`TopologyError` on the first error of the spec entry ``alg#shards``
+    (:func:`entry_findings`; named as entry ``index``), without parsing a spec."""
+    errors, _ = entry_findings(index, alg, shards, layout)
+    if errors:
+        raise TopologyError(errors[0].message)

@@ -33,6 +33,8 @@ import numpy as np
 from ._commcache import comm_cache
 from ._mpi import mpi, world
 from .errors import TopologyError
+from .packing import checked_shapes, views_in_order
+from .topology import get_topology
 
 __all__ = ["Block", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
            "allocate", "locate", "is_shared", "recycled", "POOL_SLOTS"]
@@ -213,8 +215,6 @@ def shared_empty(shape: Any, dtype: Any = float, comm: Any = None,
         The array. Its memory is freed by :func:`free_shared`, when ``comm``'s node
         communicator is freed, or at exit.
     """
-    from .topology import get_topology
-
     dtype = np.dtype(dtype)
     shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
@@ -256,8 +256,6 @@ def shared_arrays(shapes: Any, dtype: Any = np.float32, comm: Any = None,
     Returns:
         The arrays, in order. ``free_shared(arrays[0])`` frees them all.
     """
-    from .packing import checked_shapes, views_in_order
-
     shapes = checked_shapes(shapes)
     total = sum(math.prod(shape) for shape in shapes)
     flat = shared_zeros(max(1, total), dtype, comm, ranks_per_node)
@@ -309,8 +307,6 @@ def recycled(comm: Any, count: int, dtype: Any,
     and dtype. Results that are views of the array keep its slot busy, as with
     ``NumpyBackend.recycled``.
     """
-    from .topology import get_topology
-
     MPI = mpi()
     dtype = np.dtype(dtype)
     if count <= 0:

@@ -33,6 +33,7 @@ from . import algorithms
 from .errors import SpecError, SpecTypeError
 
 __all__ = [
+    "check_entry",
     "AllReduceSpecTuple",
     "AllReduceSpec",
     "PlanRow",
@@ -285,6 +286,12 @@ def parse_spec(spec: SpecLike) -> AllReduceSpec:
     # Check the cross-entry rules here, where the messages can quote the user's text.
     _validate(tuple(raw), sources)
     return AllReduceSpec(tuple(raw))
+
+
+def check_entry(alg: Any, shards: Any = 1) -> AllReduceSpecTuple:
+    """Validate one entry ``alg#shards`` as :func:`parse_spec` validates entry 0 of a list
+    spec (the same :class:`SpecError`), without building a spec."""
+    return _entry_from_tuple((alg, shards), 0)
 
 
 _EMPTY = (

@@ -1,6 +1,6 @@
 """Node groups of a communicator: who shares a node, who leads it, how nodes are ordered.
 
-The topology model (see ``docs/architecture`` in the project notes):
+The topology model (docs/algorithms.md and docs/multihost.md show it at work):
 
 * a **worker** is one MPI rank of the communicator;
 * a **node group** is the set of ranks on one node, from
@@ -25,7 +25,6 @@ from ._commcache import comm_cache
 from ._mpi import mpi, world
 from .config import RANKS_PER_NODE, Settings
 from .errors import TopologyError
-from .layout import Layout
 
 __all__ = ["Topology", "get_topology", "env_ranks_per_node"]
 
@@ -78,10 +77,6 @@ class Topology:
         for rank, node in enumerate(self.node_of_rank):
             groups[node].append(rank)
         return tuple(tuple(g) for g in groups)
-
-    def layout(self, devices_per_worker: int = 1, gpus: bool = False) -> Layout:
-        """The :class:`~mpistrat.layout.Layout` of this job for spec checks."""
-        return Layout(self.size, devices_per_worker, gpus, self.num_nodes)
 
     def release(self) -> None:
         """Free the sub-communicators (called when ``comm`` is freed)."""

@@ -1,9 +1,9 @@
-"""The GPU algorithms: ``nccl`` (NCCL through CuPy) and ``psgpu`` (the shuffle with its
-gather shards reduced on GPUs), as :class:`~.hierarchical.Implementation` objects.
+"""What the GPU algorithms need before they can run: ``nccl`` (NCCL through CuPy) and
+``psgpu`` (the shuffle with its gather shards reduced on GPUs).
 
-:func:`implementation` checks what the algorithm needs — CuPy, a visible CUDA device and,
-for ``nccl``, NCCL in CuPy — and raises :class:`~mpistrat.errors.BackendUnavailable`
-naming what is missing. It is the seam ``mpistrat.algorithms._gpu_implementation``.
+:func:`require` checks CuPy, a visible CUDA device and, for ``nccl``, NCCL in CuPy, and
+raises :class:`~mpistrat.errors.BackendUnavailable` naming what is missing;
+:func:`mpistrat.dispatch.implementation` asks it before handing out a GPU algorithm.
 """
 
 from __future__ import annotations
@@ -13,35 +13,22 @@ from typing import Any
 
 from ..backends.capabilities import probe_gpus
 from ..errors import BackendUnavailable
-from . import nccl, shuffle
-from .hierarchical import Implementation
 
-__all__ = ["implementation"]
-
-_IMPLEMENTATIONS = {
-    # NCCL inside a node group: reduce onto the leader, NCCL broadcast back (nccl/<b>)
-    "nccl": Implementation(nccl.all_reduce, nccl.reduce_to_root, broadcast=nccl.broadcast),
-    # the shuffle on CuPy buffers: pieces added on the gather ranks' GPUs
-    "psgpu": Implementation(shuffle.all_reduce, shuffle.reduce_to_root),
-}
+__all__ = ["require"]
 
 
 @functools.lru_cache(maxsize=1)
 def _probe() -> Any:
-    """What CuPy sees, probed once per process (run() asks on every call)."""
+    """What CuPy sees, probed once per process (every dispatch asks)."""
     return probe_gpus()
 
 
-def implementation(name: str) -> Implementation:
-    """The implementation of GPU algorithm ``name`` ('nccl' or 'psgpu').
+def require(name: str) -> None:
+    """Raise :class:`BackendUnavailable` unless GPU algorithm ``name`` can run here.
 
     Raises:
         BackendUnavailable: CuPy, a CUDA device, or (for 'nccl') NCCL is missing.
-        KeyError: ``name`` is not a GPU algorithm.
     """
-    if name not in _IMPLEMENTATIONS:
-        raise KeyError(f"{name!r} is not a GPU algorithm; expected one of "
-                       f"{sorted(_IMPLEMENTATIONS)}")
     probe = _probe()
     if probe.cupy is None or not probe.devices:
         raise BackendUnavailable(
@@ -51,4 +38,3 @@ def implementation(name: str) -> Implementation:
         raise BackendUnavailable(
             f"algorithm 'nccl' needs NCCL through cupy.cuda.nccl: {probe.reason or 'missing'}; "
             f"use 'psgpu' or 'xring' on GPU buffers")
-    return _IMPLEMENTATIONS[name]

@@ -37,6 +37,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._mpi import mpi
+from ..backends.capabilities import device_buffers_to_mpi
+from ..backends.protocol import ArrayBackend
+from ..errors import BackendUnavailable
 from ..ops import ReduceOp
 from ._chunks import capped, even_bounds
 from .source import Source
@@ -48,7 +51,7 @@ PIPELINE_BYTES = 4 << 20  # the last halving step and its doubling move pieces o
 _TAG, _TAG_BACK = 3, 4
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Recursive halving-doubling all-reduce (``shards`` ignored): of ``buf`` in place, or
     of ``source`` into ``buf`` when a source is given."""
@@ -153,9 +156,6 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
 
 def _require_direct(comm: Any) -> None:
     """Device buffers reach this algorithm's MPI calls as they are: only with CUDA-aware MPI."""
-    from ..backends.capabilities import device_buffers_to_mpi
-    from ..errors import BackendUnavailable
-
     if not device_buffers_to_mpi(comm):
         raise BackendUnavailable(
             "'rechd' on GPU buffers needs a CUDA-aware MPI (its staged transport is not "
@@ -169,7 +169,7 @@ def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
 
 
 def _exchange(comm: Any, buf: Any, scratch: Any, partner: int, keep: tuple[int, int],
-              give: tuple[int, int], *, op: ReduceOp, backend: Any, layout: Source | None,
+              give: tuple[int, int], *, op: ReduceOp, backend: ArrayBackend, layout: Source | None,
               pending: bool, last: bool) -> None:
     """One halving step in messages: send ``give``, receive and add ``keep``.
 

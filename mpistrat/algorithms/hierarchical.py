@@ -37,45 +37,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
 from .._commcache import comm_cache
+from .._mpi import mpi
+from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..topology import get_topology
 from ._chunks import even_bounds
+from .implementation import Implementation
 from .source import Source, agreed_join
 
-__all__ = ["Implementation", "hierarchical", "PIPELINE_BYTES"]
+__all__ = ["hierarchical", "PIPELINE_BYTES"]
 
 PIPELINE_BYTES = 4 << 20  # the piece size of the pipelined multi-node form
 
 
-@dataclass(frozen=True)
-class Implementation:
-    """The code behind an algorithm name.
-
-    Attributes:
-        all_reduce: ``f(comm, buf, *, op, shards, backend, rotation)``, in place.
-        reduce_to_root: ``f(comm, buf, *, op, backend, root)`` leaving the reduction on
-            ``root`` only, when the algorithm has a cheaper form for that (used as the
-            intra-node stage of hierarchical algorithms).
-        broadcast: ``f(comm, buf, *, backend, root)`` copying ``root``'s buffer to every
-            rank, when the algorithm has a faster way than ``MPI_Bcast`` (shared memory,
-            NCCL); used for the last stage of hierarchical algorithms.
-        out_of_place: ``all_reduce`` also takes ``source=`` (a :class:`.source.Source`)
-            and reduces it into ``buf`` without first copying it there.
-        root_out_of_place: ``reduce_to_root`` takes ``source=`` likewise.
-    """
-
-    all_reduce: Callable[..., None]
-    reduce_to_root: Callable[..., None] | None = None
-    out_of_place: bool = False
-    broadcast: Callable[..., None] | None = None
-    root_out_of_place: bool = False
-
-
-def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
+def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: ArrayBackend,
                  rotation: int, intra: Implementation, inter: Implementation,
                  ranks_per_node: int | None = None, source: Source | None = None,
                  node_shards: bool = False) -> None:
@@ -87,8 +66,6 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
     node instead of its reduce-to-root and the broadcast (with every rank gathering a
     piece when ``node_shards``: the shuffles), which moves less.
     """
-    from ..topology import get_topology  # (topology -> layout -> spec -> this package)
-
     topology = get_topology(comm, ranks_per_node)
     single = topology.num_nodes == 1 and topology.local_size > 1 and buf.size > 0
     if source is not None and intra.out_of_place and single:
@@ -133,7 +110,7 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any
             backend.transport(node_comm).bcast(backend.comm_view(buf), 0)
 
 
-def _pipelines(topology: Any, buf: Any, backend: Any) -> bool:
+def _pipelines(topology: Any, buf: Any, backend: ArrayBackend) -> bool:
     """Whether this call runs pipelined: host buffers of two pieces or more, across nodes,
     with some node holding several ranks (decided alike on every rank)."""
     return (getattr(backend, "name", None) == "numpy" and topology.num_nodes > 1
@@ -144,7 +121,7 @@ class _StageBackend:
     """The backend as one pipeline stage sees it: scratch of its own, since the stages
     (which may run the same algorithm, as in ``pscpu/pscpu``) work at the same time."""
 
-    def __init__(self, backend: Any, stage: str) -> None:
+    def __init__(self, backend: ArrayBackend, stage: str) -> None:
         self._backend, self._stage = backend, stage
 
     def scratch(self, tag: str, count: int, dtype: Any) -> Any:
@@ -154,7 +131,7 @@ class _StageBackend:
         return getattr(self._backend, name)
 
 
-def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Any,
+def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: ArrayBackend,
                rotation: int, intra: Implementation, inter: Implementation) -> None:
     """Reduce each piece onto its owner, all-reduce it across the owners of the nodes and
     broadcast it from the owner, with the stages this rank takes part in running at once
@@ -225,8 +202,6 @@ class _PeerComm:
     all-reduce the pieces ``j`` owns across nodes (local rank 0: the leaders)."""
 
     def __init__(self, topology: Any, owners: int) -> None:
-        from .._mpi import mpi
-
         MPI = mpi()
         color = topology.local_rank if topology.local_rank < owners else MPI.UNDEFINED
         comm = topology.comm.Split(color, key=topology.node)

@@ -5,7 +5,7 @@ bfloat16 from ml_dtypes) go through a user-defined, commutative ``MPI.Op`` over 
 contiguous byte type, applying the NumPy ufunc. Preconditions: none beyond a contiguous
 1-D buffer. CuPy buffers go to a CUDA-aware MPI as they are (after a stream sync), else
 through pinned host memory in chunks, each reduced by ``MPI_Iallreduce`` as soon as its
-copy lands (:func:`.staging.staged_allreduce`).
+copy lands (:func:`mpistrat.backends.transport.staged_allreduce`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 
 from .._mpi import mpi
+from ..backends.capabilities import device_buffers_to_mpi
 from ..backends.numpy_backend import UFUNCS
+from ..backends.protocol import ArrayBackend
+from ..backends.transport import staged_allreduce
 from ..ops import ReduceOp
 from .source import Source
 
@@ -46,15 +49,11 @@ def _typed(buf: np.ndarray, op: ReduceOp) -> tuple[Any, Any]:
 
 
 def _direct(comm: Any) -> bool:
-    from ..backends.capabilities import device_buffers_to_mpi
-
     return device_buffers_to_mpi(comm)
 
 
-def _staged(comm: Any, buf: Any, op: ReduceOp, backend: Any) -> None:
+def _staged(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend) -> None:
     """Device buffer, MPI not CUDA-aware: chunked Iallreduce through pinned host memory."""
-    from .staging import staged_allreduce
-
     dtype = np.dtype(buf.dtype)
     sample = np.empty(0, dtype)
     spec, mpi_op = _typed(sample, op)
@@ -68,7 +67,7 @@ def _staged(comm: Any, buf: Any, op: ReduceOp, backend: Any) -> None:
     staged_allreduce(comm, buf, mover, typed, mpi_op)
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Reduce ``buf`` across ``comm`` with ``MPI_Allreduce`` (``shards`` ignored): in place,
     or from a one-segment ``source`` as the send buffer (a scattered source is copied into

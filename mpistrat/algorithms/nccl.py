@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from .._commcache import comm_cache
+from ..backends.protocol import ArrayBackend
+from ..devices import device_identity, require_distinct_devices
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
 
@@ -50,7 +52,7 @@ class _Communicators:
 
 def _nccl() -> Any:
     try:
-        from cupy.cuda import nccl
+        from cupy.cuda import nccl  # (CuPy on demand: import mpistrat starts no CUDA)
     except Exception as exc:
         raise BackendUnavailable(
             f"the 'nccl' algorithm needs NCCL through cupy.cuda.nccl, which failed to "
@@ -70,9 +72,7 @@ def communicators(comm: Any, devices: Sequence[int]) -> list[Any]:
     cache = comm_cache(comm)
     if key in cache:
         return cache[key].comms
-    import cupy
-
-    from ..devices import device_identity, require_distinct_devices
+    import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
     nccl = _nccl()
     identities = [device_identity(cupy, d) or f"ordinal {d}" for d in devices]
@@ -121,7 +121,7 @@ def _op(nccl: Any, op: ReduceOp) -> Any:
             ReduceOp.MAX: nccl.NCCL_MAX}[op.primitive]
 
 
-def _require_cupy(backend: Any, name: str) -> None:
+def _require_cupy(backend: ArrayBackend, name: str) -> None:
     if getattr(backend, "name", None) != "cupy":
         raise BackendUnavailable(
             f"the '{name}' algorithm runs on CuPy device buffers, got {backend.name} buffers; "
@@ -131,7 +131,7 @@ def _require_cupy(backend: Any, name: str) -> None:
 def all_reduce_devices(comm: Any, bufs: Sequence[Any], *, op: ReduceOp) -> None:
     """All-reduce one buffer per local device (``bufs[i]`` on this rank's device ``i``) over
     every device of every rank of ``comm``, in place."""
-    import cupy
+    import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
     nccl = _nccl()
     devices = [int(b.device.id) for b in bufs]
@@ -155,17 +155,17 @@ def all_reduce_devices(comm: Any, bufs: Sequence[Any], *, op: ReduceOp) -> None:
         stream.synchronize()
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0) -> None:
     """NCCL all-reduce of ``buf`` in place over ``comm`` (``shards``, ``rotation`` unused)."""
     _require_cupy(backend, "nccl")
     all_reduce_devices(comm, [buf], op=op)
 
 
-def broadcast(comm: Any, buf: Any, *, backend: Any, root: int = 0) -> None:
+def broadcast(comm: Any, buf: Any, *, backend: ArrayBackend, root: int = 0) -> None:
     """NCCL broadcast of ``root``'s ``buf`` to every rank of ``comm``, in place: the last
     stage of ``nccl/<b>`` hierarchies (replaces ``MPI_Bcast``)."""
-    import cupy
+    import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
     _require_cupy(backend, "nccl")
     nccl = _nccl()
@@ -178,10 +178,11 @@ def broadcast(comm: Any, buf: Any, *, backend: Any, root: int = 0) -> None:
         stream.synchronize()
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0) -> None:
+def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: ArrayBackend,
+                   root: int = 0) -> None:
     """NCCL reduce of ``buf`` onto ``root`` in place (other ranks' buffers are left as
     they were): the first stage of ``nccl/<b>`` hierarchies."""
-    import cupy
+    import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
     _require_cupy(backend, "nccl")
     nccl = _nccl()

@@ -16,8 +16,8 @@ Out of place (``source`` given, see :mod:`.source`): a rank's first send of each
 pipeline goes out straight from the source, every reduce-scatter receive lands in ``buf``
 (no scratch slot) and the rank's own source piece is added there; nothing is copied.
 
-Messages go through the backend's transport (:mod:`.staging`): straight to MPI for host
-buffers and with a CUDA-aware MPI, else staged through pinned host memory.
+Messages go through the backend's transport (:mod:`mpistrat.backends.transport`): straight
+to MPI for host buffers and with a CUDA-aware MPI, else staged through pinned host memory.
 
 Every segment is reduced exactly once and then copied, so all ranks end bitwise
 identical. Bytes sent per rank: ``2 (n - 1) / n`` of the buffer. Works for any length
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ._chunks import even_bounds
 from .source import Source
@@ -35,7 +36,7 @@ from .source import Source
 __all__ = ["all_reduce"]
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Ring all-reduce over ``comm`` (``rotation`` is unused): of ``buf`` in place, or of
     ``source`` into ``buf`` when a source is given."""

@@ -36,8 +36,9 @@ Steps of one call (``n`` ranks, every rank publishing in its own control segment
    Push moves a fifth less memory (2 ranks: a rank reads its slice of both buffers and
    writes the sum into both, instead of also reading the peer's result back) and has no
    per-chunk wait. It also escapes the slow one of this VM's two states: there pull ran
-   at 3.4-3.9 GB/s while push, interleaved with it, ran at 10-17 GB/s (docs/benchmarks.md;
-   pull reading lines a peer has just written is the likely cause, not verified).
+   at 3.4-3.9 GB/s while push, interleaved with it, ran at 10-17 GB/s
+   (docs/notes/shm-history.md; pull reading lines a peer has just written is the likely
+   cause, not verified).
 
 Design choices:
 
@@ -100,6 +101,7 @@ import numpy as np
 from .. import _stall, shared
 from .._commcache import comm_cache
 from ..backends.numpy_backend import UFUNCS
+from ..backends.protocol import ArrayBackend
 from ..errors import (
     BackendUnavailable,
     CollectiveAbortedError,
@@ -362,7 +364,7 @@ def _arrive(node: _Node, kind: int, buf: np.ndarray, op: ReduceOp, root: int,
     return lines
 
 
-def _host_only(backend: Any) -> None:
+def _host_only(backend: ArrayBackend) -> None:
     if getattr(backend, "name", None) != "numpy":
         raise BackendUnavailable(
             "the 'shm' algorithm reduces host memory (NumPy arrays); for GPU buffers use "
@@ -571,7 +573,7 @@ def _guarded(node: _Node, body: Any, *args: Any) -> None:
         raise
 
 
-def _call(comm: Any, buf: Any, op: ReduceOp, backend: Any, root: int | None,
+def _call(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend, root: int | None,
           source: Source | None) -> None:
     """Reduce ``buf`` — or ``source`` into ``buf`` — onto every rank (``root`` None) or
     onto ``root``: what it reduces is ``buf`` itself, the one buffer ``source``'s tensors
@@ -590,7 +592,7 @@ def _call(comm: Any, buf: Any, op: ReduceOp, backend: Any, root: int | None,
     _guarded(node, _reduce, x, buf, op, root, src)
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """All-reduce ``buf`` in place over the ranks of ``comm`` (one node) through shared
     memory — or reduce ``source`` into ``buf``: its tensors are copied straight into the
@@ -599,7 +601,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     _call(comm, buf, op, backend, None, source)
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0,
+def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: ArrayBackend, root: int = 0,
                    source: Source | None = None) -> None:
     """Reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``'s ``buf``
     through shared memory (other ranks skip the copy-out; their buffers are left partly
@@ -638,7 +640,7 @@ def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
     _finish(node, tag)
 
 
-def broadcast(comm: Any, buf: Any, *, backend: Any, root: int = 0) -> None:
+def broadcast(comm: Any, buf: Any, *, backend: ArrayBackend, root: int = 0) -> None:
     """Copy ``root``'s ``buf`` to every rank of ``comm`` (one node) through shared memory."""
     _host_only(backend)
     if comm.Get_size() == 1 or buf.size == 0:

@@ -38,13 +38,14 @@ intra-node stage of hierarchical ``pscpu/...`` algorithms.
 
 With CuPy buffers this is ``psgpu``: the gather ranks add the pieces on their GPU (the
 backend's arithmetic) and the messages go through the backend's transport
-(:mod:`.staging`: CUDA-aware MPI, or staged through pinned host memory).
+(:mod:`mpistrat.backends.transport`: CUDA-aware MPI, or staged through pinned host memory).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ._chunks import capped, gather_groups, ragged_bounds
 from .source import Source
@@ -68,7 +69,7 @@ def _gather_tags(owners: list[int]) -> list[int]:
     return tags
 
 
-def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Any,
+def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: ArrayBackend,
              destinations: list[int] | None, source: Source | None = None) -> None:
     transport = backend.transport(comm)
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -156,7 +157,7 @@ def _receive_results(transport: Any, raw: Any, size: int, owners: list[int],
             for j in pieces for a, b, _ in cut[j]]
 
 
-def _nothing_to_exchange(n: int, buf: Any, source: Source | None, backend: Any) -> bool:
+def _nothing_to_exchange(n: int, buf: Any, source: Source | None, backend: ArrayBackend) -> bool:
     """True (after copying ``source`` into ``buf``) when one rank or an empty buffer
     leaves nothing to send."""
     if n > 1 and buf.size:
@@ -166,7 +167,7 @@ def _nothing_to_exchange(n: int, buf: Any, source: Source | None, backend: Any) 
     return True
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: Any,
+def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Shuffle all-reduce of ``buf`` in place over ``comm`` with ``shards`` gather ranks,
     or of ``source`` into ``buf`` (every rank's Source cut alike: see :func:`.run`)."""
@@ -177,7 +178,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     _shuffle(comm, buf, op, groups[rotation % len(groups)], backend, None, source)
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: Any, root: int = 0,
+def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: ArrayBackend, root: int = 0,
                    source: Source | None = None) -> None:
     """Shuffle-reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``: every
     rank gathers one piece, then sends it to ``root`` only. Other ranks' buffers are left

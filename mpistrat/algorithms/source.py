@@ -15,7 +15,7 @@ staging buffer and sent as one message, so a batch of many biases and norms cost
 messages, not hundreds. Both sides of an exchange compute the same message boundaries
 from the segment sizes, so every rank's Source must have the same segment sizes (the
 cross-device ops agree on the batch's shapes before any data moves). Messages go through
-the backend's transport (:mod:`.staging`), so device segments can be staged.
+the backend's transport (:mod:`mpistrat.backends.transport`), so device segments can be staged.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import _stall
 from .._mpi import mpi
+from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ._chunks import capped
 
@@ -111,7 +112,7 @@ class Source:
         """This rank's segments as one 1-D read-only view when they lie one after another
         in one array's memory, else None. Depends on this rank's memory only: algorithms
         whose peers compute message boundaries from the Source must agree before using
-        it (:func:`mpistrat.algorithms.run` does)."""
+        it (:func:`mpistrat.dispatch.run` does)."""
         if len(self.segments) == 1:
             return self.segments[0]
         return _join(self.segments) if self.segments else None
@@ -160,7 +161,7 @@ class Source:
             out.append((run[0], run[1], True))
         return out
 
-    def isend(self, comm: Any, lo: int, hi: int, dest: int, tag: int, backend: Any,
+    def isend(self, comm: Any, lo: int, hi: int, dest: int, tag: int, backend: ArrayBackend,
               data: Any = None, max_bytes: int = 0) -> list[Any]:
         """Start sending elements ``[lo, hi)`` to ``dest``; the requests to wait on.
 
@@ -196,7 +197,7 @@ class Source:
         return requests
 
     def irecv(self, comm: Any, out: Any, lo: int, hi: int, source: int, tag: int,
-              backend: Any, at: int | None = None) -> list[Any]:
+              backend: ArrayBackend, at: int | None = None) -> list[Any]:
         """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`) into
         ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
         transport = backend.transport(comm)
@@ -207,19 +208,20 @@ class Source:
                 for a, b, _ in self.messages(lo, hi)]
 
     def receive_and_combine(self, op: ReduceOp, requests: list[Any], out: Any, lo: int,
-                            hi: int, backend: Any) -> None:
+                            hi: int, backend: ArrayBackend) -> None:
         """Wait for the messages of :meth:`irecv` ``[lo, hi)`` into ``out`` in order, adding
         this Source's piece to each as it lands (while it is still in cache)."""
         for request, (a, b, _) in zip(requests, self.messages(lo, hi)):
             request.Wait()
             self.combine_into(op, out, a, b, backend)
 
-    def combine_into(self, op: ReduceOp, out: Any, lo: int, hi: int, backend: Any) -> None:
+    def combine_into(self, op: ReduceOp, out: Any, lo: int, hi: int, backend: ArrayBackend) -> None:
         """``out[lo:hi] = op(out[lo:hi], self[lo:hi])`` (``out`` indexed like the Source)."""
         for index, a, b, position in self.pieces(lo, hi):
             backend.combine(op, out[position:position + b - a], self.segments[index][a:b])
 
-    def copy_into(self, out: Any, lo: int = 0, hi: int | None = None, *, backend: Any) -> None:
+    def copy_into(self, out: Any, lo: int = 0, hi: int | None = None, *,
+                  backend: ArrayBackend) -> None:
         """``out[lo:hi] = self[lo:hi]``."""
         hi = self.size if hi is None else hi
         for index, a, b, position in self.pieces(lo, hi):
@@ -229,7 +231,7 @@ class Source:
         return f"Source({len(self.segments)} segment(s), {self.size} x {self.dtype})"
 
 
-def agreed_join(comm: Any, source: Source, backend: Any) -> Source:
+def agreed_join(comm: Any, source: Source, backend: ArrayBackend) -> Source:
     """``source`` as one contiguous Source when every rank's segments are views of one
     buffer in order (:meth:`Source.joined`), else ``source`` unchanged.
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from ..errors import BackendUnavailable
 from .numpy_backend import NumpyBackend
+from .protocol import ArrayBackend
 
-__all__ = ["NumpyBackend", "get_backend", "as_array", "is_cuda_array"]
+__all__ = ["ArrayBackend", "NumpyBackend", "get_backend", "as_array", "is_cuda_array"]
 
 _NUMPY = NumpyBackend()
 _CUPY: dict[int, Any] = {}  # device id -> CupyBackend
@@ -55,7 +56,7 @@ def _cupy_backend(array: Any, how: str) -> Any:
             f"installed; install it with {_INSTALL}, or pass host (NumPy) arrays"
         )
     try:
-        from .cupy_backend import CupyBackend
+        from .cupy_backend import CupyBackend  # (its module is only needed for device arrays)
     except Exception as exc:
         raise BackendUnavailable(
             f"CuPy failed to import ({exc}); reinstall it with {_INSTALL}"
@@ -72,7 +73,7 @@ def _device_of(array: Any, how: str) -> int:
         return int(array.device.id)
     if how == "dlpack":
         return int(array.__dlpack_device__()[1])
-    import cupy
+    import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
     pointer = array.__cuda_array_interface__["data"][0]
     if not pointer:

@@ -13,6 +13,11 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._commcache import comm_cache
+from .._mpi import mpi
+from ..config import Settings
+from ..devices import device_identity
+
 __all__ = ["GpuProbe", "probe_gpus", "mpi_library_path", "cuda_aware_mpi",
            "cuda_aware_choice", "device_buffers_to_mpi"]
 
@@ -46,7 +51,7 @@ def probe_gpus() -> GpuProbe:
     if importlib.util.find_spec("cupy") is None:
         return GpuProbe(reason="CuPy is not installed (pip install 'mpistrat[gpu]')")
     try:
-        import cupy
+        import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
     except Exception as exc:  # a broken install must not break `mpistrat info`
         return GpuProbe(reason=f"CuPy failed to import: {exc}")
     version = getattr(cupy, "__version__", "unknown")
@@ -61,7 +66,7 @@ def probe_gpus() -> GpuProbe:
         return GpuProbe(cupy=version, reason=f"no usable CUDA device: {exc}")
     nccl, reason = None, ""
     try:
-        from cupy.cuda import nccl as nccl_module
+        from cupy.cuda import nccl as nccl_module  # (CuPy on demand: no CUDA at import)
 
         if getattr(nccl_module, "available", True):
             nccl = _format_nccl_version(nccl_module.get_version())
@@ -71,8 +76,6 @@ def probe_gpus() -> GpuProbe:
         reason = f"NCCL not usable through CuPy: {exc}"
     if not devices and not reason:
         reason = "CuPy sees no CUDA device (check CUDA_VISIBLE_DEVICES)"
-    from ..devices import device_identity
-
     identities = tuple(device_identity(cupy, index) for index, _ in devices)
     return GpuProbe(cupy=version, devices=tuple(devices), nccl=nccl, reason=reason,
                     identities=identities)
@@ -135,23 +138,18 @@ def cuda_aware_choice(MPI: Any, forced: bool | None) -> tuple[bool, str]:
 
 def device_buffers_to_mpi(comm: Any, forced: bool | None = None) -> bool:
     """True: the algorithms pass device buffers to MPI directly (CUDA-aware MPI); False:
-    they stage them through pinned host memory (:mod:`mpistrat.algorithms.staging`).
+    they stage them through pinned host memory (:mod:`mpistrat.backends.transport`).
 
     Collective on the first call for ``comm`` (the answer is cached on it): every rank
     must move its bytes the same way, since staged transfers are cut into chunks, so
     the ranks agree — direct only if every rank can. ``forced`` defaults to
     ``MPISTRAT_CUDA_AWARE_MPI``.
     """
-    from .._commcache import comm_cache
-    from .._mpi import mpi
-
     cache = comm_cache(comm)
     key = ("device_buffers_to_mpi",)
     if key not in cache:
         MPI = mpi()
         if forced is None:
-            from ..config import Settings
-
             forced = Settings.from_env().cuda_aware_mpi
         mine, _ = cuda_aware_choice(MPI, forced)
         cache[key] = bool(comm.allreduce(int(mine), op=MPI.MIN))

@@ -12,7 +12,7 @@ algorithms run unchanged on device arrays. Design choices:
   device memory without a ``cudaMalloc``;
 * :meth:`comm_view` is a CuPy ``uint8`` view: mpi4py passes it to a CUDA-aware MPI
   through ``__cuda_array_interface__``; for other MPI libraries the algorithms move
-  device bytes through :mod:`mpistrat.algorithms.staging` (see :meth:`transport`).
+  device bytes through :mod:`mpistrat.backends.transport` (see :meth:`transport`).
 
 CuPy is imported when the backend is created, never at ``import mpistrat``.
 """
@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..ops import ReduceOp
+from .capabilities import device_buffers_to_mpi
+from .transport import CudaMover, DirectTransport, StagedTransport
 
 __all__ = ["CupyBackend"]
 
@@ -32,7 +36,7 @@ class CupyBackend:
     name = "cupy"
 
     def __init__(self, device: int = 0) -> None:
-        import cupy
+        import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
         self.xp = cupy
         self.device = device
@@ -72,8 +76,6 @@ class CupyBackend:
 
     def scratch(self, tag: str, count: int, dtype: Any) -> Any:
         """A reusable 1-D device temporary (valid until the next call with ``tag``)."""
-        import numpy as np
-
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
         pool = self._pool.get(tag)
@@ -120,19 +122,14 @@ class CupyBackend:
     def transport(self, comm: Any) -> Any:
         """How the algorithms move this backend's buffers over ``comm``: straight through
         a CUDA-aware MPI, else staged through pinned host memory (decided once per
-        communicator, the same on every rank; see :mod:`mpistrat.algorithms.staging`)."""
-        from ..algorithms.staging import DirectTransport, StagedTransport
-        from .capabilities import device_buffers_to_mpi
-
+        communicator, the same on every rank; see :mod:`mpistrat.backends.transport`)."""
         if device_buffers_to_mpi(comm):
             # MPI reads device memory: the kernels queued before a send must be done
             return DirectTransport(comm, before=self.synchronize)
         return StagedTransport(comm, self.mover())
 
     def mover(self) -> Any:
-        """This device's :class:`~mpistrat.algorithms.staging.CudaMover` (created once)."""
-        from ..algorithms.staging import CudaMover
-
+        """This device's :class:`~mpistrat.backends.transport.CudaMover` (created once)."""
         if self._mover is None:
             self._mover = CudaMover(self.device)
         return self._mover

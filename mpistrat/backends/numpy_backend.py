@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import ReduceOp
+from .transport import DirectTransport
 
 __all__ = ["NumpyBackend", "UFUNCS"]
 
@@ -94,6 +95,7 @@ class NumpyBackend:
 
     @staticmethod
     def copy(dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into ``dst`` (same shape)."""
         np.copyto(dst, src)
 
     @staticmethod
@@ -108,8 +110,6 @@ class NumpyBackend:
     @staticmethod
     def transport(comm: Any) -> Any:
         """How the algorithms move host buffers over ``comm``: straight to MPI."""
-        from ..algorithms.staging import DirectTransport
-
         return DirectTransport(comm)
 
     def release(self) -> None:

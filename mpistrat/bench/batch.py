@@ -141,7 +141,7 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[M
                f"{n} x MPI_Allreduce(x, out), the inputs left alone"),
         Method("flat native", "flat-native", 1, "1 x MPI_Allreduce"),
         Method(f"flat {label}", "flat-spec", 1,
-               f"algorithms.run({_name(flat_alg, flat_shards)!r}) on the flat buffer"),
+               f"dispatch.run({_name(flat_alg, flat_shards)!r}) on the flat buffer"),
         Method(f"flat {label} (batch_reduce)", "flat-batch", 1,
                "batch_reduce of one flat tensor, num_packs=0", ops(num_packs=0)),
     ]
@@ -174,14 +174,14 @@ class BatchBench:
 
     def __init__(self, comm: Any, config: BatchConfig, spec: AllReduceSpec,
                  methods: list[Method]) -> None:
-        from .. import algorithms
+        from .. import dispatch
         from .._mpi import mpi
         from ..backends import get_backend
         from ..ops import ReduceOp
         from ..values import PerReplica
 
         self.comm, self.MPI, self.methods, self.config = comm, mpi(), methods, config
-        self.run, self.SUM = algorithms.run, ReduceOp.SUM
+        self.run, self.SUM = dispatch.run, ReduceOp.SUM
         self.G = G = config.local_replicas
         dtype, rank = config.np_dtype, comm.Get_rank()
         self.shapes = config.shapes

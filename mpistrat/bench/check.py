@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 
 __all__ = ["fill_pattern", "reference", "count_wrong"]
@@ -28,7 +29,7 @@ def fill_pattern(buf: np.ndarray, seed: int) -> None:
         buf[start:start + index.size] = values.astype(buf.dtype)
 
 
-def reference(comm: Any, inputs: Sequence[np.ndarray], op: ReduceOp, backend: Any,
+def reference(comm: Any, inputs: Sequence[np.ndarray], op: ReduceOp, backend: ArrayBackend,
               participants: int) -> np.ndarray:
     """The all-reduce of every rank's ``inputs`` (its replicas) by ``MPI_Allreduce``.
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import algorithms
+from .. import dispatch
+from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from .check import count_wrong, fill_pattern, reference
 from .config import BenchConfig
@@ -78,7 +79,7 @@ class Sweep:
 
     # ----------------------------------------------------------------- one call
 
-    def _call(self, entry: Entry, work: list[np.ndarray], backend: Any,
+    def _call(self, entry: Entry, work: list[np.ndarray], backend: ArrayBackend,
               nbytes: int) -> Callable[[int], Sequence[np.ndarray]]:
         comm, op, rpn = self.comm, self.op, self.config.ranks_per_node
         if entry.kind == "torch":
@@ -100,7 +101,7 @@ class Sweep:
                                   ranks_per_node=rpn)
 
             return replicas_call
-        buf, run, mean = work[0], algorithms.run, op is ReduceOp.MEAN
+        buf, run, mean = work[0], dispatch.run, op is ReduceOp.MEAN
         participants = self.participants
 
         def call(rotation: int) -> Sequence[np.ndarray]:

@@ -6,7 +6,7 @@ on 4 KiB pages. MPI moves those much more slowly: MPICH's single-copy intra-node
 (CMA) walks the sender's memory page by page, and copying them first costs as much. On
 the project's VM, reducing ResNet-50's separately allocated gradients through
 ``batch_reduce`` took 1.34-1.50x the time of the same bytes in one (huge-paged) array,
-and 1.14-1.24x with this tunable (docs/batch_reduce.md).
+and 1.14-1.24x with this tunable (docs/notes/batch-reduce-history.md, round 3).
 
 glibc 2.35 and later read ``GLIBC_TUNABLES`` once, when the process starts, and with
 ``glibc.malloc.hugetlb=1`` malloc marks all its memory ``MADV_HUGEPAGE``. It matters when
@@ -25,8 +25,8 @@ gradient buffers a training script keeps for its whole run) each get their own
 VM 32-56 % of the bytes of ResNet-50's separately allocated gradients stayed on 4 KiB
 pages, and
 ``batch_reduce`` of them took 19.3-20.2 ms instead of 14.7-15.2 ms with the thresholds
-fixed (2 ranks, three runs; docs/batch_reduce.md). A threshold the user set (in
-``GLIBC_TUNABLES`` or glibc's ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``)
+fixed (2 ranks, three runs; docs/notes/batch-reduce-history.md). A threshold the user
+set (in ``GLIBC_TUNABLES`` or glibc's ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``)
 is kept.
 """
 

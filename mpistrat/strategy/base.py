@@ -16,11 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from . import context
 from .._agreement import agree
+from .._mpi import mpi
+from .._nest import flatten
 from ..communication import CommunicationOptions
+from ..cross_device_ops import ReductionToOneDevice
 from ..ops import ReduceOp
 from ..values import DistributedValues, Mirrored, PerReplica
-from . import context
 from .replica import ReplicaContext, regroup, run_replicas, select_replica
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -343,7 +346,6 @@ class Strategy:
         """This rank's per-replica parts of ``value``, in local device order: the
         components of a PerReplica/Mirrored or distributed variable; for a nest holding
         such values, one nest per replica; a plain value: ``(value,)``."""
-        from .._nest import flatten
         from .variables import DistributedVariable
 
         if isinstance(value, (DistributedValues, DistributedVariable)):
@@ -441,8 +443,6 @@ class Strategy:
                 "shuffle_seed": self._shuffle_seed()}
 
     def _agree_any(self, flag: bool) -> bool:
-        from .._mpi import mpi
-
         return bool(self._comm.allreduce(bool(flag), op=mpi().LOR))
 
     def _shuffle_seed(self) -> int | None:
@@ -460,9 +460,6 @@ class _DefaultStrategy(Strategy):
     _is_default = True
 
     def __init__(self) -> None:
-        from .._mpi import mpi
-        from ..cross_device_ops import ReductionToOneDevice
-
         # MPI starts only if a reduction needs the (one-rank) communicator
         self._ops_factory = lambda: ReductionToOneDevice(comm=mpi().COMM_SELF)
         super().__init__(_DefaultExtended(self), None)
@@ -470,8 +467,6 @@ class _DefaultStrategy(Strategy):
 
     @property
     def comm(self) -> Any:
-        from .._mpi import mpi
-
         return mpi().COMM_SELF
 
 

@@ -26,8 +26,12 @@ import numpy as np
 
 from .._agreement import agree
 from .._mpi import mpi, world
+from ..backends.capabilities import probe_gpus
+from ..cluster import ClusterResolver, resolve_cluster
 from ..communication import CommunicationImplementation, CommunicationOptions
+from ..cross_device_ops import CrossDeviceOps, MultiWorkerAllReduce, ReductionToOneDevice
 from ..errors import BackendUnavailable, TopologyError
+from ..topology import get_topology
 from ..values import default_devices, parse_device
 from .base import Strategy, StrategyExtended
 
@@ -65,8 +69,6 @@ def _local_replicas(value: int | None, env: Mapping[str, str] | None = None) -> 
 
 
 def _require_gpu_replicas(count: int) -> None:
-    from ..backends.capabilities import probe_gpus
-
     probe = probe_gpus()
     if not probe.usable:
         raise BackendUnavailable(
@@ -82,9 +84,6 @@ def _require_gpu_replicas(count: int) -> None:
 def _host_ops(comm: Any, implementation: CommunicationImplementation) -> Any:
     """The cross-device ops of host replicas: RING's spec, or AUTO's choice by topology
     (collective: every rank builds the same)."""
-    from ..cross_device_ops import MultiWorkerAllReduce
-    from ..topology import get_topology
-
     spec = RING_SPEC
     if implementation is CommunicationImplementation.AUTO and comm.Get_size() > 1:
         topology = get_topology(comm)
@@ -126,9 +125,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                  cluster_resolver: Any = None, cross_device_ops: Any = None, comm: Any = None,
                  communication_options: CommunicationOptions | None = None, *,
                  local_replicas: int | None = None, gpus_per_rank: int | None = None) -> None:
-        from ..cluster import ClusterResolver, resolve_cluster
-        from ..cross_device_ops import CrossDeviceOps
-
         comm = world() if comm is None else comm
         signature = error = None
         devices: tuple[str, ...] = ()
@@ -210,8 +206,6 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: Sequence[str] | None = None, cross_device_ops: Any = None,
                  comm: Any = None) -> None:
-        from ..cross_device_ops import CrossDeviceOps, ReductionToOneDevice
-
         names = ("/cpu:0",) if devices is None else tuple(devices)
         if not names:
             raise ValueError("MirroredStrategy needs at least one device, got []")

@@ -14,10 +14,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from mpistrat import ReduceOp
+from mpistrat import ReduceOp, dispatch
 from mpistrat._mpi import world
-from mpistrat.algorithms import gpu, halving_doubling, native, ring, shuffle
-from mpistrat.algorithms.hierarchical import Implementation, hierarchical
+from mpistrat.algorithms import Implementation, halving_doubling, native, ring, shuffle
+from mpistrat.algorithms.hierarchical import hierarchical
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -60,7 +60,7 @@ def _distinct_gpus():
 
 
 def _nccl_flat(comm, buf, *, op, shards, backend, rotation):
-    gpu.implementation("nccl").all_reduce(comm, buf, op=op, shards=shards, backend=backend,
+    dispatch.implementation("nccl").all_reduce(comm, buf, op=op, shards=shards, backend=backend,
                                           rotation=rotation)
 
 
@@ -83,7 +83,7 @@ ALGORITHMS = {
 def _run(name, comm, buf, op, backend):
     algorithm = ALGORITHMS[name]
     if isinstance(algorithm, str):
-        intra = gpu.implementation("nccl")
+        intra = dispatch.implementation("nccl")
         inter = Implementation(ring.all_reduce) if algorithm.endswith("xring") else \
             Implementation(shuffle.all_reduce, shuffle.reduce_to_root)
         _hier(intra, inter)(comm, buf, op=op, shards=1, backend=backend, rotation=0)

@@ -29,9 +29,8 @@ TINY = ["-n", "2", "-w", "1", "-q"]
 
 CORRUPT_PLUGIN = textwrap.dedent('''
     """Test only: 'corrupt' = native, then one element off by one on rank 0."""
-    from mpistrat import algorithms
-    from mpistrat.algorithms import native
-    from mpistrat.algorithms.hierarchical import Implementation
+    from mpistrat import algorithms, dispatch
+    from mpistrat.algorithms import Implementation, native
 
 
     def _corrupt(comm, buf, *, op, shards=1, backend, rotation=0):
@@ -40,10 +39,9 @@ CORRUPT_PLUGIN = textwrap.dedent('''
             buf[buf.size // 2] += 1
 
 
-    algorithms.register(algorithms.AlgorithmInfo(
+    dispatch.register(algorithms.AlgorithmInfo(
         "corrupt", "test only: native, then one element wrong on rank 0",
-        algorithms.Shards.IGNORED, from_tf=False))
-    algorithms._FLAT["corrupt"] = Implementation(_corrupt)
+        algorithms.Shards.IGNORED, from_tf=False), Implementation(_corrupt))
 ''')
 
 

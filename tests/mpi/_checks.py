@@ -64,15 +64,15 @@ def finish(comm, problems: list[str], digests: list[tuple[str, str]]) -> None:
 
 
 def spy_algorithms(monkeypatch) -> list[str]:
-    """Record the name of every algorithm ``mpistrat.algorithms.run`` runs (still runs it)."""
-    import mpistrat
+    """Record the name of every algorithm ``mpistrat.dispatch.run`` runs (still runs it)."""
+    from mpistrat import dispatch
 
     seen: list[str] = []
-    real = mpistrat.algorithms.run
+    real = dispatch.run
 
     def spy(name, *args, **kwargs):
         seen.append(name)
         return real(name, *args, **kwargs)
 
-    monkeypatch.setattr(mpistrat.algorithms, "run", spy)
+    monkeypatch.setattr(dispatch, "run", spy)
     return seen

@@ -1,4 +1,4 @@
-"""Every all-reduce algorithm, run directly with ``algorithms.run`` / ``algorithms.compose``
+"""Every all-reduce algorithm, run directly with ``dispatch.run`` / ``dispatch.compose``
 on contiguous 1-D buffers, at every rank count and on every communicator.
 
 Rank ``r`` contributes a pattern computed from ``r`` alone (small integers modulo 17, so
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from _checks import _dtype, _eps, digest, finish, problem
 
-from mpistrat import ReduceOp, algorithms
-from mpistrat.algorithms import halving_doubling, ring
-from mpistrat.algorithms.hierarchical import Implementation, hierarchical
+from mpistrat import ReduceOp, algorithms, dispatch
+from mpistrat.algorithms import Implementation, halving_doubling, ring
+from mpistrat.algorithms.hierarchical import hierarchical
 from mpistrat.backends import get_backend
 from mpistrat.topology import get_topology
 
@@ -109,11 +109,11 @@ class Case:
     def run(self, comm, buf, op: ReduceOp, shards: int = 1, rotation: int = 0) -> None:
         backend = get_backend(buf)
         if isinstance(self.alg, tuple):
-            algorithms.compose(*self.alg)(comm, buf, op=op, shards=shards, backend=backend,
+            dispatch.compose(*self.alg)(comm, buf, op=op, shards=shards, backend=backend,
                                           rotation=rotation,
                                           ranks_per_node=self.ranks_per_node)
         else:
-            algorithms.run(self.alg, comm, buf, op=op, shards=shards, backend=backend,
+            dispatch.run(self.alg, comm, buf, op=op, shards=shards, backend=backend,
                            rotation=rotation, ranks_per_node=self.ranks_per_node)
 
     def shards(self, comm) -> list[int]:
@@ -256,7 +256,7 @@ def test_complex_sum(comm):
     expected = sum(contribution(r, 11, np.dtype(np.float64)) * (1 - 2j) for r in range(n))
     for name in ("xring", "rechd", "pscpu", "native", "shm"):
         buf = contribution(comm.rank, 11, np.dtype(np.float64)) * (1 - 2j)
-        algorithms.run(name, comm, buf, op=ReduceOp.SUM, backend=get_backend(buf))
+        dispatch.run(name, comm, buf, op=ReduceOp.SUM, backend=get_backend(buf))
         if not np.allclose(buf, expected, rtol=1e-12, atol=1e-12):
             problems.append(f"{name}: got {buf}, expected {expected}")
         digests.append((name, digest(buf)))
@@ -348,7 +348,7 @@ def test_multi_node_buffers_run_pipelined_piece_by_piece(comm, alg):
     from mpistrat.algorithms.hierarchical import PIPELINE_BYTES
 
     topology = get_topology(comm, 2)
-    intra, inter = algorithms.implementation(alg[0]), algorithms.implementation(alg[1])
+    intra, inter = dispatch.implementation(alg[0]), dispatch.implementation(alg[1])
     sizes: list[int] = []
 
     def far_all_reduce(peers, buf, **kwargs):
@@ -379,12 +379,12 @@ def test_multi_node_buffers_run_pipelined_piece_by_piece(comm, alg):
 
 
 def test_compose_is_cached_and_rejects_gpu_and_unknown_stages():
-    assert algorithms.compose("xring", "rechd") is algorithms.compose("xring", "rechd")
+    assert dispatch.compose("xring", "rechd") is dispatch.compose("xring", "rechd")
     from mpistrat.errors import BackendUnavailable, UnknownAlgorithmError
 
     with pytest.raises(BackendUnavailable, match="'nccl'"):
-        algorithms.compose("nccl", "xring")
+        dispatch.compose("nccl", "xring")
     with pytest.raises(UnknownAlgorithmError, match="'xrng'"):
-        algorithms.compose("xring", "xrng")
+        dispatch.compose("xring", "xrng")
     with pytest.raises(UnknownAlgorithmError, match="'ring'"):
-        algorithms.implementation("ring")
+        dispatch.implementation("ring")

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from test_algorithms import contribution, reference, run_and_check
 
 import mpistrat
-from mpistrat import ReduceOp, algorithms, shared
+from mpistrat import ReduceOp, algorithms, dispatch, shared
 from mpistrat.algorithms import Source, shm
 from mpistrat.backends import get_backend
 from mpistrat.errors import CollectiveAbortedError, CollectiveMismatchError, TopologyError
@@ -39,7 +39,7 @@ def _lengths(n: int, dtype: np.dtype) -> list[int]:
 
 def _run_and_check(comm, alg, buf, op, dtype, label, problems, digests, *,
                    ranks_per_node=None, source=None, expected_length=None):
-    run_and_check(lambda: algorithms.run(alg, comm, buf, op=op, backend=BACKEND,
+    run_and_check(lambda: dispatch.run(alg, comm, buf, op=op, backend=BACKEND,
                                          ranks_per_node=ranks_per_node, source=source),
                   comm, buf, op, dtype, label, problems, digests, expected_length)
 
@@ -450,7 +450,7 @@ def test_plain_shm_across_virtual_nodes_is_an_error_everywhere(world):
         pytest.skip("one rank is one node")
     buf = np.ones(8, np.float32)
     with pytest.raises(TopologyError, match="shm/xring"):
-        algorithms.run("shm", world, buf, op=ReduceOp.SUM, backend=BACKEND, ranks_per_node=1)
+        dispatch.run("shm", world, buf, op=ReduceOp.SUM, backend=BACKEND, ranks_per_node=1)
 
 
 def test_broadcast_from_any_root(comm):

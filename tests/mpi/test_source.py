@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _checks import digest, finish
 
-from mpistrat import ReduceOp, algorithms
+from mpistrat import ReduceOp, algorithms, dispatch
 from mpistrat.algorithms import Source
 from mpistrat.backends import get_backend
 
@@ -53,9 +53,9 @@ def test_source_matches_in_place(comm, name, layout, dtype, op):
     originals = [s.copy() for s in segments]
     backend = get_backend(segments[0])
     flat = np.concatenate(segments)
-    algorithms.run(alg, comm, flat, op=op, shards=shards, backend=backend)
+    dispatch.run(alg, comm, flat, op=op, shards=shards, backend=backend)
     out = np.full(flat.size, 99, dtype=dtype)  # garbage the algorithm must overwrite
-    algorithms.run(alg, comm, out, op=op, shards=shards, backend=backend,
+    dispatch.run(alg, comm, out, op=op, shards=shards, backend=backend,
                    source=Source(segments, coalesce_bytes=1024))
     problems = []
     if not np.array_equal(out, flat):
@@ -91,10 +91,10 @@ def test_tensors_in_one_buffer(comm, name, who):
         segments = _one_buffer(segments)
     backend = get_backend(segments[0])
     flat = np.concatenate(segments)
-    algorithms.run(name, comm, flat, op=ReduceOp.SUM, backend=backend)
+    dispatch.run(name, comm, flat, op=ReduceOp.SUM, backend=backend)
     source = Source(segments)
     out = np.full(flat.size, 99, dtype=np.float32)
-    algorithms.run(name, comm, out, op=ReduceOp.SUM, backend=backend, source=source)
+    dispatch.run(name, comm, out, op=ReduceOp.SUM, backend=backend, source=source)
     problems = []
     if not np.array_equal(out, flat):
         problems.append(f"{name} {who}: differs from in place at {np.flatnonzero(out != flat)[:5]}")
@@ -147,9 +147,9 @@ def test_rechd_in_pieces(comm, layout, monkeypatch):
     backend = get_backend(segments[0])
     flat = np.concatenate(segments)
     expected = np.sum(comm.allgather(flat), axis=0)
-    algorithms.run("rechd", comm, flat, op=ReduceOp.SUM, backend=backend)
+    dispatch.run("rechd", comm, flat, op=ReduceOp.SUM, backend=backend)
     out = np.full(flat.size, 99, dtype=np.int64)
-    algorithms.run("rechd", comm, out, op=ReduceOp.SUM, backend=backend,
+    dispatch.run("rechd", comm, out, op=ReduceOp.SUM, backend=backend,
                    source=Source(segments, coalesce_bytes=2048))
     problems = [f"{label} differs from the sum" for label, got in
                 (("in place", flat), ("out of place", out)) if not np.array_equal(got, expected)]
@@ -171,9 +171,9 @@ def test_pscpu_in_pieces(comm, layout, shards, monkeypatch):
     flat = np.concatenate(segments)
     expected = np.sum(comm.allgather(flat), axis=0)
     in_place = flat.copy()
-    algorithms.run("pscpu", comm, in_place, op=ReduceOp.SUM, shards=shards, backend=backend)
+    dispatch.run("pscpu", comm, in_place, op=ReduceOp.SUM, shards=shards, backend=backend)
     out = np.full(flat.size, 99, dtype=np.int64)
-    algorithms.run("pscpu", comm, out, op=ReduceOp.SUM, shards=shards, backend=backend,
+    dispatch.run("pscpu", comm, out, op=ReduceOp.SUM, shards=shards, backend=backend,
                    source=Source(segments, coalesce_bytes=2048))
     root = comm.Get_size() - 1
     rooted = np.full(flat.size, 99, dtype=np.int64)

@@ -11,7 +11,7 @@ import pytest
 from mpistrat import ReduceOp
 from mpistrat.algorithms import native, ring, shuffle
 from mpistrat.algorithms.source import Source
-from mpistrat.algorithms.staging import HostMover, StagedTransport, staged_allreduce
+from mpistrat.backends.transport import HostMover, StagedTransport, staged_allreduce
 from mpistrat.backends import NumpyBackend
 from mpistrat.backends.capabilities import device_buffers_to_mpi
 

@@ -1,4 +1,4 @@
-"""The GPU algorithm table without CuPy: a clear BackendUnavailable naming what is missing."""
+"""The GPU algorithms without CuPy: a clear BackendUnavailable naming what is missing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from mpistrat.algorithms import gpu
+from mpistrat import dispatch
 from mpistrat.errors import BackendUnavailable
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
@@ -16,15 +16,24 @@ HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 @pytest.mark.parametrize("name", ["nccl", "psgpu"])
 def test_without_cupy(name):
     with pytest.raises(BackendUnavailable) as info:
-        gpu.implementation(name)
+        dispatch.implementation(name)
     text = str(info.value)
     assert f"algorithm {name!r} needs a CUDA GPU through CuPy" in text
     assert "CuPy is not installed (pip install 'mpistrat[gpu]')" in text and "'xring'" in text
 
 
-def test_unknown_name():
-    with pytest.raises(KeyError, match="'xring' is not a GPU algorithm"):
-        gpu.implementation("xring")
+def test_every_flat_name_has_code_and_no_code_lacks_a_name():
+    from mpistrat import algorithms
+
+    flat = {n for n in algorithms.names() if not algorithms.get(n).hierarchical}
+    assert set(dispatch.IMPLEMENTATIONS) == flat
+    assert {"nccl", "psgpu"} < flat
+
+
+def test_a_hierarchical_name_cannot_be_registered_with_code_of_its_own():
+    info = dispatch.get("pscpu/pscpu")
+    with pytest.raises(ValueError, match="'pscpu/pscpu' is hierarchical"):
+        dispatch.register(info, dispatch.IMPLEMENTATIONS["pscpu"])
 
 
 def test_nccl_refuses_host_buffers():

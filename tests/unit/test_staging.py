@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpistrat.algorithms.staging import HostMover, chunk_cuts
+from mpistrat.backends.transport import HostMover, chunk_cuts
 
 
 def test_chunk_cuts():

@@ -150,7 +150,7 @@ class CudaMover:
     _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
 
     def __init__(self, device: int) -> None:
-        import cupy
+        import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
 
         self.cupy = cupy
         self.device = device
