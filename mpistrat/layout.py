@@ -9,7 +9,7 @@ touches MPI.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from . import algorithms
 from .algorithms.registry import Pool, Shards
@@ -58,6 +58,12 @@ class Layout:
             raise TopologyError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
         nodes = -(-workers // ranks_per_node) if workers >= 1 else 1
         return cls(workers, devices_per_worker, gpus, nodes)
+
+    @classmethod
+    def of(cls, topology: Any, devices_per_worker: int = 1, gpus: bool = False) -> Layout:
+        """The layout of a running job from its :class:`~mpistrat.topology.Topology`
+        (its size and node groups)."""
+        return cls(topology.size, devices_per_worker, gpus, topology.num_nodes)
 
     @property
     def replicas(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
+from mpistrat.layout import Layout
 from mpistrat.errors import TopologyError
 from mpistrat.topology import get_topology
 
@@ -98,6 +99,6 @@ def test_invalid_value_raises_on_every_rank(world):
 
 def test_layout_for_spec_checks(comm):
     topo = get_topology(comm, ranks_per_node=2)
-    layout = topo.layout(devices_per_worker=2)
+    layout = Layout.of(topo, devices_per_worker=2)
     assert (layout.workers, layout.devices_per_worker, layout.nodes) == (
         comm.size, 2, topo.num_nodes)
