@@ -205,6 +205,7 @@ class CrossDeviceOps(abc.ABC):
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.reduce", timeout=timeout)
+        assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
         if comm.Get_size() == 1 and len(value) == 1 and \
                 _same_devices(value.device_set, dest, comm):
@@ -232,6 +233,7 @@ class CrossDeviceOps(abc.ABC):
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.batch_reduce", timeout=timeout)
+        assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
             return [Mirrored(v.values, v.devices) for v, _ in pairs]  # TF's shortcut

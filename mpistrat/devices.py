@@ -239,4 +239,5 @@ def node_assignment(comm: Any, gpus_per_rank: int, *, ranks_per_node: int | None
             else TopologyError
         raise kind(f"GPU assignment failed on {len(bad)} rank(s) of {comm.Get_size()}: "
                    f"{detail}")
-    return assignment  # (not None: no rank reported an error)
+    assert assignment is not None  # no rank reported an error
+    return assignment

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["Device", "DistributedValues", "PerReplica", "Mirrored", "parse_device",
            "default_devices"]
@@ -22,6 +22,8 @@ _DEVICE_RE = re.compile(
     r"(?:/?(?:device:)?(?P<kind>cpu|gpu):(?P<index>\d+))?$",
     re.IGNORECASE,
 )
+
+_V = TypeVar("_V", bound="DistributedValues")
 
 
 @dataclass(frozen=True, order=True)
@@ -118,7 +120,7 @@ class DistributedValues:
         self._devices = parsed
 
     @classmethod
-    def _trusted(cls, values: Sequence[Any], devices: tuple[Device, ...]) -> DistributedValues:
+    def _trusted(cls: type[_V], values: Sequence[Any], devices: tuple[Device, ...]) -> _V:
         """Build from already-parsed, known-good devices (no validation: hot paths)."""
         self = cls.__new__(cls)
         self._values = tuple(values)

@@ -215,6 +215,7 @@ def _exchange(comm: Any, buf: Any, scratch: Any, partner: int, keep: tuple[int, 
     for request, (a, b, _) in zip(receives, kept):
         request.Wait()
         if pending:
+            assert layout is not None  # (pending only with a layout)
             layout.combine_into(op, buf, a, b, backend)
         else:
             backend.combine(op, buf[a:b], scratch[a - k0:b - k0])

@@ -93,6 +93,7 @@ def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: Arr
     if topology.local_size > 1:
         if source is not None:  # (peers cut their messages from the source's segments)
             source = agreed_join(node_comm, source, backend)
+            assert intra.reduce_to_root is not None  # (root_out_of_place: it has one)
             intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0, source=source)
         elif intra.reduce_to_root is not None:
             intra.reduce_to_root(node_comm, buf, op=op, backend=backend, root=0)
@@ -147,7 +148,7 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
     if topology.local_size > 1:
         near = _StageBackend(backend, "node")
         if intra.reduce_to_root is not None:
-            stages.append(lambda item: intra.reduce_to_root(
+            stages.append(lambda item: intra.reduce_to_root(  # type: ignore[misc]  # not None
                 node_comm, item[1], op=op, backend=near, root=item[0] % owners))
         else:
             stages.append(lambda item: intra.all_reduce(node_comm, item[1], op=op, shards=1,
@@ -168,8 +169,8 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
         fan = _shared(node_comm, "pipeline-broadcast", lambda: _DupComm(node_comm))
         out = _StageBackend(backend, "fan-out")
         if intra.broadcast is not None:
-            stages.append(lambda item: intra.broadcast(fan.comm, item[1], backend=out,
-                                                       root=item[0] % owners))
+            stages.append(lambda item: intra.broadcast(  # type: ignore[misc]  # not None
+                fan.comm, item[1], backend=out, root=item[0] % owners))
         else:
             stages.append(lambda item: out.transport(fan.comm).bcast(
                 backend.comm_view(item[1]), item[0] % owners))

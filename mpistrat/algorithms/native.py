@@ -57,7 +57,7 @@ def _staged(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend) -> None:
     dtype = np.dtype(buf.dtype)
     sample = np.empty(0, dtype)
     spec, mpi_op = _typed(sample, op)
-    mover = backend.mover()
+    mover = backend.mover()  # type: ignore[attr-defined]  # the CuPy backend's (name checked)
     if len(spec) == 2:
         def typed(host: np.ndarray) -> Any:
             return [host.view(dtype), spec[1]]

@@ -110,6 +110,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
                 if step[s] < n - 1 and source is not None:
                     source.combine_into(op, buf, lo, hi, backend)
                 elif step[s] < n - 1:
+                    assert slots is not None  # (made when there is no source)
                     backend.combine(op, buf[lo:hi], slots[s * widest:s * widest + hi - lo])
             step[s] += 1
             if step[s] < last:

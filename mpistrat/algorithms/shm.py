@@ -269,6 +269,7 @@ def _peer_view(node: _Node, q: int, uid: int, offset: int, count: int,
                dtype: np.dtype) -> np.ndarray:
     """Rank ``q``'s array published as (``uid``, ``offset``); uid 0 is its scratch."""
     if uid == 0:
+        assert node.scratch is not None  # uid 0 is published once the scratch exists
         segment = node.scratch.segments[q]
     else:
         block = shared.block(uid)
@@ -342,7 +343,7 @@ def _mismatch() -> None:
 
 
 def _arrive(node: _Node, kind: int, buf: np.ndarray, op: ReduceOp, root: int,
-            locations: tuple[int, ...]) -> list[tuple[int, ...]]:
+            locations: tuple[int, ...]) -> list[tuple[int, int, int, int, int, int, int]]:
     """Publish this rank's call, wait for every peer's, and check they match.
 
     Returns every rank's arrival line (rank order) as ints: epoch, signature, input uid
@@ -398,6 +399,7 @@ def _pieces(x: np.ndarray | None, src: Source | None, lo: int,
     """``(start, stop, array)`` pieces of this rank's input ``[lo, hi)``: one slice of
     ``x``, or the pieces of the tensors of ``src``."""
     if src is None:
+        assert x is not None  # the input is x when there is no src
         return [(lo, hi, x[lo:hi])]
     return [(at, at + b - a, src.segments[index][a:b]) for index, a, b, at in src.pieces(lo, hi)]
 
@@ -459,6 +461,7 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
             x = node.chunk_tmp(nbytes).view(out.dtype)
             for a, b, piece in _pieces(None, src, 0, out.size):
                 x[a:b] = piece
+        assert x is not None  # the input is x when there is no src
         _small(node, kind, x, out, op, root or 0)
         return
     ufunc = UFUNCS[op.primitive]
@@ -477,7 +480,10 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
     if not all(in_place) or any(entry[4] == 0 for entry in lines):
         node.ensure_scratch(nbytes)
     count, dtype = out.size, out.dtype
+    peers: list[Any]  # rank q's tensors, None at q == r
+    inputs: list[Any]  # rank q's input, None at q == r
     if segmented:
+        assert layout is not None and src is not None  # one nonzero layout word, as ours
         peers = [None if q == r else _peer_segments(node, q, lines[q], layout, src)
                  for q in range(n)]
     else:
@@ -502,6 +508,7 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
     for k in range(nchunks + 1):
         if k < nchunks:
             if copy_in:
+                assert own_staging is not None  # (made when copy_in)
                 for q in range(n):
                     if q != r:
                         lo = bounds[q] + k * chunk
@@ -520,6 +527,7 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
                 if alias:  # writing my input before reading all of it: go through a temp
                     dst = node.chunk_tmp(dst.nbytes).view(dtype)
                 if segmented:  # every rank's tensors, piece by piece
+                    assert src is not None  # (segmented only with a src)
                     for index, a, b, at in src.pieces(lo, hi):
                         _reduce_into(ufunc, [src.segments[index][a:b] if q == r else
                                              peers[q][index][a:b] for q in range(n)],
@@ -625,6 +633,7 @@ def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
     count = buf.size
     if r == root:
         if root_uid == 0:
+            assert node.scratch is not None  # (ensure_scratch above)
             staging = node.scratch.segments[r][:nbytes].view(buf.dtype)
             for k, lo in enumerate(range(0, count, step)):
                 staging[lo:lo + step] = buf[lo:lo + step]

@@ -134,6 +134,7 @@ def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: Arra
             for peer, ring, requests in peers_in:
                 requests[m].Wait()
                 if ring is None:  # the first peer's part is in place: add our own
+                    assert source is not None  # (no ring only out of place)
                     source.combine_into(op, buf, a, b, backend)
                     continue
                 at = ring + (m % depth) * width

@@ -90,7 +90,8 @@ class Source:
         sizes = [s.size for s in self.segments]
         self.offsets = [0, *itertools.accumulate(sizes)]
         self.size = self.offsets[-1]
-        self.dtype = self.segments[0].dtype if self.segments else None
+        # the segments' dtype (NumPy's or a device library's), None without segments
+        self.dtype: Any = self.segments[0].dtype if self.segments else None
         several = len(self.segments) > 1
         small = [several and s.nbytes < coalesce_bytes for s in self.segments]
         self._small = small
@@ -192,6 +193,7 @@ class Source:
                 at = self._stage_at[index] + a
                 first = at if first is None else first
                 backend.copy(stage[at:at + b - a], self.segments[index][a:b])
+            assert first is not None  # a staged message has at least one piece
             view = backend.comm_view(stage[first:first + stop - start])
             requests.append(transport.isend(view, dest, tag))
         return requests

@@ -132,7 +132,7 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[M
     flat_alg, flat_shards, _ = spec.route(total)
     label = str(spec)
 
-    def ops(**kwargs: int) -> Any:
+    def ops(**kwargs: Any) -> Any:
         return MultiWorkerAllReduce(all_reduce_spec=spec, comm=comm, **kwargs)
 
     methods = [
@@ -309,6 +309,7 @@ class BatchBench:
                                           self.offsets[:-1], self.sizes))
         if m.kind in ("flat-native", "flat-spec"):
             return int(np.count_nonzero(self.flat != ref))
+        shapes: Sequence[tuple[int, ...]]
         if m.kind == "flat-batch":
             spans, shapes = [(0, self.total)], [(self.total,)]
         else:

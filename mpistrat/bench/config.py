@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -136,7 +137,7 @@ def sizes(minbytes: int, maxbytes: int, stepfactor: int | None = None,
     out, size = [], minbytes
     while size <= maxbytes:
         out.append(size)
-        size = size * stepfactor if stepfactor is not None else size + stepbytes
+        size = size * stepfactor if stepfactor is not None else size + cast(int, stepbytes)
     return out
 
 

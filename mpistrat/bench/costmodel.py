@@ -51,7 +51,7 @@ import itertools
 import math
 import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -175,7 +175,8 @@ def layout_from_meta(meta: Mapping[str, Any]) -> Layout:
     if not virtual:
         return Layout(hosts)
     seen: dict[int, int] = {}
-    nodes, groups = [], {}
+    nodes: list[int] = []
+    groups: dict[tuple[int, int], int] = {}
     for h in hosts:  # local rank on the host // k, numbered by first appearance
         local = seen[h] = seen.get(h, -1) + 1
         nodes.append(groups.setdefault((h, local // int(virtual)), len(groups)))
@@ -668,7 +669,8 @@ def _fit_group(label: str, alg: str, shards: int,
             several = len({lay for _, lay, _ in group}) > 1
             shared = tuple(name for name, i in (("alpha", 0), ("beta", 1))
                            if not (several and _separates([(f[i], f[i + 2]) for f in feats])))
-            columns = []  # (which params a column sets, how to read it from features)
+            # (which params a column sets, how to read it from features)
+            columns: list[tuple[tuple[int, ...], Callable[..., float]]] = []
             for name, i in (("alpha", 0), ("beta", 1)):
                 if name in shared:
                     columns.append(((i, i + 2), lambda f, i=i: f[i] + f[i + 2]))
@@ -687,7 +689,8 @@ def _fit_group(label: str, alg: str, shards: int,
     assert params is not None
     checks = tuple(Check(name, n, t, terms(alg, shards, lay, n, params=params).time(params, n))
                    for n, t, (_, lay, name) in zip(sizes, times, group))
-    return Fit(label, alg, shards, *params, shared=shared, checks=checks,
+    return Fit(label, alg, shards, *params,  # type: ignore[misc, arg-type]  # 4 floats
+               shared=shared, checks=checks,
                intra_from=intra.label if intra is not None else None)
 
 
@@ -909,8 +912,7 @@ class Prediction:
     nodes: int
     sizes: tuple[int, ...]
     times: dict[str, tuple[float, ...]]
-    parts: dict[str, tuple[tuple[float, float, float, float], ...]] = field(
-        default_factory=dict)
+    parts: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)  # 4 per size
     formulas: dict[str, str] = field(default_factory=dict)
     terms: dict[str, tuple[Terms, ...]] = field(default_factory=dict)
 
@@ -942,8 +944,9 @@ class Prediction:
         if label not in self.parts:
             return []
         out = [f"# {label}: {self.formulas.get(label, '')}  (at {format_bytes(self.sizes[-1])})"]
-        rows = [("size", "L_in", "B_in", "L_net", "B_net", "a_in*L_in", "b_in*B_in*n",
-                 "a_net*L_net", "b_net*B_net*n", "total(us)", "net share")]
+        rows: list[tuple[str, ...]] = [("size", "L_in", "B_in", "L_net", "B_net", "a_in*L_in",
+                                        "b_in*B_in*n", "a_net*L_net", "b_net*B_net*n",
+                                        "total(us)", "net share")]
         for i, size in enumerate(self.sizes):
             t = self.terms[label][i]
             parts = self.parts[label][i]

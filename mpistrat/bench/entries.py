@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from .. import algorithms
 from ..algorithms.registry import Shards
@@ -91,6 +92,7 @@ def _shard_values(alg: str, wanted: Sequence[int | None], layout: Layout,
                 continue  # "all" means nothing for ring pipelines
             value = pool
         if pool is not None and value > pool:
+            assert info.pool is not None  # (pool is its size)
             notes.append(f"{_label(alg, value)} skipped: its pool ({info.pool.value}) has "
                          f"{pool} member(s) on {layout.describe()}")
             continue
@@ -105,7 +107,7 @@ def _fits_nodes(info: algorithms.AlgorithmInfo, layout: Layout) -> bool:
     would run: the flat algorithm plus a broadcast)."""
     if info.single_node:
         return layout.nodes == 1
-    if info.hierarchical and algorithms.get(info.intra).single_node:
+    if info.hierarchical and algorithms.get(cast(str, info.intra)).single_node:
         return layout.nodes > 1
     return True
 

@@ -39,7 +39,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _records(points: Sequence[Point]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for size_points in group_by_size(points).values():
         baseline = baseline_of(size_points)
         out.extend(p.as_dict(baseline) for p in size_points)

@@ -46,7 +46,7 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _replace_atomically(path: str, fill: Callable[[IO[bytes]], None]) -> None:
+def _replace_atomically(path: str, fill: Callable[[IO[bytes]], object]) -> None:
     directory = os.path.dirname(path) or "."
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}."
                                         f"{secrets.token_hex(4)}.tmp")
@@ -91,7 +91,8 @@ def write(path: str, arrays: dict[str, np.ndarray], manifest: dict[str, Any]) ->
     if os.path.exists(record):
         os.unlink(record)
         _fsync_dir(directory)
-    _replace_atomically(data, lambda file: np.savez(file, **arrays))
+    _replace_atomically(data, lambda file: np.savez(
+        file, **arrays))  # type: ignore[arg-type]  # numpy stub: **kwds may be allow_pickle
     sha256, size = _sha256(data)
     text = json.dumps({"format": FORMAT, "version": VERSION, **manifest,
                        "data": os.path.basename(data), "bytes": size, "sha256": sha256},

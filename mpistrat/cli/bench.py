@@ -266,6 +266,7 @@ def bench(ctx: click.Context, **p: Any) -> None:
             raise click.UsageError(f"--plugin {module}: {exc}") from None
     try:
         apply_env(env)
+        result: Any  # run_batch's dict or run_sweep's SweepResult; None off rank 0
         if p["batch"]:
             from ..bench.batchrun import run_batch
 

@@ -110,7 +110,7 @@ def render_info(data: dict[str, Any]) -> str:
     if slurm:
         lines.append(_slurm_line(slurm))
     lines.append("")
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for r in data["ranks"]:
         gpus = ", ".join(f"{i}:{name}" for i, name in r["gpus"]) or "none"
         uses = ",".join(str(o) for o, _ in r.get("assigned_gpus") or []) or "-"

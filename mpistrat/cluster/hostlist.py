@@ -47,7 +47,9 @@ def expand_hostlist(hostlist: str, variable: str = "the host list") -> list[str]
 
 
 def _split_top_level(text: str, variable: str) -> list[str]:
-    items, current, depth = [], [], 0
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "[":
             depth += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -187,7 +187,7 @@ class _Shuffle(_Step):
                  reshuffle: bool) -> None:
         super().__init__(parent)
         self.seeded = seed is not None
-        self._seed = seed if seed is not None else int(np.random.SeedSequence().entropy)
+        self._seed = seed if seed is not None else int(cast(int, np.random.SeedSequence().entropy))
         self._buffer = buffer_size
         self._reshuffle = reshuffle
         self._depth = sum(1 for _ in _chain(self))
@@ -216,7 +216,7 @@ def _shuffled(items: Iterator[Any], buffer_size: int | None, rng: np.random.Gene
             yield pool[i]
         return
     buffer = list(itertools.islice(items, buffer_size))
-    draws = iter(())
+    draws: Iterator[float] = iter(())
     while buffer:
         u = next(draws, None)
         if u is None:

@@ -128,11 +128,12 @@ class _DistributedInput(abc.ABC):
 
     def _iterate(self, epoch: int) -> Iterator[Any]:
         steps = self._local_steps(epoch)
+        parts: list[Any] | None
         if self._agree_any is None:
             for parts in steps:
                 yield self._combine(parts)
             return
-        parts: list[Any] | None = []
+        parts = []
         while True:
             parts = None if parts is None else next(steps, None)
             if not self._agree_any(parts is not None):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -87,7 +87,7 @@ def leading_size(batch: Any, replicas: int) -> int:
             f"first (batch) dimension, got {describe(batch)}; batch the dataset with "
             f"Dataset.batch(global_batch_size), or yield arrays of equal length"
         )
-    return sizes.pop()
+    return cast(int, sizes.pop())  # not None: checked above
 
 
 def split_global_batch(batch: Any, num_workers: int, replicas_per_worker: int,

@@ -36,7 +36,9 @@ FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in
 class Watch(Protocol):
     """What :func:`self_launch` asks of a job watcher."""
 
-    bound: float
+    @property
+    def bound(self) -> float:
+        """Seconds the launcher may run on after trouble."""
 
     def troubled(self) -> bool:
         """True once a rank failed or vanished."""

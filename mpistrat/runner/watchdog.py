@@ -48,7 +48,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .. import _stall
 from .._mpi import mpi
@@ -151,7 +151,7 @@ def local_addresses() -> list[str]:
         pass
     try:
         for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            found.append(info[4][0])
+            found.append(cast(str, info[4][0]))  # (AF_INET: the address is a str)
     except OSError:
         pass
     unique = []

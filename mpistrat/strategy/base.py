@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -239,7 +239,8 @@ class Strategy:
                 and not self._is_default:
             raise RuntimeError(f"scope(): {_CROSS_REPLICA_ONLY}")
         # TF's default scope keeps the default replica context current
-        replica_context = self._default_replica_context if self._is_default else None
+        replica_context = cast("_DefaultStrategy", self)._default_replica_context \
+            if self._is_default else None
         with context._entered(self, replica_context):
             self._scope_depth += 1
             try:
@@ -471,6 +472,8 @@ class _DefaultStrategy(Strategy):
 
 
 class _DefaultExtended(StrategyExtended):
+    _strategy: _DefaultStrategy
+
     def __init__(self, strategy: _DefaultStrategy) -> None:
         super().__init__(strategy, None, ("/cpu:0",), 1, 0, True)
 

@@ -177,7 +177,9 @@ class _Replica:
     def __init__(self) -> None:
         self.go = threading.Event()
         self.paused = threading.Event()
-        self.merge: tuple[Callable[..., Any], tuple, dict] | None = None
+        # (merge_fn, args, kwargs) while the replica waits in merge_call, else None (Any: the
+        # main thread reads it only for replicas that wait there)
+        self.merge: Any = None
         self.merged: Any = None
         self.result: Any = None
         self.error: BaseException | None = None

@@ -483,9 +483,11 @@ def _create_distributed(initial_value: Any = None, trainable: bool | None = None
     if comm is not None and comm.Get_size() > 1:
         agree(comm, signature, error, "Variable creation",
               hint="variables created in the same order with the same shapes and dtypes")
+        assert initial is not None  # agree raised on every rank if any rank failed
         comm.Bcast(initial.reshape(-1).view(np.uint8), root=0)  # rank 0's value everywhere
     elif error is not None:
         raise error
+    assert initial is not None  # (else the error was raised above)
     cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ \
         else MirroredVariable
     if trainable is None:
