@@ -30,7 +30,7 @@ __all__ = ["run_batch"]
 
 
 def _validate(config: BatchConfig, comm: Any, outputs: Outputs) -> Any:
-    from ..layout import check_spec
+    from ..layout import Layout, check_spec
     from ..topology import get_topology
 
     if outputs.plot or outputs.recommend or outputs.save or outputs.model \
@@ -38,8 +38,7 @@ def _validate(config: BatchConfig, comm: Any, outputs: Outputs) -> Any:
         raise ValueError("--plot, --recommend, --save, --model and --predict-ranks work on "
                          "size sweeps; leave them out with --batch")
     spec = resolve_spec(config.spec)
-    layout = get_topology(comm).layout(  # type: ignore[attr-defined]  # BUG?: no such method
-        config.local_replicas)  # (Topology.layout() was removed in 30ea29d)
+    layout = Layout.of(get_topology(comm), config.local_replicas)
     for finding in check_spec(spec, layout):
         if finding.level == "error":
             raise ValueError(f"--spec {config.spec!r}: {finding.message}")
