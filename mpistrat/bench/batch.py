@@ -55,7 +55,7 @@ def load_shapes(source: str) -> tuple[str, tuple[tuple[int, ...], ...]]:
         ValueError: an unknown name, an unreadable file or malformed shapes.
     """
     if source.strip().lower() == "resnet50":
-        from ..packing import resnet50_gradient_shapes
+        from .shapes import resnet50_gradient_shapes
 
         return "resnet50", tuple(tuple(s) for s in resnet50_gradient_shapes())
     path = Path(source)

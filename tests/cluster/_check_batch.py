@@ -1,7 +1,7 @@
 """``batch_reduce`` of ResNet-50's gradient batch across the hosts of the cluster.
 
 Run by tests/cluster/test_training.py under ``mpiexec``. The batch is ResNet-50 v1's 161
-gradient shapes (``mpistrat.packing.resnet50_gradient_shapes``, 25.5 M float32 elements,
+gradient shapes (``mpistrat.bench.shapes.resnet50_gradient_shapes``, 25.5 M float32 elements,
 97.5 MiB per replica), as ``mpistrat bench --batch resnet50`` builds it: one
 ``PerReplica`` of G local CPU replicas per tensor, each pair ``(value, value)``, through
 ``MultiWorkerAllReduce(...).batch_reduce`` (docs/cross_device_ops.md).
@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat as ms
-from mpistrat.packing import resnet50_gradient_shapes
+from mpistrat.bench.shapes import resnet50_gradient_shapes
 
 
 def _position(length: int) -> np.ndarray:

@@ -39,7 +39,7 @@ from mpistrat import (
     TopologyError,
 )
 from mpistrat._agreement import _ARRIVAL_TAG
-from mpistrat.packing import resnet50_gradient_shapes
+from mpistrat.bench.shapes import resnet50_gradient_shapes
 from mpistrat.values import default_devices, parse_device
 
 MPI = pytest.importorskip("mpi4py.MPI")

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpistrat.bench.shapes import resnet50_gradient_shapes
 from mpistrat.errors import MpistratError
 from mpistrat.packing import (
     Pack,
@@ -23,7 +24,6 @@ from mpistrat.packing import (
     plan_concat_and_split,
     plan_small_tensor_aggregation,
     plan_tf_packing,
-    resnet50_gradient_shapes,
     tensor_specs,
 )
 
