@@ -36,6 +36,7 @@ class TensorSpec(NamedTuple):
         """Size in bytes."""
         return self.size * self.dtype.itemsize
 
+
 @dataclass(frozen=True)
 class PackMember:
     """One tensor's piece inside a pack.
@@ -58,6 +59,7 @@ class PackMember:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
 
+
 @dataclass(frozen=True)
 class Pack:
     """One flat buffer to all-reduce: a dtype, a length and its members in layout order."""
@@ -79,6 +81,7 @@ class Pack:
     def indices(self) -> tuple[int, ...]:
         """Batch positions of the members, in layout order."""
         return tuple(m.index for m in self.members)
+
 
 @dataclass(frozen=True)
 class PackPlan:
@@ -273,6 +276,7 @@ class PackPlan:
                     f"the plan expects {spec.shape} and {spec.dtype}; build a plan for this "
                     f"batch (plans are cached per batch structure)")
 
+
 def tensor_specs(items: Iterable[Any]) -> tuple[TensorSpec, ...]:
     """Normalise a batch description to a tuple of :class:`TensorSpec`.
 
@@ -297,6 +301,7 @@ def tensor_specs(items: Iterable[Any]) -> tuple[TensorSpec, ...]:
             "tensor, or skip the reduction")
     return specs
 
+
 def flat_arrays(shapes: Iterable[Any], dtype: Any = np.float32) -> list[np.ndarray]:
     """Zeroed arrays of the given shapes, one after another in one NumPy array: gradient
     buffers that pack for free.
@@ -313,6 +318,7 @@ def flat_arrays(shapes: Iterable[Any], dtype: Any = np.float32) -> list[np.ndarr
     shapes = checked_shapes(shapes)
     return views_in_order(np.zeros(sum(math.prod(s) for s in shapes), dtype=dtype), shapes)
 
+
 def checked_shapes(shapes: Iterable[Any]) -> list[tuple[int, ...]]:
     """``shapes`` as tuples of ints (an int is a 1-D shape).
 
@@ -325,6 +331,7 @@ def checked_shapes(shapes: Iterable[Any]) -> list[tuple[int, ...]]:
         raise ValueError(f"negative dimensions are not allowed in shape {bad[0]}")
     return out
 
+
 def views_in_order(flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
     """Views of ``flat`` with these shapes, one after another from its start."""
     out, at = [], 0
@@ -333,6 +340,7 @@ def views_in_order(flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
         out.append(flat[at:at + size].reshape(shape))
         at += size
     return out
+
 
 def _tensor_spec(index: int, item: Any) -> TensorSpec:
     if hasattr(item, "shape") and hasattr(item, "dtype"):
@@ -360,6 +368,7 @@ def _tensor_spec(index: int, item: Any) -> TensorSpec:
             f"dtype such as 'float32' or numpy.float16") from None
     return TensorSpec(dims, dtype)
 
+
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
         raise PackingTypeError(f"{name} must be an int, got {value!r}")
@@ -369,15 +378,18 @@ def _check_int(name: str, value: Any) -> int:
         raise PackingTypeError(
             f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
 
+
 def _check_count(what: str, items: list, expected: int, source: str) -> None:
     if len(items) != expected:
         raise PackingError(
             f"got {len(items)} {what}, the plan expects {expected}; pass exactly what "
             f"{source} describes for this plan")
 
+
 def _is_floating(dtype: np.dtype) -> bool:
     """Real floating dtypes, including ml_dtypes' (bfloat16 and float8 are kind 'V')."""
     return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("bfloat", "float")))
+
 
 def _by_dtype(specs: tuple[TensorSpec, ...]) -> dict[np.dtype, list[int]]:
     groups: dict[np.dtype, list[int]] = {}
@@ -385,12 +397,14 @@ def _by_dtype(specs: tuple[TensorSpec, ...]) -> dict[np.dtype, list[int]]:
         groups.setdefault(spec.dtype, []).append(i)
     return groups
 
+
 def _whole_pack(specs: tuple[TensorSpec, ...], indices: list[int]) -> Pack:
     members, offset = [], 0
     for i in indices:
         members.append(PackMember(i, specs[i].shape, offset, specs[i].size))
         offset += specs[i].size
     return Pack(specs[indices[0]].dtype, offset, tuple(members))
+
 
 def _check_plan(specs: tuple[TensorSpec, ...], packs: tuple[Pack, ...],
                 passthrough: tuple[int, ...]) -> dict[int, list[tuple[int, PackMember]]]:

@@ -46,6 +46,7 @@ def plan_concat_and_split(specs: Iterable[Any], num_packs: int) -> PackPlan:
             f"or no_packing() to reduce every tensor on its own")
     return _concat_and_split(tensor_specs(specs), num_packs)
 
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _concat_and_split(specs: tuple[TensorSpec, ...], parts: int) -> PackPlan:
     packs = []
@@ -71,8 +72,10 @@ def _concat_and_split(specs: tuple[TensorSpec, ...], parts: int) -> PackPlan:
             packs.append(Pack(dtype, size, tuple(members[k])))
     return PackPlan(specs, tuple(packs), (), method="concat_and_split")
 
+
 def _part_of(position: int, step: int, parts: int) -> int:
     return parts - 1 if step == 0 else min(position // step, parts - 1)
+
 
 def plan_small_tensor_aggregation(specs: Iterable[Any], max_bytes: int,
                                   max_group: int) -> PackPlan:
@@ -109,6 +112,7 @@ def plan_small_tensor_aggregation(specs: Iterable[Any], max_bytes: int,
             f"no_packing() to reduce every tensor on its own")
     return _small_tensors(tensor_specs(specs), max_bytes, max_group)
 
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _small_tensors(specs: tuple[TensorSpec, ...], max_bytes: int, max_group: int) -> PackPlan:
     runs: list[list[int]] = []
@@ -129,6 +133,7 @@ def _small_tensors(specs: tuple[TensorSpec, ...], max_bytes: int, max_group: int
                 packed.update(group)
     singles = tuple(i for i in range(len(specs)) if i not in packed)
     return PackPlan(specs, tuple(packs), singles, method="small_tensors")
+
 
 def plan_by_size(specs: Iterable[Any], bytes_per_pack: int) -> PackPlan:
     """TensorFlow's ``CommunicationOptions.bytes_per_pack`` (``pack_by_size``, r2.2+).
@@ -164,6 +169,7 @@ def plan_by_size(specs: Iterable[Any], bytes_per_pack: int) -> PackPlan:
             f"dtype or a target size in bytes such as 25 * 2**20")
     return _by_size(tensor_specs(specs), bytes_per_pack)
 
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _by_size(specs: tuple[TensorSpec, ...], target: int) -> PackPlan:
     groups: list[list[int]] = []
@@ -179,6 +185,7 @@ def _by_size(specs: tuple[TensorSpec, ...], target: int) -> PackPlan:
     packs = tuple(_whole_pack(specs, group) for group in groups)
     return PackPlan(specs, packs, (), method="by_size")
 
+
 def no_packing(specs: Iterable[Any]) -> PackPlan:
     """Every tensor reduced on its own (TF's ``num_packs=0`` without small-tensor options).
 
@@ -187,6 +194,7 @@ def no_packing(specs: Iterable[Any]) -> PackPlan:
     """
     specs = tensor_specs(specs)
     return PackPlan(specs, (), tuple(range(len(specs))), method="none")
+
 
 def plan_tf_packing(specs: Iterable[Any], *, num_packs: int = 0,
                     agg_small_grads_max_bytes: int = 0,
