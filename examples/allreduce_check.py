@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat
-from mpistrat.topology import get_topology
+from mpistrat.runtime.topology import get_topology
 
 ALGORITHMS = ("native", "xring", "xring#2", "rechd", "pscpu", "pscpu/pscpu")
 

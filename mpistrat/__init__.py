@@ -51,7 +51,7 @@ from .cross_device_ops import (  # noqa: E402
 )
 from .errors import CollectiveAbortedError, CollectiveTimeoutError  # noqa: E402
 from .packing import flat_arrays  # noqa: E402
-from .shared import (  # noqa: E402
+from .runtime.shared import (  # noqa: E402
     free_shared, is_shared, shared_arrays, shared_empty, shared_zeros,
 )
 from .values import DistributedValues, Mirrored, PerReplica  # noqa: E402
@@ -130,3 +130,21 @@ from .checkpoint import (  # noqa: E402
 
 __all__ += ["Checkpoint", "CheckpointManager", "latest_checkpoint", "Scalar",
             "PreemptionCheckpointHandler", "CheckpointNotFoundError", "CheckpointCorruptError"]
+
+
+def _keep_old_module_paths() -> None:
+    """The MPI substrate lives in :mod:`mpistrat.runtime`; scripts written against the old
+    paths (``mpistrat.topology``, ``.devices``, ``.shared``, ``._agreement``, ``._stall``)
+    get the same modules."""
+    # inside the function: the package namespace gains only the five old names
+    import sys
+
+    from .runtime import agreement, devices, shared, stall, topology
+
+    for old, module in (("topology", topology), ("devices", devices), ("shared", shared),
+                        ("_agreement", agreement), ("_stall", stall)):
+        sys.modules[f"{__name__}.{old}"] = module
+        globals()[old] = module
+
+
+_keep_old_module_paths()

@@ -28,15 +28,15 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, dispatch, engine
-from ._agreement import agree
-from ._commcache import comm_cache
-from ._mpi import world
 from .backends import get_backend
 from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
+from .runtime._commcache import comm_cache
+from .runtime._mpi import world
+from .runtime.agreement import agree
+from .runtime.topology import env_ranks_per_node
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
-from .topology import env_ranks_per_node
 
 __all__ = ["all_reduce", "CollectiveMismatchError"]
 

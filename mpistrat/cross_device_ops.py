@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, engine
-from ._agreement import agree
-from ._mpi import world
 from .backends import get_backend
 from .backends.capabilities import probe_gpus
 from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
+from .runtime._mpi import world
+from .runtime.agreement import agree
 from .spec import AllReduceSpec, parse_spec
 from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device
 

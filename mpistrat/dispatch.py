@@ -26,8 +26,8 @@ from .backends.protocol import ArrayBackend
 from .errors import BackendUnavailable
 from .layout import Layout, require_entry_fits
 from .ops import ReduceOp
+from .runtime.topology import get_topology
 from .spec import check_entry
-from .topology import get_topology
 
 __all__ = ["IMPLEMENTATIONS", "register", "implementation", "compose", "check_fits", "fit",
            "run"]
@@ -132,7 +132,7 @@ def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backen
 
     The entry is checked first (:func:`fit`) unless the caller already did
     (``checked=True``). Flat algorithms other than ``native`` run over the ranks in
-    host-major order (:attr:`~mpistrat.topology.Topology.host_major`), so a ring crosses
+    host-major order (:attr:`~mpistrat.runtime.topology.Topology.host_major`), so a ring crosses
     each link once per direction whatever the launcher's placement.
     """
     info = get(name)

@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, dispatch, packing, shared
+from . import algorithms, dispatch, packing
 from .backends import get_backend
 from .backends.protocol import ArrayBackend
 from .ops import ReduceOp
+from .runtime import shared
 from .spec import AllReduceSpec
 
 __all__ = ["Reducer", "Route", "SHARED_RESULT_BYTES", "structure", "cached_plan", "routes", "flat",
@@ -46,7 +47,7 @@ Route = tuple[tuple[int, ...], packing.PackPlan, str, int]
 
 SHARED_RESULT_BYTES = 1 << 20
 """Packs from this size reduced by ``shm`` (or ``shm/<b>``) get their result buffer in
-shared memory (:func:`mpistrat.shared.recycled`): each rank writes its reduced slice
+shared memory (:func:`mpistrat.runtime.shared.recycled`): each rank writes its reduced slice
 there in place and its peers copy it from there, instead of one more copy through the
 window; below it, one small all-reduce to agree on a buffer would cost more than it saves."""
 

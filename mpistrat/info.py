@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import __version__
-from ._mpi import mpi, world
 from .backends.capabilities import cuda_aware_mpi, mpi_library_path, probe_gpus
-from .devices import assign_devices, duplicate_devices
 from .errors import TopologyError
 from .launch.env import detect
-from .topology import get_topology
+from .runtime._mpi import mpi, world
+from .runtime.devices import assign_devices, duplicate_devices
+from .runtime.topology import get_topology
 
 __all__ = ["collect_info", "slurm_task", "slurm_job", "gpu_mapping"]
 
@@ -113,7 +113,7 @@ def slurm_job(tasks: list[dict[str, Any] | None], world_size: int) -> tuple[
 
 def gpu_mapping(probe: Any, local_rank: int, local_size: int, gpus_per_rank: int,
                 visible: str | None) -> tuple[list[list[Any]] | None, str]:
-    """The GPUs :func:`mpistrat.devices.assign_devices` gives this rank, for the report.
+    """The GPUs :func:`mpistrat.runtime.devices.assign_devices` gives this rank, for the report.
 
     Returns:
         ``([[ordinal, physical id], ...], "")``, or ``(None, why)`` when the rank gets no
@@ -187,7 +187,7 @@ def collect_info(comm: Any = None, gpus: bool = True,
         comm: the communicator to describe (default ``COMM_WORLD``).
         gpus: probe CuPy and CUDA devices on every rank (imports CuPy when installed).
         env: this rank's environment (default ``os.environ``).
-        gpus_per_rank: ``G``, for the rank -> GPU mapping (see :mod:`mpistrat.devices`).
+        gpus_per_rank: ``G``, for the rank -> GPU mapping (see :mod:`mpistrat.runtime.devices`).
 
     Returns:
         A JSON-ready dict, the same on every rank: versions, the MPI library, the

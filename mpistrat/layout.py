@@ -2,7 +2,7 @@
 
 A :class:`Layout` is plain data: ``mpistrat validate --workers ...`` builds one from
 its options, and a running job builds one from its communicator (see
-:mod:`mpistrat.topology`), so the same :func:`check_spec` serves both. Nothing here
+:mod:`mpistrat.runtime.topology`), so the same :func:`check_spec` serves both. Nothing here
 touches MPI.
 """
 
@@ -61,7 +61,7 @@ class Layout:
 
     @classmethod
     def of(cls, topology: Any, devices_per_worker: int = 1, gpus: bool = False) -> Layout:
-        """The layout of a running job from its :class:`~mpistrat.topology.Topology`
+        """The layout of a running job from its :class:`~mpistrat.runtime.topology.Topology`
         (its size and node groups)."""
         return cls(topology.size, devices_per_worker, gpus, topology.num_nodes)
 

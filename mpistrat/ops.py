@@ -51,7 +51,7 @@ class ReduceOp(str, enum.Enum):
 
     def mpi_op(self) -> Any:
         """The predefined ``MPI.Op`` of :attr:`primitive`."""
-        from ._mpi import mpi
+        from .runtime._mpi import mpi
 
         MPI = mpi()
         return {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}[

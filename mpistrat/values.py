@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ._nest import map_structure
+
 __all__ = ["Device", "DistributedValues", "PerReplica", "Mirrored", "parse_device",
-           "default_devices"]
+           "default_devices", "select_replica", "regroup"]
 
 _DEVICE_RE = re.compile(
     r"^(?:/?job:(?P<job>[\w-]+))?(?:/?replica:(?P<replica>\d+))?(?:/?task:(?P<task>\d+))?"
@@ -185,3 +187,37 @@ class Mirrored(DistributedValues):
     """A value that is the same on every device it lives on (the result of a reduction)."""
 
     __slots__ = ()
+
+
+def select_replica(index: int, structure: Any) -> Any:
+    """Replica ``index``'s part of ``structure``: the component of each PerReplica/Mirrored
+    leaf; distributed variables and plain values unchanged."""
+
+    def pick(leaf: Any) -> Any:
+        if isinstance(leaf, DistributedValues):
+            return leaf.values[index]
+        return leaf
+
+    return map_structure(pick, structure)
+
+
+def regroup(per_replica: list[Any], devices: Sequence[str]) -> Any:
+    """Combine one value per local replica, nest position by nest position: the same
+    object from every replica stays as it is, otherwise a :class:`PerReplica`.
+
+    With one replica the value comes back unwrapped (TF's rule).
+    """
+    if len(per_replica) == 1:
+        return per_replica[0]
+
+    def combine(*leaves: Any) -> Any:
+        first = leaves[0]
+        if all(leaf is first for leaf in leaves[1:]):
+            return first
+        return PerReplica(list(leaves), devices)
+
+    try:
+        return map_structure(combine, *per_replica)
+    except ValueError as exc:
+        raise ValueError(f"the replicas returned values of different structures: {exc}") \
+            from None

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._mpi import mpi
 from ..backends.capabilities import device_buffers_to_mpi
 from ..backends.protocol import ArrayBackend
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
+from ..runtime._mpi import mpi
 from ._chunks import capped, even_bounds
 from .source import Source
 

@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 from queue import SimpleQueue
 from typing import Any
 
-from .._commcache import comm_cache
-from .._mpi import mpi
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
-from ..topology import get_topology
+from ..runtime._commcache import comm_cache
+from ..runtime._mpi import mpi
+from ..runtime.topology import get_topology
 from ._chunks import even_bounds
 from .implementation import Implementation
 from .source import Source, agreed_join

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import mpi
 from ..backends.capabilities import device_buffers_to_mpi
 from ..backends.numpy_backend import UFUNCS
 from ..backends.protocol import ArrayBackend
 from ..backends.transport import staged_allreduce
 from ..ops import ReduceOp
+from ..runtime._mpi import mpi
 from .source import Source
 
 __all__ = ["all_reduce"]

@@ -5,10 +5,10 @@ creates the unique id and broadcasts it over MPI; each rank then joins with NCCL
 ``rank * G + i`` for its device ``i`` — with ``G > 1`` devices per rank, the ``G``
 joins run inside one NCCL group (``groupStart``/``groupEnd``), as NCCL requires when one
 thread initialises several devices. Communicators are built once and cached on the MPI
-communicator per device tuple (:func:`mpistrat._commcache.comm_cache`), so they are
+communicator per device tuple (:func:`mpistrat.runtime._commcache.comm_cache`), so they are
 destroyed when the MPI communicator is freed. Before the first build the ranks check,
 collectively, that no two of them use the same physical GPU
-(:func:`mpistrat.devices.require_distinct_devices`): NCCL would fail with a vaguer error.
+(:func:`mpistrat.runtime.devices.require_distinct_devices`): NCCL would fail with a vaguer error.
 
 Each collective is queued on the current CuPy stream of the buffer's device, after the
 work already queued there, and that stream is synchronised before returning, so results
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from .._commcache import comm_cache
 from ..backends.protocol import ArrayBackend
-from ..devices import device_identity, require_distinct_devices
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
+from ..runtime._commcache import comm_cache
+from ..runtime.devices import device_identity, require_distinct_devices
 
 __all__ = ["all_reduce", "all_reduce_devices", "broadcast", "reduce_to_root", "communicators"]
 

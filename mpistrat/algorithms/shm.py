@@ -1,6 +1,6 @@
 """``shm``: all-reduce inside a node through MPI-3 shared windows — one pass, no messages.
 
-The ranks of a node group map one another's memory (:mod:`mpistrat.shared`). Each rank
+The ranks of a node group map one another's memory (:mod:`mpistrat.runtime.shared`). Each rank
 owns a contiguous slice of the buffer, reduces that slice reading every rank's input
 where it lies, and then every rank copies the other slices' results. No byte goes
 through the MPI library's queues.
@@ -46,7 +46,7 @@ Design choices:
   allocated on first use; one scratch window per communicator sized in powers of two
   (at least 1 MiB), replaced collectively by a larger one when a call needs more — the
   old one is freed, so growth does not leak. Both are freed with the communicator, or
-  at exit (:mod:`mpistrat.shared`).
+  at exit (:mod:`mpistrat.runtime.shared`).
 * **Synchronisation** is by counters in shared memory: each rank writes only its own
   64-byte lines (no false sharing) and polls its peers'. A counter carries the epoch in
   its high 32 bits, so it only ever grows and a later value implies every earlier step.
@@ -55,7 +55,7 @@ Design choices:
 * **Waiting** polls and calls ``sched_yield`` between polls, so with more ranks than
   cores the rank being waited for gets the core; after 1 ms it sleeps 50 µs between
   polls instead of burning a core during a long imbalance. The stall check and timeout
-  of ``mpistrat run`` apply (:mod:`mpistrat._stall`): a report names the ranks being
+  of ``mpistrat run`` apply (:mod:`mpistrat.runtime.stall`): a report names the ranks being
   waited for, and past the timeout every waiting rank raises.
 * **Failure**: a rank that raises inside the algorithm marks its abort word before
   re-raising; every peer polls the abort words while it waits and raises
@@ -98,8 +98,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import _stall, shared
-from .._commcache import comm_cache
 from ..backends.numpy_backend import UFUNCS
 from ..backends.protocol import ArrayBackend
 from ..errors import (
@@ -110,6 +108,8 @@ from ..errors import (
     MpistratError,
 )
 from ..ops import ReduceOp
+from ..runtime import shared, stall
+from ..runtime._commcache import comm_cache
 from .source import Source
 
 __all__ = ["all_reduce", "reduce_to_root", "broadcast", "SMALL_BYTES", "CHUNK_BYTES"]
@@ -197,7 +197,7 @@ class _Node:
         yield_, perf = os.sched_yield, time.perf_counter
         start = perf()
         polls = 0
-        watch = _stall.current()
+        watch = stall.current()
         reported = False
         nap = False
         while flags[word] < target:

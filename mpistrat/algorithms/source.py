@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _stall
-from .._mpi import mpi
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..runtime import stall
+from ..runtime._mpi import mpi
 from ._chunks import capped
 
 __all__ = ["Source", "COALESCE_BYTES", "JOIN_BYTES", "agreed_join"]
@@ -248,7 +248,7 @@ def agreed_join(comm: Any, source: Source, backend: ArrayBackend) -> Source:
     joined = source.joined()
     flag = np.array([0 if joined is not None else 1], dtype=np.int64)
     if comm.Get_size() > 1:
-        watch = _stall.current()
+        watch = stall.current()
         if watch is None:
             comm.Iallreduce(mpi().IN_PLACE, flag, op=mpi().MAX).Wait()
         else:

@@ -13,10 +13,10 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._commcache import comm_cache
-from .._mpi import mpi
 from ..config import Settings
-from ..devices import device_identity
+from ..runtime._commcache import comm_cache
+from ..runtime._mpi import mpi
+from ..runtime.devices import device_identity
 
 __all__ = ["GpuProbe", "probe_gpus", "mpi_library_path", "cuda_aware_mpi",
            "cuda_aware_choice", "device_buffers_to_mpi"]

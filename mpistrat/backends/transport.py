@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import mpi
+from ..runtime._mpi import mpi
 
 __all__ = [
     "STAGE_CHUNK_BYTES", "chunk_cuts", "DirectTransport", "StagedTransport", "HostMover",

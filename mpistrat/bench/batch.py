@@ -175,9 +175,9 @@ class BatchBench:
     def __init__(self, comm: Any, config: BatchConfig, spec: AllReduceSpec,
                  methods: list[Method]) -> None:
         from .. import dispatch
-        from .._mpi import mpi
         from ..backends import get_backend
         from ..ops import ReduceOp
+        from ..runtime._mpi import mpi
         from ..values import PerReplica
 
         self.comm, self.MPI, self.methods, self.config = comm, mpi(), methods, config
@@ -205,7 +205,7 @@ class BatchBench:
         self.views: list[list[np.ndarray]] = []  # the batch as views of one buffer
         if any(m.kind == "batch-views" for m in methods):
             from ..packing import flat_arrays
-            from ..shared import shared_arrays
+            from ..runtime.shared import shared_arrays
 
             for d in range(G):
                 views = shared_arrays(self.shapes, dtype, comm) if config.shared \

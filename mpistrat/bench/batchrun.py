@@ -31,7 +31,7 @@ __all__ = ["run_batch"]
 
 def _validate(config: BatchConfig, comm: Any, outputs: Outputs) -> Any:
     from ..layout import Layout, check_spec
-    from ..topology import get_topology
+    from ..runtime.topology import get_topology
 
     if outputs.plot or outputs.recommend or outputs.save or outputs.model \
             or outputs.predict_ranks:
@@ -57,7 +57,7 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Any = N
     Raises:
         ValueError, MpistratError, RuntimeError: invalid options, on every rank alike.
     """
-    from .._mpi import mpi, world
+    from ..runtime._mpi import mpi, world
     from .metadata import collect
 
     outputs = outputs or Outputs()

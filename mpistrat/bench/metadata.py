@@ -91,7 +91,7 @@ def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None
 
     from ..info import collect_info
     from ..launch.hugepages import thp_mode
-    from ..topology import get_topology
+    from ..runtime.topology import get_topology
 
     info = collect_info(comm, gpus=False)
     topology = get_topology(comm, ranks_per_node)

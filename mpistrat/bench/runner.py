@@ -151,7 +151,7 @@ def _gpu_preflight(replicas: int) -> None:
 
 def prepare_sweep(config: BenchConfig, comm: Any, outputs: Outputs | None = None) -> SweepPlan:
     """Validate a sweep on every rank (collective; raises the same error everywhere)."""
-    from ..topology import get_topology
+    from ..runtime.topology import get_topology
 
     outputs = outputs or Outputs()
     topology = collective_check(comm, lambda: get_topology(comm, config.ranks_per_node))
@@ -342,7 +342,7 @@ def run_sweep(config: BenchConfig, outputs: Outputs | None = None, comm: Any = N
         ValueError, TypeError, MpistratError, RuntimeError: invalid options, on every
             rank alike (before anything is measured).
     """
-    from .._mpi import world
+    from ..runtime._mpi import world
     from .metadata import collect
     from .progress import Progress
     from .timing import Sweep

@@ -67,7 +67,7 @@ class Sweep:
 
     def __init__(self, comm: Any, config: BenchConfig, entries: Sequence[Entry],
                  peer: Any = None) -> None:
-        from .._mpi import mpi
+        from ..runtime._mpi import mpi
 
         self.MPI = mpi()
         self.comm, self.config, self.entries, self.peer = comm, config, list(entries), peer
@@ -138,7 +138,7 @@ class Sweep:
     def _measure_shared(self, nbytes: int, started: float, host: list[np.ndarray],
                         pristine: list[Any]) -> tuple[list[Point] | None, dict[str, Any]]:
         """:meth:`_measure` on buffers in shared windows (``--shared``), freed afterwards."""
-        from ..shared import free_shared, shared_empty
+        from ..runtime.shared import free_shared, shared_empty
 
         work = [shared_empty(p.shape, p.dtype, self.comm, self.config.ranks_per_node)
                 for p in pristine]

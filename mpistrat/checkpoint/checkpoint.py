@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .._agreement import agree
-from .._mpi import mpi
 from ..errors import TopologyError
+from ..runtime._mpi import mpi
+from ..runtime.agreement import agree
 from . import _files
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
 

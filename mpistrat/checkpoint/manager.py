@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any
 
-from .._mpi import mpi
+from ..runtime._mpi import mpi
 from . import _files
 from .checkpoint import Checkpoint
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _stall
-from .._mpi import mpi
+from ..runtime import stall
+from ..runtime._mpi import mpi
 from .manager import CheckpointManager
 
 __all__ = ["PreemptionCheckpointHandler", "PREEMPTION_EXIT_STATUS"]
@@ -87,7 +87,7 @@ class PreemptionCheckpointHandler:
         MPI = mpi()
         comm = self.manager.checkpoint.comm
         self._flag[0] = self.received or 0
-        watch = _stall.current()
+        watch = stall.current()
         if watch is not None:  # under mpistrat run: a rank that never calls is reported
             watch.allreduce(comm, self._flag, "save_checkpoint_if_preempted")
         else:

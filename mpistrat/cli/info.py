@@ -158,7 +158,7 @@ def info(as_json, no_gpu, gpus_per_rank):
       srun --mpi=pmi2 -n 4 mpistrat info
     """
     from ..info import collect_info
-    from .._mpi import world
+    from ..runtime._mpi import world
 
     data = collect_info(gpus=not no_gpu, gpus_per_rank=gpus_per_rank)
     if world().Get_rank() == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._mpi import mpi, world
+from ..runtime._mpi import mpi, world
 from .base import ClusterResolver
 from .cluster_spec import ClusterSpec
 

@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .._agreement import agree
-from .._mpi import world
 from ..errors import TopologyError
+from ..runtime._mpi import world
+from ..runtime.agreement import agree
 from .base import ClusterResolver
 from .mpi import MPIClusterResolver
 from .slurm import SlurmClusterResolver

@@ -11,13 +11,13 @@ the job together — with every failure shown once — instead of leaving ranks 
 * :mod:`~mpistrat.runner.launch` — ``-n N``: starting ``mpiexec`` itself.
 
 The stall check and ``--timeout`` live with the agreement every collective starts with
-(:mod:`mpistrat._stall`); :func:`watch_collectives` turns them on without ``mpistrat run``.
+(:mod:`mpistrat.runtime.stall`); :func:`watch_collectives` turns them on without ``mpistrat run``.
 """
 
 from __future__ import annotations
 
-from .._stall import unwatch as unwatch_collectives
-from .._stall import watch as watch_collectives
+from ..runtime.stall import unwatch as unwatch_collectives
+from ..runtime.stall import watch as watch_collectives
 from .execute import default_strategy
 from .launch import launch_command, self_launch
 from .options import RunOptions

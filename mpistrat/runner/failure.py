@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import mpi
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, MpistratError
+from ..runtime._mpi import mpi
 
 __all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
 

@@ -7,10 +7,10 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _stall
-from .._mpi import mpi
 from ..errors import RunSetupError
 from ..launch.env import detect
+from ..runtime import stall
+from ..runtime._mpi import mpi
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
 from .monitor import MonitorClient
@@ -58,7 +58,7 @@ def run(options: RunOptions, *,
         output = RankOutput(rank, size, tag=options.tag_output,
                             quiet=options.quiet_ranks and rank != 0)
         with output:
-            watch = _stall.watch(options.stall_check or None, options.timeout,
+            watch = stall.watch(options.stall_check or None, options.timeout,
                                  report=output.report)
             client = MonitorClient.connect(env, rank, mpi().Get_processor_name())
             notify = client.end if client is not None else None
@@ -85,7 +85,7 @@ def run(options: RunOptions, *,
             finally:
                 if dog is not None:
                     dog.stop()
-                _stall.unwatch()
+                stall.unwatch()
     finally:
         done.Free()
 

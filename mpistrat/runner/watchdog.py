@@ -1,13 +1,13 @@
 """The watchdog of ``mpistrat run``: no rank stays in a collective past ``--timeout``, and
 reports name the hosts and ranks that can no longer be reached.
 
-The watched agreement (:mod:`mpistrat._stall`) bounds the wait for the ranks to *arrive*
+The watched agreement (:mod:`mpistrat.runtime.stall`) bounds the wait for the ranks to *arrive*
 in a collective. Once they have, the algorithm's own MPI calls run (``Recv``, ``Wait``,
 ``Sendrecv``: blocking, in C) and nothing in Python polls them: a peer that dies or is cut
 off in the middle leaves the rank blocked for good. Hence a thread per rank:
 
 * **The bound.** Every watched agreement records, per thread, the collective it starts
-  (an entry of :mod:`mpistrat._stall`). Once a second (or a tenth of the shortest bound) the
+  (an entry of :mod:`mpistrat.runtime.stall`). Once a second (or a tenth of the shortest bound) the
   watchdog looks at the threads' stacks (``sys._current_frames``): a thread whose
   collective's outermost frame is still on its stack ``--timeout`` seconds after the
   collective started is stuck. The watchdog then probes the other ranks (below), prints
@@ -50,9 +50,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .. import _stall
-from .._mpi import mpi
-from .._stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
+from ..runtime import stall
+from ..runtime._mpi import mpi
+from ..runtime.stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
 
 __all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "name_ranks",
            "group_by_host", "local_addresses", "abort_and_exit"]
@@ -388,7 +388,7 @@ class Watchdog:
                 # (a peer killed mid-connection can make MPICH's progress block)
                 blocked = time.monotonic() - entry[POLLED] >= _BLOCKED
                 if self.timeout and (lasted >= self.timeout and blocked or lasted >=
-                                     self.timeout + _stall.VERDICT_WAIT + _BACKSTOP):
+                                     self.timeout + stall.VERDICT_WAIT + _BACKSTOP):
                     self._fire(entry, lasted)
                 continue
             if self.timeout and lasted >= self.timeout:
@@ -649,7 +649,7 @@ def _hidden(filename: str) -> bool:
 def _hostnames(comm: Any) -> tuple[str, ...]:
     """Every rank's host name, from the topology (processor names)."""
     try:
-        from ..topology import get_topology
+        from ..runtime.topology import get_topology
 
         return tuple(get_topology(comm).hostnames)
     except Exception:  # noqa: BLE001 - the same on every rank (the environment's fault)

@@ -17,14 +17,16 @@ from typing import Any, cast
 import numpy as np
 
 from . import context
-from .._agreement import agree
-from .._mpi import mpi
 from .._nest import flatten
 from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
+from ..data import DistributedDataset, DistributedDatasetsFromFunction, make_numpy_dataset
 from ..ops import ReduceOp
-from ..values import DistributedValues, Mirrored, PerReplica
-from .replica import ReplicaContext, regroup, run_replicas, select_replica
+from ..runtime._mpi import mpi
+from ..runtime.agreement import agree
+from ..values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
+from .replica import ReplicaContext, run_replicas
+from .variables import DistributedVariable, MirroredVariable
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -36,8 +38,6 @@ def _as_values(value: Any) -> Any:
     """A distributed variable as the DistributedValues of (copies of) its local copies,
     as TF treats it in reductions: a MirroredVariable is Mirrored, a SyncOnReadVariable
     PerReplica. Anything else unchanged."""
-    from .variables import DistributedVariable, MirroredVariable
-
     if not isinstance(value, DistributedVariable):
         return value
     kind = Mirrored if isinstance(value, MirroredVariable) else PerReplica
@@ -47,8 +47,6 @@ def _as_values(value: Any) -> Any:
 def _as_destinations(destinations: Any) -> Any:
     """A distributed variable as destinations means its devices (TF's optimizers pass
     ``(gradient, variable)`` pairs)."""
-    from .variables import DistributedVariable
-
     return list(destinations.devices) if isinstance(destinations, DistributedVariable) \
         else destinations
 
@@ -156,8 +154,6 @@ class StrategyExtended:
         arguments; with ``group`` the results are regrouped (a PerReplica, or the value
         itself when every component gave the same object), else a tuple."""
         _require_cross_replica(self._strategy, "update")
-        from .variables import DistributedVariable
-
         kwargs = dict(kwargs or {})
         if isinstance(var, DistributedVariable):
             results = var._update_components(fn, args, kwargs)
@@ -169,8 +165,6 @@ class StrategyExtended:
 
     def value_container(self, value: Any) -> Any:
         """The distributed variable ``value`` is a component of, else ``value`` itself."""
-        from .variables import DistributedVariable
-
         owner = DistributedVariable._owner_of(value)
         return owner if owner is not None else value
 
@@ -347,8 +341,6 @@ class Strategy:
         """This rank's per-replica parts of ``value``, in local device order: the
         components of a PerReplica/Mirrored or distributed variable; for a nest holding
         such values, one nest per replica; a plain value: ``(value,)``."""
-        from .variables import DistributedVariable
-
         if isinstance(value, (DistributedValues, DistributedVariable)):
             return tuple(value.values)
         if any(isinstance(leaf, DistributedValues) for leaf in flatten(value)):
@@ -385,8 +377,6 @@ class Strategy:
         """Split a dataset of *global* batches across workers and replicas; iterating
         yields, per step, each replica's part (a PerReplica with G > 1 local replicas).
         See docs/datasets.md for the sharding and splitting rules."""
-        from ..data import DistributedDataset
-
         arguments = self._input_arguments()
         return self._built_everywhere("experimental_distribute_dataset", lambda:
                                       DistributedDataset(dataset, **arguments, options=options))
@@ -396,8 +386,6 @@ class Strategy:
         """Build each worker's (or, with ``InputReplicationMode.PER_REPLICA``, each
         replica's) input by calling ``dataset_fn(input_context)``; it batches per
         replica and shards itself."""
-        from ..data import DistributedDatasetsFromFunction
-
         arguments = self._input_arguments()
         return self._built_everywhere(
             "distribute_datasets_from_function",
@@ -427,8 +415,6 @@ class Strategy:
     def experimental_make_numpy_dataset(self, numpy_input: Any) -> Any:
         """A dataset of the slices of ``numpy_input`` (copied; lists of arrays stacked)."""
         _require_cross_replica(self, "experimental_make_numpy_dataset")
-        from ..data import make_numpy_dataset
-
         return make_numpy_dataset(numpy_input)
 
     def _input_arguments(self) -> dict[str, Any]:
@@ -495,3 +481,6 @@ class _DefaultExtended(StrategyExtended):
     def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
                         options: CommunicationOptions | None = None) -> list[Any]:
         return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+
+context.install(Strategy, _DefaultStrategy)

@@ -13,7 +13,7 @@ under a process-wide base that :func:`experimental_set_strategy` replaces.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -106,9 +106,7 @@ def experimental_set_strategy(strategy: Any) -> None:
             "experimental_set_strategy cannot be called inside a strategy's scope() or "
             "run(); call it at the top level of the program"
         )
-    from .base import Strategy
-
-    if strategy is not None and not isinstance(strategy, Strategy):
+    if strategy is not None and not isinstance(strategy, _installed.strategy_type):
         raise TypeError(f"experimental_set_strategy takes a Strategy or None, got "
                         f"{type(strategy).__name__}")
     _base.clear()
@@ -116,12 +114,27 @@ def experimental_set_strategy(strategy: Any) -> None:
         _base.append(_Entry(strategy, None))
 
 
+class _installed:
+    """The classes of ``strategy.base``, which sits above this module: it installs them
+    here when it is imported (importing ``mpistrat.strategy`` always imports it)."""
+
+    strategy_type: type = object
+    default_type: Callable[[], Any] | None = None
+
+
+def install(strategy_type: type, default_type: Callable[[], Any]) -> None:
+    """Called once by ``strategy.base``: what a strategy is, and how to make the default one."""
+    _installed.strategy_type = strategy_type
+    _installed.default_type = default_type
+
+
 _DEFAULT: list[Any] = []
 
 
 def _default_strategy() -> Any:
     if not _DEFAULT:
-        from .base import _DefaultStrategy
-
-        _DEFAULT.append(_DefaultStrategy())
+        if _installed.default_type is None:
+            raise RuntimeError("mpistrat.strategy.base was not imported; import "
+                               "mpistrat.strategy before using the strategy context")
+        _DEFAULT.append(_installed.default_type())
     return _DEFAULT[0]

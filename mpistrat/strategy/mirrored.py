@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from .._agreement import agree
-from .._mpi import mpi, world
 from ..backends.capabilities import probe_gpus
 from ..cluster import ClusterResolver, resolve_cluster
 from ..communication import CommunicationImplementation, CommunicationOptions
 from ..cross_device_ops import CrossDeviceOps, MultiWorkerAllReduce, ReductionToOneDevice
 from ..errors import BackendUnavailable, TopologyError
-from ..topology import get_topology
+from ..runtime._mpi import mpi, world
+from ..runtime.agreement import agree
+from ..runtime.topology import get_topology
 from ..values import default_devices, parse_device
 from .base import Strategy, StrategyExtended
 

@@ -18,10 +18,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._nest import flatten, map_structure, pack_sequence_as
+from .._nest import flatten, pack_sequence_as
 from ..ops import ReduceOp
-from ..values import DistributedValues, PerReplica
+from ..values import DistributedValues, PerReplica, regroup, select_replica
 from . import context
+from .variables import DistributedVariable, Variable
 
 __all__ = ["ReplicaContext", "regroup", "select_replica", "run_replicas"]
 
@@ -124,8 +125,6 @@ def _contributions(value: Any, devices: Sequence[str]) -> DistributedValues:
     same object from every replica: each replica contributed it (as when they passed
     equal but distinct objects). With one replica, ``merge_fn`` gets the value itself.
     A variable contributes each replica's copy (a copy of it: results never alias it)."""
-    from .variables import DistributedVariable, Variable
-
     if isinstance(value, DistributedVariable):
         return PerReplica([c.copy() for c in value.values], value.devices)
     if isinstance(value, Variable):
@@ -133,40 +132,6 @@ def _contributions(value: Any, devices: Sequence[str]) -> DistributedValues:
     if isinstance(value, DistributedValues):
         return value
     return PerReplica([value] * len(devices), devices)
-
-
-def select_replica(index: int, structure: Any) -> Any:
-    """Replica ``index``'s part of ``structure``: the component of each PerReplica/Mirrored
-    leaf; distributed variables and plain values unchanged."""
-
-    def pick(leaf: Any) -> Any:
-        if isinstance(leaf, DistributedValues):
-            return leaf.values[index]
-        return leaf
-
-    return map_structure(pick, structure)
-
-
-def regroup(per_replica: list[Any], devices: Sequence[str]) -> Any:
-    """Combine one value per local replica, nest position by nest position: the same
-    object from every replica stays as it is, otherwise a :class:`PerReplica`.
-
-    With one replica the value comes back unwrapped (TF's rule).
-    """
-    if len(per_replica) == 1:
-        return per_replica[0]
-
-    def combine(*leaves: Any) -> Any:
-        first = leaves[0]
-        if all(leaf is first for leaf in leaves[1:]):
-            return first
-        return PerReplica(list(leaves), devices)
-
-    try:
-        return map_structure(combine, *per_replica)
-    except ValueError as exc:
-        raise ValueError(f"the replicas returned values of different structures: {exc}") \
-            from None
 
 
 class _Abort(BaseException):

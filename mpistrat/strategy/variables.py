@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from .._agreement import agree
 from ..ops import ReduceOp
-from ..values import Mirrored, PerReplica
+from ..runtime.agreement import agree
+from ..values import Mirrored, PerReplica, select_replica
 from . import context
 
 __all__ = ["VariableSynchronization", "VariableAggregation", "Variable", "DistributedVariable",
@@ -307,8 +307,6 @@ class DistributedVariable(Variable):
         return self._components[0 if index is None else index]
 
     def _update_components(self, fn: Callable[..., Any], args: Any, kwargs: dict) -> list[Any]:
-        from .replica import select_replica
-
         return [fn(_Component(self, i), *select_replica(i, tuple(args)),
                    **select_replica(i, kwargs)) for i in range(len(self._components))]
 

@@ -41,7 +41,7 @@ from mpi4py import MPI
 import mpistrat
 from mpistrat.algorithms import registry
 from mpistrat.errors import TopologyError
-from mpistrat.topology import get_topology
+from mpistrat.runtime.topology import get_topology
 
 SHARD_VARIANTS = ("xring#2", "pscpu#2", "pscpu/pscpu#2")
 DTYPES = ("float32", "float64", "int32")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mpistrat import ReduceOp, dispatch
-from mpistrat._mpi import world
+from mpistrat.runtime._mpi import world
 from mpistrat.algorithms import Implementation, halving_doubling, native, ring, shuffle
 from mpistrat.algorithms.hierarchical import hierarchical
 
@@ -46,7 +46,7 @@ def _reference(op, size, n, dtype):
 
 def _device():
     comm = _comm()
-    from mpistrat.topology import get_topology
+    from mpistrat.runtime.topology import get_topology
 
     count = cupy.cuda.runtime.getDeviceCount()
     return get_topology(comm).local_rank % count
@@ -54,7 +54,7 @@ def _device():
 
 def _distinct_gpus():
     comm = _comm()
-    from mpistrat.topology import get_topology
+    from mpistrat.runtime.topology import get_topology
 
     return get_topology(comm).local_size <= cupy.cuda.runtime.getDeviceCount()
 
@@ -126,7 +126,7 @@ def test_two_devices_per_rank_nccl():
     """G = 2: one NCCL communicator per device, created inside an NCCL group."""
     comm = _comm()
     from mpistrat.algorithms.nccl import all_reduce_devices
-    from mpistrat.topology import get_topology
+    from mpistrat.runtime.topology import get_topology
 
     count = cupy.cuda.runtime.getDeviceCount()
     local = get_topology(comm).local_size

@@ -24,7 +24,7 @@ from mpistrat import ReduceOp, algorithms, dispatch
 from mpistrat.algorithms import Implementation, halving_doubling, ring
 from mpistrat.algorithms.hierarchical import hierarchical
 from mpistrat.backends import get_backend
-from mpistrat.topology import get_topology
+from mpistrat.runtime.topology import get_topology
 
 # --- inputs and references -------------------------------------------------------------
 

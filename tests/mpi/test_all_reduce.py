@@ -20,7 +20,7 @@ from _checks import _dtype, _eps, digest, finish, problem, spy_algorithms
 import mpistrat
 from mpistrat import CollectiveMismatchError, ReduceOp, all_reduce
 from mpistrat.errors import SpecError, SpecTypeError, TopologyError, UnknownAlgorithmError
-from mpistrat.topology import get_topology
+from mpistrat.runtime.topology import get_topology
 
 # --- inputs and references -------------------------------------------------------------
 

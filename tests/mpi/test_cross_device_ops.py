@@ -38,7 +38,7 @@ from mpistrat import (
     SpecError,
     TopologyError,
 )
-from mpistrat._agreement import _ARRIVAL_TAG
+from mpistrat.runtime.agreement import _ARRIVAL_TAG
 from mpistrat.bench.shapes import resnet50_gradient_shapes
 from mpistrat.values import default_devices, parse_device
 

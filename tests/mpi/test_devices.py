@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mpistrat.devices import DuplicateDeviceError, node_assignment, require_distinct_devices
+from mpistrat.runtime.devices import DuplicateDeviceError, node_assignment, require_distinct_devices
 from mpistrat.errors import BackendUnavailable, TopologyError
-from mpistrat.topology import get_topology
+from mpistrat.runtime.topology import get_topology
 
 
 def _same_everywhere(comm, text):

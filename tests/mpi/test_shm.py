@@ -20,7 +20,8 @@ from mpi4py import MPI
 from test_algorithms import contribution, reference, run_and_check
 
 import mpistrat
-from mpistrat import ReduceOp, algorithms, dispatch, shared
+from mpistrat import ReduceOp, algorithms, dispatch
+from mpistrat.runtime import shared
 from mpistrat.algorithms import Source, shm
 from mpistrat.backends import get_backend
 from mpistrat.errors import CollectiveAbortedError, CollectiveMismatchError, TopologyError

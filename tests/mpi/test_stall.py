@@ -1,4 +1,4 @@
-"""The stall check and process-wide timeout of agreements (mpistrat._stall) at 1-4 ranks:
+"""The stall check and process-wide timeout of agreements (mpistrat.runtime.stall) at 1-4 ranks:
 watched agreements behave like plain ones, a late rank is reported by name, a missing
 rank makes every waiting rank raise CollectiveTimeoutError naming it."""
 
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from mpistrat import _stall
-from mpistrat._agreement import agree
+from mpistrat.runtime import stall
+from mpistrat.runtime.agreement import agree
 from mpistrat.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -20,12 +20,12 @@ MPI = pytest.importorskip("mpi4py.MPI")
 def reports():
     """Watch agreements (stall check 0.3 s, no timeout); yields this rank's reports."""
     seen: list[str] = []
-    _stall.watch(0.3, None, report=seen.append)
+    stall.watch(0.3, None, report=seen.append)
     try:
         yield seen
     finally:
         MPI.COMM_WORLD.Barrier()
-        _stall.unwatch()
+        stall.unwatch()
 
 
 def test_watched_agreements_behave_like_plain_ones(comm, reports):
@@ -76,7 +76,7 @@ def test_missing_rank_times_out_everywhere_with_its_name():
     if world.size == 1:
         pytest.skip("one rank cannot stall")
     dup = world.Dup()
-    _stall.watch(None, 0.6, report=lambda text: None)
+    stall.watch(None, 0.6, report=lambda text: None)
     late = world.size - 1
     error = elapsed = None
     started = time.monotonic()
@@ -93,7 +93,7 @@ def test_missing_rank_times_out_everywhere_with_its_name():
                 _finish_pending(exc.__traceback__)
     finally:
         world.Barrier()
-        _stall.unwatch()
+        stall.unwatch()
         dup.Free()
     reporters = world.allgather(getattr(error, "reporter", None))
     if world.rank != late:
@@ -106,10 +106,10 @@ def test_missing_rank_times_out_everywhere_with_its_name():
 
 def test_watch_rejects_bad_values():
     with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0.*-1"):
-        _stall.watch(60, -1)
+        stall.watch(60, -1)
     with pytest.raises(ValueError, match="stall_check"):
-        _stall.watch(float("inf"), None)
-    assert _stall.watch(0, None) is None and _stall.current() is None
+        stall.watch(float("inf"), None)
+    assert stall.watch(0, None) is None and stall.current() is None
 
 
 def _finish_pending(tb) -> None:
@@ -132,9 +132,9 @@ def test_each_collective_is_recorded_for_the_watchdog(comm, reports):
 
     if comm.size == 1:
         pytest.skip("a communicator of one rank is not watched")
-    from mpistrat._stall import AGREED, FRAME, SEQ, STARTED, WHAT
+    from mpistrat.runtime.stall import AGREED, FRAME, SEQ, STARTED, WHAT
 
-    watch = _stall.current()
+    watch = stall.current()
     mpistrat.all_reduce(np.ones(4), comm=comm)
     entry = watch.active[threading.get_ident()]
     assert entry[WHAT] == "all_reduce" and entry[FRAME].f_code.co_name == "all_reduce"
@@ -151,11 +151,11 @@ def test_a_collective_without_agreement_can_be_tracked(comm, reports):
     check=False) the same way, already past the arrival, numbered after the last one."""
     import threading
 
-    from mpistrat._stall import AGREED, FRAME, SEQ, WHAT
+    from mpistrat.runtime.stall import AGREED, FRAME, SEQ, WHAT
 
     if comm.size == 1:
         pytest.skip("a communicator of one rank is not watched")
-    watch = _stall.current()
+    watch = stall.current()
     agree(comm, "same call", None, "test_collective")
     seq = watch.active[threading.get_ident()][SEQ]
 

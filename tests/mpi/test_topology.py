@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from mpistrat.layout import Layout
 from mpistrat.errors import TopologyError
-from mpistrat.topology import get_topology
+from mpistrat.runtime.topology import get_topology
 
 
 def _check_consistent(topo, comm):

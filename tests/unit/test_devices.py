@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpistrat.devices import (
+from mpistrat.runtime.devices import (
     DuplicateDeviceError, assign_devices, duplicate_devices, parse_visible_devices,
 )
 from mpistrat.errors import TopologyError

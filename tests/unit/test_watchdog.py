@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpistrat._stall import AGREED, STARTED, new_entry
+from mpistrat.runtime.stall import AGREED, STARTED, new_entry
 from mpistrat.runner.failure import outcome_of
 from mpistrat.runner.monitor import JobMonitor, MonitorClient
 from mpistrat.runner.watchdog import Watchdog, name_ranks
@@ -31,7 +31,7 @@ def test_ranks_are_named_by_host(ranks, words):
 
 
 class FakeWatch:
-    """What a Watchdog reads of mpistrat._stall.Watch."""
+    """What a Watchdog reads of mpistrat.runtime.stall.Watch."""
 
     def __init__(self, timeout=None, stall_check=None):
         self.timeout, self.stall_check = timeout, stall_check

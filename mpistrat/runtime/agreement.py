@@ -6,7 +6,7 @@ the ranks exchange descriptions (error path only) and every rank raises: the ran
 arguments were bad raises its own error, the others a :class:`CollectiveMismatchError`
 naming each rank's call. So a mistake on one rank is an error everywhere, never a hang.
 
-A rank that never arrives is caught by the stall check of :mod:`mpistrat._stall` (when
+A rank that never arrives is caught by the stall check of :mod:`mpistrat.runtime.stall` (when
 one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _stall
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from . import stall
 from ._mpi import mpi
-from .errors import CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = ["agree"]
 
@@ -38,7 +38,7 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
         timeout: seconds to wait for the other ranks; past it, raise
             :class:`CollectiveTimeoutError` naming the ranks that have not arrived. Part
             of the agreed call: ranks that pass different timeouts get a mismatch error.
-            None: the process-wide stall check and timeout of :func:`mpistrat._stall.watch`
+            None: the process-wide stall check and timeout of :func:`mpistrat.runtime.stall.watch`
             apply, if any.
     """
     MPI = mpi()
@@ -52,7 +52,7 @@ def agree(comm: Any, signature: str | None, error: BaseException | None, what: s
     if timeout is None:
         # Non-blocking even without a timeout: blocking and non-blocking collectives do
         # not match each other in MPI, and ranks may disagree on the timeout.
-        watch = _stall.current()
+        watch = stall.current()
         if watch is None:
             comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
         else:

@@ -21,10 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import RANKS_PER_NODE, Settings
+from ..errors import TopologyError
 from ._commcache import comm_cache
 from ._mpi import mpi, world
-from .config import RANKS_PER_NODE, Settings
-from .errors import TopologyError
 
 __all__ = ["Topology", "get_topology", "env_ranks_per_node"]
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import TopologyError
+from ..packing import checked_shapes, views_in_order
 from ._commcache import comm_cache
 from ._mpi import mpi, world
-from .errors import TopologyError
-from .packing import checked_shapes, views_in_order
 from .topology import get_topology
 
 __all__ = ["Block", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
@@ -133,7 +133,7 @@ def allocate(node_comm: Any, nbytes: int, owner: str = "user") -> Block:
         raise TopologyError(
             f"the {node_comm.Get_size()} ranks of this communicator are not all on one node, "
             f"so they cannot share memory; use the node group of the communicator "
-            f"(mpistrat.topology.get_topology(comm).node_comm), or a hierarchical algorithm "
+            f"(mpistrat.runtime.topology.get_topology(comm).node_comm), or a hierarchical algorithm "
             f"such as 'shm/xring' across nodes"
         )
     comm = node_comm.Dup()

@@ -1,7 +1,7 @@
 """Stall checks for mpistrat's collectives: name the ranks that have not arrived, and give
 up after a timeout.
 
-Every mpistrat collective starts with the agreement of :mod:`mpistrat._agreement` (one
+Every mpistrat collective starts with the agreement of :mod:`mpistrat.runtime.agreement` (one
 small ``Iallreduce``). Once :func:`watch` has been called (``mpistrat run`` calls it for
 ``--stall-check`` and ``--timeout``), that ``Iallreduce`` is polled against deadlines
 instead of waited on. While the ranks arrive together nothing else happens: no message,
@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import CollectiveTimeoutError
 from ._mpi import mpi
-from .errors import CollectiveTimeoutError
 
 __all__ = ["watch", "unwatch", "current", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",
            "CHANNEL", "SEQ", "STARTED", "AGREED", "FRAME", "REPORTED", "POLLED"]

@@ -11,7 +11,7 @@ A rank owning ``G`` GPUs takes them from the devices its process can see:
 Anything else (fewer than ``G`` devices, or more than ``G`` but fewer than the node's
 ranks need) is an error naming the counts and the fix. The rule is the pure function
 :func:`assign_devices`, so it is tested with plain values; :func:`node_assignment` feeds it
-this process's real inputs (local rank from :func:`mpistrat.topology.get_topology`, device
+this process's real inputs (local rank from :func:`mpistrat.runtime.topology.get_topology`, device
 count and UUIDs from CuPy) and :func:`require_distinct_devices` checks, collectively, that
 no two ranks of a communicator use the same physical GPU — NCCL rejects a communicator
 holding one GPU twice, with an error that does not say which ranks collided.
@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import BackendUnavailable, DuplicateDeviceError, TopologyError
 from ._mpi import mpi
-from .errors import BackendUnavailable, DuplicateDeviceError, TopologyError
 from .topology import get_topology
 
 __all__ = [
@@ -217,7 +217,7 @@ def node_assignment(comm: Any, gpus_per_rank: int, *, ranks_per_node: int | None
     Args:
         comm: the job's communicator; node groups come from its topology.
         gpus_per_rank: ``G``.
-        ranks_per_node: virtual node size (see :func:`mpistrat.topology.get_topology`).
+        ranks_per_node: virtual node size (see :func:`mpistrat.runtime.topology.get_topology`).
         environ: this rank's environment (default ``os.environ``).
         probe: ``() -> (device_count, identities)``; default asks CuPy.
     """
