@@ -33,7 +33,7 @@ from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
 from .runtime._commcache import comm_cache
-from .runtime._mpi import world
+from .runtime._mpi import Comm, world
 from .runtime.agreement import agree
 from .runtime.topology import env_ranks_per_node
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
@@ -147,7 +147,7 @@ def all_reduce(
     value: Any,
     op: Any = "sum",
     spec: Any = "xring",
-    comm: Any = None,
+    comm: Comm | None = None,
     *,
     check: bool = True,
     inplace: bool = False,

@@ -33,7 +33,8 @@ from .backends.capabilities import probe_gpus
 from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
-from .runtime._mpi import world
+from .packing import PackPlan
+from .runtime._mpi import Comm, world
 from .runtime.agreement import agree
 from .spec import AllReduceSpec, parse_spec
 from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device
@@ -135,7 +136,7 @@ def _signature_text(key: tuple) -> str:
                     for entry in key)
 
 
-def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Any) -> bool:
+def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Comm) -> bool:
     """Are the destinations the value's devices (TF's condition for an all-reduce)?
 
     Each rank's value lives on every rank's local devices, so a destination that names a
@@ -174,7 +175,7 @@ class CrossDeviceOps(abc.ABC):
         comm: the communicator whose ranks take part (default ``COMM_WORLD``).
     """
 
-    def __init__(self, comm: Any = None) -> None:
+    def __init__(self, comm: Comm | None = None) -> None:
         self._comm = comm
 
     @property
@@ -331,7 +332,7 @@ class CrossDeviceOps(abc.ABC):
         return pairs
 
     @staticmethod
-    def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Any) -> bool:
+    def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Comm) -> bool:
         first = pairs[0][0].device_set
         # the common case, checked in one pass: (v, v) pairs over one (interned) device set
         if all(dest is value and value.device_set is first for value, dest in pairs):
@@ -355,7 +356,7 @@ def _add_n(arrays: list[Any]) -> Any:
     return total.reshape(np.shape(arrays[0]))
 
 
-def _gather_rows(comm: Any, parts: list[Any], root: int) -> Any:
+def _gather_rows(comm: Comm, parts: Sequence[Any], root: int) -> Any:
     """Every rank's components gathered on ``root`` as rows (global replica order,
     rank-major), an array of shape ``(size * G, elements)``; None on the other ranks."""
     backend = get_backend(parts[0])
@@ -385,7 +386,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __init__(self, reduce_to_device: str | None = None,
                  accumulation_fn: Callable[[list[Any]], Any] | None = None,
-                 comm: Any = None) -> None:
+                 comm: Comm | None = None) -> None:
         super().__init__(comm)
         self.reduce_to_device = None if reduce_to_device is None else \
             str(parse_device(reduce_to_device))
@@ -435,8 +436,8 @@ class ReductionToOneDevice(CrossDeviceOps):
 # --------------------------------------------------------------- batched all-reduce
 
 
-def _all_reduce_batch(comm: Any, op: ReduceOp, values: list[DistributedValues],
-                      groups: list[tuple[Sequence[int], Any, engine.Reducer]],
+def _all_reduce_batch(comm: Comm, op: ReduceOp, values: list[DistributedValues],
+                      groups: Sequence[tuple[Sequence[int], PackPlan, engine.Reducer]],
                       ) -> list[Mirrored]:
     """All-reduce a batch of distributed values through :func:`mpistrat.engine.
     reduce_batch`; results in input order, on the values' devices."""
@@ -497,7 +498,7 @@ class AllReduceCrossDeviceOps(_AllReduceBase):
         comm: the communicator (default ``COMM_WORLD``).
     """
 
-    def __init__(self, all_reduce_alg: str = "nccl", num_packs: int = 1, comm: Any = None):
+    def __init__(self, all_reduce_alg: str = "nccl", num_packs: int = 1, comm: Comm | None = None):
         super().__init__(comm)
         if all_reduce_alg not in ("nccl", "hierarchical_copy"):
             raise ValueError(f"all_reduce_alg must be 'nccl' or 'hierarchical_copy', got "
@@ -528,7 +529,7 @@ class NcclAllReduce(AllReduceCrossDeviceOps):
         BackendUnavailable: no usable GPU/NCCL on this host.
     """
 
-    def __init__(self, num_packs: int = 1, comm: Any = None) -> None:
+    def __init__(self, num_packs: int = 1, comm: Comm | None = None) -> None:
         _check_num_packs(num_packs, "NCCL all-reduce requires num_packs >= 0, but {} is "
                                     "specified")
         super().__init__("nccl", num_packs, comm)
@@ -547,13 +548,13 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
         ValueError: ``num_packs < 0`` (TF's wording).
     """
 
-    def __init__(self, num_packs: int = 1, comm: Any = None) -> None:
+    def __init__(self, num_packs: int = 1, comm: Comm | None = None) -> None:
         _check_num_packs(num_packs, "HierarchicalCopy requires num_packs >= 0, but {} is "
                                     "specified")
         super().__init__("hierarchical_copy", num_packs, comm)
 
 
-def _hierarchical_copy_reducer(comm: Any, op: ReduceOp, replicas: int) -> engine.Reducer:
+def _hierarchical_copy_reducer(comm: Comm, op: ReduceOp, replicas: int) -> engine.Reducer:
     size = comm.Get_size()
     devices = size * replicas
     if devices % 2:
@@ -617,7 +618,7 @@ class MultiWorkerAllReduce(_AllReduceBase):
     def __init__(self, worker_devices: Sequence[str] | None = None, num_gpus_per_worker: int = 0,
                  all_reduce_spec: Any = ("pscpu/pscpu", 2, -1), num_packs: int = 0,
                  agg_small_grads_max_bytes: int = 0, agg_small_grads_max_group: int = 10,
-                 comm: Any = None) -> None:
+                 comm: Comm | None = None) -> None:
         super().__init__(comm)
         self.spec: AllReduceSpec = parse_spec(all_reduce_spec)
         for name, value in (("num_gpus_per_worker", num_gpus_per_worker),
@@ -646,8 +647,8 @@ class MultiWorkerAllReduce(_AllReduceBase):
                 f"{replicas} component(s) per rank"
             )
         routes = engine.routes(engine.structure([_first_array(v) for v in values]), self.spec,
-                         self.num_packs, self.agg_small_grads_max_bytes,
-                         self.agg_small_grads_max_group, options.bytes_per_pack)
+                               self.num_packs, self.agg_small_grads_max_bytes,
+                               self.agg_small_grads_max_group, options.bytes_per_pack)
         groups = []
         for indices, plan, alg, shards in routes:
             dispatch.fit(alg, comm, shards, devices_per_worker=replicas,

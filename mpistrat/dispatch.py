@@ -28,6 +28,7 @@ from .layout import Layout, require_entry_fits
 from .ops import ReduceOp
 from .runtime.topology import get_topology
 from .spec import check_entry
+from .runtime._mpi import Comm
 
 __all__ = ["IMPLEMENTATIONS", "register", "implementation", "compose", "check_fits", "fit",
            "run"]
@@ -105,7 +106,7 @@ def check_fits(name: str, shards: int, workers: int, nodes: int,
     require_entry_fits(alg, shards, Layout(workers, devices_per_worker, gpus, nodes))
 
 
-def fit(name: str, comm: Any, shards: int = 1, *, ranks_per_node: int | None = None,
+def fit(name: str, comm: Comm, shards: int = 1, *, ranks_per_node: int | None = None,
         devices_per_worker: int = 1, gpus: bool = False) -> None:
     """:func:`check_fits` for ``comm``: its size, and its nodes where they matter (a
     hierarchical or shared-memory algorithm)."""
@@ -123,7 +124,7 @@ def _host_buffers_for_gpu_algorithm(name: str) -> BackendUnavailable:
         f"'pscpu/pscpu'")
 
 
-def run(name: str, comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def run(name: str, comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
         rotation: int = 0, ranks_per_node: int | None = None,
         source: Source | None = None, checked: bool = False) -> None:
     """Reduce ``buf`` in place over ``comm`` with the algorithm called ``name`` — or, with

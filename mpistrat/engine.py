@@ -33,6 +33,7 @@ from .backends import get_backend
 from .backends.protocol import ArrayBackend
 from .ops import ReduceOp
 from .runtime import shared
+from .runtime._mpi import Comm
 from .spec import AllReduceSpec
 
 __all__ = ["Reducer", "Route", "SHARED_RESULT_BYTES", "structure", "cached_plan", "routes", "flat",
@@ -101,7 +102,7 @@ def local_sum(op: ReduceOp, sources: list[Any], backend: ArrayBackend) -> Any:
     return buf
 
 
-def reduce_sources(comm: Any, op: ReduceOp, alg: str, shards: int, sources: list[Any],
+def reduce_sources(comm: Comm, op: ReduceOp, alg: str, shards: int, sources: list[Any],
                    index: int, *, checked: bool = False, ranks_per_node: int | None = None,
                    into: Any = None, backend: ArrayBackend | None = None) -> Any:
     """All-reduce one tensor or pack given as a :class:`~mpistrat.algorithms.Source` per
@@ -142,7 +143,7 @@ def _shares(alg: str) -> bool:
     return "shm" in (alg, algorithms.get(alg).intra)
 
 
-def algorithm_reducer(comm: Any, op: ReduceOp, alg: str, shards: int, *,
+def algorithm_reducer(comm: Comm, op: ReduceOp, alg: str, shards: int, *,
                       checked: bool = False, ranks_per_node: int | None = None) -> Reducer:
     """:func:`reduce_sources` with ``alg#shards`` bound, as a :data:`Reducer`."""
     def reduce(sources: list[Any], index: int) -> Any:
@@ -160,8 +161,8 @@ def mean(buf: Any, op: ReduceOp, contributions: int) -> Any:
     return get_backend(buf).divide(buf, contributions)
 
 
-def reduce_batch(comm: Any, op: ReduceOp, components: Sequence[Sequence[Any]],
-                 groups: list[tuple[Sequence[int], packing.PackPlan, Reducer]],
+def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
+                 groups: Sequence[tuple[Sequence[int], packing.PackPlan, Reducer]],
                  ) -> list[Any]:
     """All-reduce a batch given as ``components[i][d]`` (tensor i on local device d): each
     group of tensor indices is reduced pack by pack (the packs read straight from the

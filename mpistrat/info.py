@@ -14,11 +14,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import mpi4py
+
 from . import __version__
 from .backends.capabilities import cuda_aware_mpi, mpi_library_path, probe_gpus
 from .errors import TopologyError
 from .launch.env import detect
-from .runtime._mpi import mpi, world
+from .runtime._mpi import Comm, mpi, world
 from .runtime.devices import assign_devices, duplicate_devices
 from .runtime.topology import get_topology
 
@@ -178,7 +180,7 @@ def _shared_gpu_notes(records: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def collect_info(comm: Any = None, gpus: bool = True,
+def collect_info(comm: Comm | None = None, gpus: bool = True,
                  env: Mapping[str, str] | None = None,
                  gpus_per_rank: int = 1) -> dict[str, Any]:
     """Gather a description of the job (collective over ``comm``).
@@ -195,8 +197,6 @@ def collect_info(comm: Any = None, gpus: bool = True,
         Slurm job, the job under ``"slurm"`` (None otherwise) with notes under
         ``"notes"``.
     """
-    import mpi4py
-
     env = os.environ if env is None else env
     MPI = mpi()
     comm = world() if comm is None else comm

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from .runtime._mpi import mpi
+
 __all__ = ["ReduceOp"]
 
 
@@ -51,8 +53,6 @@ class ReduceOp(str, enum.Enum):
 
     def mpi_op(self) -> Any:
         """The predefined ``MPI.Op`` of :attr:`primitive`."""
-        from .runtime._mpi import mpi
-
         MPI = mpi()
         return {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}[
             self.primitive

@@ -40,7 +40,7 @@ from ..backends.capabilities import device_buffers_to_mpi
 from ..backends.protocol import ArrayBackend
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ._chunks import capped, even_bounds
 from .source import Source
 
@@ -51,7 +51,7 @@ PIPELINE_BYTES = 4 << 20  # the last halving step and its doubling move pieces o
 _TAG, _TAG_BACK = 3, 4
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Recursive halving-doubling all-reduce (``shards`` ignored): of ``buf`` in place, or
     of ``source`` into ``buf`` when a source is given."""
@@ -135,7 +135,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
                 else:
                     _exchange(comm, buf, scratch, partner, (k0, k1), (g0, g1), op=op,
                               backend=backend, layout=layout, pending=pending, last=last)
-                layout = pending = None
+                layout, pending = None, False
                 if not last:  # the last step's doubling ran inside _exchange
                     history.append((partner, keep, give))
                 lo, hi = keep
@@ -154,7 +154,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
             comm.Send([raw, MPI.BYTE], rank - 1, tag=_TAG)
 
 
-def _require_direct(comm: Any) -> None:
+def _require_direct(comm: Comm) -> None:
     """Device buffers reach this algorithm's MPI calls as they are: only with CUDA-aware MPI."""
     if not device_buffers_to_mpi(comm):
         raise BackendUnavailable(
@@ -168,7 +168,7 @@ def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
     return [(a, b, False) for a, b in capped(lo, hi, PIPELINE_BYTES // itemsize)]
 
 
-def _exchange(comm: Any, buf: Any, scratch: Any, partner: int, keep: tuple[int, int],
+def _exchange(comm: Comm, buf: Any, scratch: Any, partner: int, keep: tuple[int, int],
               give: tuple[int, int], *, op: ReduceOp, backend: ArrayBackend, layout: Source | None,
               pending: bool, last: bool) -> None:
     """One halving step in messages: send ``give``, receive and add ``keep``.

@@ -43,7 +43,7 @@ from typing import Any
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ..runtime._commcache import comm_cache
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ..runtime.topology import get_topology
 from ._chunks import even_bounds
 from .implementation import Implementation
@@ -54,7 +54,7 @@ __all__ = ["hierarchical", "PIPELINE_BYTES"]
 PIPELINE_BYTES = 4 << 20  # the piece size of the pipelined multi-node form
 
 
-def hierarchical(comm: Any, buf: Any, *, op: ReduceOp, shards: int, backend: ArrayBackend,
+def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: ArrayBackend,
                  rotation: int, intra: Implementation, inter: Implementation,
                  ranks_per_node: int | None = None, source: Source | None = None,
                  node_shards: bool = False) -> None:
@@ -177,7 +177,7 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
     run_stages(stages, items)
 
 
-def _shared(comm: Any, key: Any, make: Callable[[], Any]) -> Any:
+def _shared(comm: Comm, key: Any, make: Callable[[], Any]) -> Any:
     """A sub-communicator cached on ``comm`` (made collectively on first use: every rank
     of ``comm`` takes the same path, since the decision to pipeline is the same)."""
     cache = comm_cache(comm)
@@ -191,7 +191,7 @@ class _DupComm:
     """A duplicate of the node communicator for the broadcast stage, freed with it: two
     stages that run at once may not share a communicator."""
 
-    def __init__(self, node_comm: Any) -> None:
+    def __init__(self, node_comm: Comm) -> None:
         self.comm = node_comm.Dup()
 
     def release(self) -> None:

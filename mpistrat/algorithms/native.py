@@ -20,7 +20,7 @@ from ..backends.numpy_backend import UFUNCS
 from ..backends.protocol import ArrayBackend
 from ..backends.transport import staged_allreduce
 from ..ops import ReduceOp
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from .source import Source
 
 __all__ = ["all_reduce"]
@@ -48,11 +48,11 @@ def _typed(buf: np.ndarray, op: ReduceOp) -> tuple[Any, Any]:
     return [buf.view(np.uint8), buf.size, datatype], mpi_op
 
 
-def _direct(comm: Any) -> bool:
+def _direct(comm: Comm) -> bool:
     return device_buffers_to_mpi(comm)
 
 
-def _staged(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend) -> None:
+def _staged(comm: Comm, buf: Any, op: ReduceOp, backend: ArrayBackend) -> None:
     """Device buffer, MPI not CUDA-aware: chunked Iallreduce through pinned host memory."""
     dtype = np.dtype(buf.dtype)
     sample = np.empty(0, dtype)
@@ -67,7 +67,7 @@ def _staged(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend) -> None:
     staged_allreduce(comm, buf, mover, typed, mpi_op)
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Reduce ``buf`` across ``comm`` with ``MPI_Allreduce`` (``shards`` ignored): in place,
     or from a one-segment ``source`` as the send buffer (a scattered source is copied into

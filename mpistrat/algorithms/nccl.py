@@ -30,6 +30,7 @@ from ..backends.protocol import ArrayBackend
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
 from ..runtime._commcache import comm_cache
+from ..runtime._mpi import Comm
 from ..runtime.devices import device_identity, require_distinct_devices
 
 __all__ = ["all_reduce", "all_reduce_devices", "broadcast", "reduce_to_root", "communicators"]
@@ -65,7 +66,7 @@ def _nccl() -> Any:
     return nccl
 
 
-def communicators(comm: Any, devices: Sequence[int]) -> list[Any]:
+def communicators(comm: Comm, devices: Sequence[int]) -> list[Any]:
     """The NCCL communicators of this rank's ``devices`` over ``comm`` (collective on the
     first call for this device tuple; cached on ``comm`` after)."""
     key = ("nccl", tuple(devices))
@@ -128,7 +129,7 @@ def _require_cupy(backend: ArrayBackend, name: str) -> None:
             f"pass CuPy arrays or use a CPU algorithm ('xring', 'rechd', 'pscpu')")
 
 
-def all_reduce_devices(comm: Any, bufs: Sequence[Any], *, op: ReduceOp) -> None:
+def all_reduce_devices(comm: Comm, bufs: Sequence[Any], *, op: ReduceOp) -> None:
     """All-reduce one buffer per local device (``bufs[i]`` on this rank's device ``i``) over
     every device of every rank of ``comm``, in place."""
     import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
@@ -155,14 +156,14 @@ def all_reduce_devices(comm: Any, bufs: Sequence[Any], *, op: ReduceOp) -> None:
         stream.synchronize()
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0) -> None:
     """NCCL all-reduce of ``buf`` in place over ``comm`` (``shards``, ``rotation`` unused)."""
     _require_cupy(backend, "nccl")
     all_reduce_devices(comm, [buf], op=op)
 
 
-def broadcast(comm: Any, buf: Any, *, backend: ArrayBackend, root: int = 0) -> None:
+def broadcast(comm: Comm, buf: Any, *, backend: ArrayBackend, root: int = 0) -> None:
     """NCCL broadcast of ``root``'s ``buf`` to every rank of ``comm``, in place: the last
     stage of ``nccl/<b>`` hierarchies (replaces ``MPI_Bcast``)."""
     import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
@@ -178,7 +179,7 @@ def broadcast(comm: Any, buf: Any, *, backend: ArrayBackend, root: int = 0) -> N
         stream.synchronize()
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: ArrayBackend,
+def reduce_to_root(comm: Comm, buf: Any, *, op: ReduceOp, backend: ArrayBackend,
                    root: int = 0) -> None:
     """NCCL reduce of ``buf`` onto ``root`` in place (other ranks' buffers are left as
     they were): the first stage of ``nccl/<b>`` hierarchies."""

@@ -30,13 +30,14 @@ from typing import Any
 
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 from ._chunks import even_bounds
 from .source import Source
 
 __all__ = ["all_reduce"]
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Ring all-reduce over ``comm`` (``rotation`` is unused): of ``buf`` in place, or of
     ``source`` into ``buf`` when a source is given."""

@@ -110,6 +110,7 @@ from ..errors import (
 from ..ops import ReduceOp
 from ..runtime import shared, stall
 from ..runtime._commcache import comm_cache
+from ..runtime._mpi import Comm
 from .source import Source
 
 __all__ = ["all_reduce", "reduce_to_root", "broadcast", "SMALL_BYTES", "CHUNK_BYTES"]
@@ -135,7 +136,7 @@ class _Node:
     """The shared-memory state of one communicator: control window, scratch window,
     epoch counter and the views of every rank's segments."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.ctrl = shared.allocate(comm, _SLOTS + 2 * SMALL_BYTES, owner="shm control")
@@ -242,7 +243,7 @@ class _Node:
         return self._chunk_tmp[:nbytes]
 
 
-def _node(comm: Any) -> _Node:
+def _node(comm: Comm) -> _Node:
     cache = comm_cache(comm)
     node = cache.get("shm")
     if node is None:
@@ -372,7 +373,7 @@ def _host_only(backend: ArrayBackend) -> None:
             "'nccl' or a staged algorithm such as 'xring'")
 
 
-def _begin(comm: Any) -> _Node:
+def _begin(comm: Comm) -> _Node:
     node = _node(comm)
     if node.broken is None:
         try:
@@ -581,7 +582,7 @@ def _guarded(node: _Node, body: Any, *args: Any) -> None:
         raise
 
 
-def _call(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend, root: int | None,
+def _call(comm: Comm, buf: Any, op: ReduceOp, backend: ArrayBackend, root: int | None,
           source: Source | None) -> None:
     """Reduce ``buf`` — or ``source`` into ``buf`` — onto every rank (``root`` None) or
     onto ``root``: what it reduces is ``buf`` itself, the one buffer ``source``'s tensors
@@ -600,7 +601,7 @@ def _call(comm: Any, buf: Any, op: ReduceOp, backend: ArrayBackend, root: int | 
     _guarded(node, _reduce, x, buf, op, root, src)
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """All-reduce ``buf`` in place over the ranks of ``comm`` (one node) through shared
     memory — or reduce ``source`` into ``buf``: its tensors are copied straight into the
@@ -609,7 +610,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     _call(comm, buf, op, backend, None, source)
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: ArrayBackend, root: int = 0,
+def reduce_to_root(comm: Comm, buf: Any, *, op: ReduceOp, backend: ArrayBackend, root: int = 0,
                    source: Source | None = None) -> None:
     """Reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``'s ``buf``
     through shared memory (other ranks skip the copy-out; their buffers are left partly
@@ -649,7 +650,7 @@ def _broadcast(node: _Node, buf: np.ndarray, root: int) -> None:
     _finish(node, tag)
 
 
-def broadcast(comm: Any, buf: Any, *, backend: ArrayBackend, root: int = 0) -> None:
+def broadcast(comm: Comm, buf: Any, *, backend: ArrayBackend, root: int = 0) -> None:
     """Copy ``root``'s ``buf`` to every rank of ``comm`` (one node) through shared memory."""
     _host_only(backend)
     if comm.Get_size() == 1 or buf.size == 0:

@@ -47,6 +47,7 @@ from typing import Any
 
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 from ._chunks import capped, gather_groups, ragged_bounds
 from .source import Source
 
@@ -69,7 +70,7 @@ def _gather_tags(owners: list[int]) -> list[int]:
     return tags
 
 
-def _shuffle(comm: Any, buf: Any, op: ReduceOp, owners: list[int], backend: ArrayBackend,
+def _shuffle(comm: Comm, buf: Any, op: ReduceOp, owners: list[int], backend: ArrayBackend,
              destinations: list[int] | None, source: Source | None = None) -> None:
     transport = backend.transport(comm)
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -168,7 +169,7 @@ def _nothing_to_exchange(n: int, buf: Any, source: Source | None, backend: Array
     return True
 
 
-def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
+def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: ArrayBackend,
                rotation: int = 0, source: Source | None = None) -> None:
     """Shuffle all-reduce of ``buf`` in place over ``comm`` with ``shards`` gather ranks,
     or of ``source`` into ``buf`` (every rank's Source cut alike: see :func:`.run`)."""
@@ -179,7 +180,7 @@ def all_reduce(comm: Any, buf: Any, *, op: ReduceOp, shards: int = 1, backend: A
     _shuffle(comm, buf, op, groups[rotation % len(groups)], backend, None, source)
 
 
-def reduce_to_root(comm: Any, buf: Any, *, op: ReduceOp, backend: ArrayBackend, root: int = 0,
+def reduce_to_root(comm: Comm, buf: Any, *, op: ReduceOp, backend: ArrayBackend, root: int = 0,
                    source: Source | None = None) -> None:
     """Shuffle-reduce ``buf`` (or ``source``, as :func:`all_reduce`) onto ``root``: every
     rank gathers one piece, then sends it to ``root`` only. Other ranks' buffers are left

@@ -30,7 +30,7 @@ import numpy as np
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ..runtime import stall
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ._chunks import capped
 
 __all__ = ["Source", "COALESCE_BYTES", "JOIN_BYTES", "agreed_join"]
@@ -162,7 +162,7 @@ class Source:
             out.append((run[0], run[1], True))
         return out
 
-    def isend(self, comm: Any, lo: int, hi: int, dest: int, tag: int, backend: ArrayBackend,
+    def isend(self, comm: Comm, lo: int, hi: int, dest: int, tag: int, backend: ArrayBackend,
               data: Any = None, max_bytes: int = 0) -> list[Any]:
         """Start sending elements ``[lo, hi)`` to ``dest``; the requests to wait on.
 
@@ -198,7 +198,7 @@ class Source:
             requests.append(transport.isend(view, dest, tag))
         return requests
 
-    def irecv(self, comm: Any, out: Any, lo: int, hi: int, source: int, tag: int,
+    def irecv(self, comm: Comm, out: Any, lo: int, hi: int, source: int, tag: int,
               backend: ArrayBackend, at: int | None = None) -> list[Any]:
         """Start receiving a peer's elements ``[lo, hi)`` (sent by its :meth:`isend`) into
         ``out[at:at + hi - lo]`` (``at`` defaults to ``lo``)."""
@@ -233,7 +233,7 @@ class Source:
         return f"Source({len(self.segments)} segment(s), {self.size} x {self.dtype})"
 
 
-def agreed_join(comm: Any, source: Source, backend: ArrayBackend) -> Source:
+def agreed_join(comm: Comm, source: Source, backend: ArrayBackend) -> Source:
     """``source`` as one contiguous Source when every rank's segments are views of one
     buffer in order (:meth:`Source.joined`), else ``source`` unchanged.
 

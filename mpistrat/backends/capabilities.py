@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import Settings
 from ..runtime._commcache import comm_cache
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ..runtime.devices import device_identity
 
 __all__ = ["GpuProbe", "probe_gpus", "mpi_library_path", "cuda_aware_mpi",
@@ -136,7 +136,7 @@ def cuda_aware_choice(MPI: Any, forced: bool | None) -> tuple[bool, str]:
     return answer, f"MPIX_Query_cuda_support() = {int(answer)}"
 
 
-def device_buffers_to_mpi(comm: Any, forced: bool | None = None) -> bool:
+def device_buffers_to_mpi(comm: Comm, forced: bool | None = None) -> bool:
     """True: the algorithms pass device buffers to MPI directly (CUDA-aware MPI); False:
     they stage them through pinned host memory (:mod:`mpistrat.backends.transport`).
 

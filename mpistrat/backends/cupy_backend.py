@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 from .capabilities import device_buffers_to_mpi
 from .transport import CudaMover, DirectTransport, StagedTransport
 
@@ -119,7 +120,7 @@ class CupyBackend:
         with self._on():
             self.xp.cuda.get_current_stream().synchronize()
 
-    def transport(self, comm: Any) -> Any:
+    def transport(self, comm: Comm) -> Any:
         """How the algorithms move this backend's buffers over ``comm``: straight through
         a CUDA-aware MPI, else staged through pinned host memory (decided once per
         communicator, the same on every rank; see :mod:`mpistrat.backends.transport`)."""

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 from .transport import DirectTransport
 
 __all__ = ["NumpyBackend", "UFUNCS"]
@@ -108,7 +109,7 @@ class NumpyBackend:
         """Host arrays are always ready."""
 
     @staticmethod
-    def transport(comm: Any) -> Any:
+    def transport(comm: Comm) -> Any:
         """How the algorithms move host buffers over ``comm``: straight to MPI."""
         return DirectTransport(comm)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 
 __all__ = ["ArrayBackend"]
 
@@ -66,7 +67,7 @@ class ArrayBackend(Protocol):
     def synchronize(self) -> None:
         """Wait until the work queued on this backend's arrays is done (host: nothing)."""
 
-    def transport(self, comm: Any) -> Any:
+    def transport(self, comm: Comm) -> Any:
         """How the algorithms move this backend's buffers over ``comm``
         (:class:`~mpistrat.backends.transport.DirectTransport` or
         :class:`~mpistrat.backends.transport.StagedTransport`)."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 
 __all__ = [
     "STAGE_CHUNK_BYTES", "chunk_cuts", "DirectTransport", "StagedTransport", "HostMover",
@@ -68,7 +68,7 @@ class DirectTransport:
 
     __slots__ = ("comm", "before")
 
-    def __init__(self, comm: Any, before: Callable[[], None] | None = None) -> None:
+    def __init__(self, comm: Comm, before: Callable[[], None] | None = None) -> None:
         self.comm = comm
         self.before = before
 
@@ -315,7 +315,7 @@ class StagedTransport:
 
     __slots__ = ("comm", "mover", "chunk_bytes")
 
-    def __init__(self, comm: Any, mover: Any, chunk_bytes: int = STAGE_CHUNK_BYTES) -> None:
+    def __init__(self, comm: Comm, mover: Any, chunk_bytes: int = STAGE_CHUNK_BYTES) -> None:
         self.comm = comm
         self.mover = mover
         self.chunk_bytes = chunk_bytes
@@ -348,7 +348,7 @@ class StagedTransport:
                           upload=self.comm.Get_rank() == root)
 
 
-def staged_collective(comm: Any, view: Any, mover: Any, chunk_bytes: int,
+def staged_collective(comm: Comm, view: Any, mover: Any, chunk_bytes: int,
                       start: Callable[[np.ndarray], Any], *, upload: bool = True,
                       align: int = 1) -> None:
     """Run a non-blocking collective (``start(host_chunk) -> request``) on each chunk of
@@ -380,7 +380,7 @@ def staged_collective(comm: Any, view: Any, mover: Any, chunk_bytes: int,
     mover.wait(last)
 
 
-def staged_allreduce(comm: Any, buf: Any, mover: Any, typed: Callable[[np.ndarray], Any],
+def staged_allreduce(comm: Comm, buf: Any, mover: Any, typed: Callable[[np.ndarray], Any],
                      mpi_op: Any, chunk_bytes: int = STAGE_CHUNK_BYTES) -> None:
     """``MPI_Allreduce`` of the device buffer ``buf`` in place, staged in chunks (whole
     elements) with ``MPI_Iallreduce``; ``typed(host_chunk_bytes)`` gives the MPI buffer

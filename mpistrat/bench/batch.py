@@ -38,11 +38,20 @@ from typing import Any
 
 import numpy as np
 
+from .. import dispatch
+from ..backends import get_backend
+from ..cross_device_ops import MultiWorkerAllReduce
+from ..ops import ReduceOp
+from ..packing import flat_arrays, plan_tf_packing
+from ..runtime._mpi import Comm, mpi
+from ..runtime.shared import shared_arrays
 from ..spec import AllReduceSpec, format_bytes
+from ..values import PerReplica
 from .check import fill_pattern
 from .config import BatchConfig
 from .report import format_ratio
 from .results import Point
+from .shapes import resnet50_gradient_shapes
 
 __all__ = ["load_shapes", "Method", "build_methods", "BatchBench", "batch_table"]
 
@@ -55,8 +64,6 @@ def load_shapes(source: str) -> tuple[str, tuple[tuple[int, ...], ...]]:
         ValueError: an unknown name, an unreadable file or malformed shapes.
     """
     if source.strip().lower() == "resnet50":
-        from .shapes import resnet50_gradient_shapes
-
         return "resnet50", tuple(tuple(s) for s in resnet50_gradient_shapes())
     path = Path(source)
     if not path.is_file():
@@ -104,8 +111,6 @@ def _name(alg: str, shards: int) -> str:
 def _plan(spec: AllReduceSpec, shapes: Sequence[tuple[int, ...]], dtype: np.dtype,
           num_packs: int, agg_bytes: int, agg_group: int) -> tuple[int, str]:
     """What MultiWorkerAllReduce does with the batch: (all-reduce calls, description)."""
-    from ..packing import plan_tf_packing
-
     specs = [(s, dtype) for s in shapes]
     routed: dict[int, list[int]] = {}
     for i, shape in enumerate(shapes):
@@ -123,10 +128,8 @@ def _plan(spec: AllReduceSpec, shapes: Sequence[tuple[int, ...]], dtype: np.dtyp
     return calls, "; ".join(parts)
 
 
-def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[Method]:
+def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Comm) -> list[Method]:
     """The rows of a batch run, in table order."""
-    from ..cross_device_ops import MultiWorkerAllReduce
-
     shapes, dtype, n = config.shapes, config.np_dtype, len(config.shapes)
     total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * dtype.itemsize
     flat_alg, flat_shards, _ = spec.route(total)
@@ -172,14 +175,8 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Any) -> list[M
 class BatchBench:
     """The batch's buffers and one call of each method (collective: every rank builds one)."""
 
-    def __init__(self, comm: Any, config: BatchConfig, spec: AllReduceSpec,
+    def __init__(self, comm: Comm, config: BatchConfig, spec: AllReduceSpec,
                  methods: list[Method]) -> None:
-        from .. import dispatch
-        from ..backends import get_backend
-        from ..ops import ReduceOp
-        from ..runtime._mpi import mpi
-        from ..values import PerReplica
-
         self.comm, self.MPI, self.methods, self.config = comm, mpi(), methods, config
         self.run, self.SUM = dispatch.run, ReduceOp.SUM
         self.G = G = config.local_replicas
@@ -204,9 +201,6 @@ class BatchBench:
                                        for i in range(len(self.shapes)))]
         self.views: list[list[np.ndarray]] = []  # the batch as views of one buffer
         if any(m.kind == "batch-views" for m in methods):
-            from ..packing import flat_arrays
-            from ..runtime.shared import shared_arrays
-
             for d in range(G):
                 views = shared_arrays(self.shapes, dtype, comm) if config.shared \
                     else flat_arrays(self.shapes, dtype)

@@ -17,10 +17,14 @@ from typing import Any, TextIO
 import numpy as np
 
 from ..launch.hugepages import describe_heap
+from ..layout import Layout, check_spec
+from ..runtime._mpi import Comm, mpi, world
+from ..runtime.topology import get_topology
 from ..spec import format_bytes
 from . import files
 from .batch import BatchBench, batch_table, build_methods
 from .config import BatchConfig
+from .metadata import collect
 from .progress import Progress
 from .recommend import resolve_spec
 from .results import Point
@@ -29,10 +33,7 @@ from .runner import Outputs, abort_on_error, collective_check, command_line
 __all__ = ["run_batch"]
 
 
-def _validate(config: BatchConfig, comm: Any, outputs: Outputs) -> Any:
-    from ..layout import Layout, check_spec
-    from ..runtime.topology import get_topology
-
+def _validate(config: BatchConfig, comm: Comm, outputs: Outputs) -> Any:
     if outputs.plot or outputs.recommend or outputs.save or outputs.model \
             or outputs.predict_ranks:
         raise ValueError("--plot, --recommend, --save, --model and --predict-ranks work on "
@@ -45,7 +46,7 @@ def _validate(config: BatchConfig, comm: Any, outputs: Outputs) -> Any:
     return spec
 
 
-def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Any = None,
+def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | None = None,
               out: TextIO | None = None, mpi_env: Mapping[str, str] | None = None
               ) -> dict[str, Any] | None:
     """Time the batch's methods (collective over ``comm``, default a duplicate of
@@ -57,9 +58,6 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Any = N
     Raises:
         ValueError, MpistratError, RuntimeError: invalid options, on every rank alike.
     """
-    from ..runtime._mpi import mpi, world
-    from .metadata import collect
-
     outputs = outputs or Outputs()
     out = out or sys.stdout
     MPI = mpi()
@@ -115,7 +113,7 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Any = N
             modified = bench.inputs_modified()
             local_median = np.median(times, axis=0)
             comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-            medians = comm.gather(local_median, root=0)
+            medians = comm.gather(local_median, root=0) or []  # (rank 0 gets every rank's)
             wrong = np.array(checks, dtype=np.int64).T.copy()
             comm.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
             modified = comm.allreduce(modified)

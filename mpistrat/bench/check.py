@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from ..algorithms import native
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 
 __all__ = ["fill_pattern", "reference", "count_wrong"]
 
@@ -29,15 +31,13 @@ def fill_pattern(buf: np.ndarray, seed: int) -> None:
         buf[start:start + index.size] = values.astype(buf.dtype)
 
 
-def reference(comm: Any, inputs: Sequence[np.ndarray], op: ReduceOp, backend: ArrayBackend,
+def reference(comm: Comm, inputs: Sequence[np.ndarray], op: ReduceOp, backend: ArrayBackend,
               participants: int) -> np.ndarray:
     """The all-reduce of every rank's ``inputs`` (its replicas) by ``MPI_Allreduce``.
 
     Collective over ``comm``. Dtypes without an MPI type (bfloat16) go through
     ``native``'s user-defined op. MEAN divides the SUM by ``participants``.
     """
-    from ..algorithms import native
-
     ref = inputs[0].copy()
     for other in inputs[1:]:
         backend.combine(op, ref, other)

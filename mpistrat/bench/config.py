@@ -99,7 +99,7 @@ def resolve_dtype(name: str) -> np.dtype:
     """
     if name.strip().lower() == "bfloat16":
         try:
-            import ml_dtypes
+            import ml_dtypes  # optional: only bfloat16 needs it
         except ImportError:
             raise ValueError("dtype bfloat16 needs the ml_dtypes package: pip install "
                              "ml_dtypes") from None

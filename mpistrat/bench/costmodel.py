@@ -56,10 +56,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import algorithms
 from ..algorithms._chunks import gather_groups
 from ..errors import UnknownAlgorithmError
 from ..spec import format_bytes
+from .files import read_json
 from .report import format_us
 from .results import Point
 
@@ -483,8 +486,6 @@ def _nnls(rows: Sequence[Sequence[float]], times: Sequence[float],
     seconds already accounted for, default none): their sum of absolute values when
     ``robust`` (iteratively reweighted, so a few sizes disturbed by a busy machine do not
     drag the line), else their sum of squares."""
-    import numpy as np
-
     a = np.array([[f / t for f in row] for row, t in zip(rows, times)], dtype=float)
     y = np.array([1 - c / t for c, t in zip(known or [0.0] * len(times), times)])
     scale = np.where(np.abs(a).max(axis=0) > 0, np.abs(a).max(axis=0), 1.0)
@@ -504,8 +505,6 @@ def _nnls(rows: Sequence[Sequence[float]], times: Sequence[float],
 def _nonnegative_lstsq(a: Any, y: Any) -> Any:
     """The ``x >= 0`` minimising ``|a x - y|^2``: the best of the unconstrained solutions
     on every support that come out non-negative (exact for this model's few columns)."""
-    import numpy as np
-
     cols = a.shape[1]
     best, best_loss = np.zeros(cols), float(np.sum(y ** 2))  # all zero
     for size in range(1, cols + 1):
@@ -1006,8 +1005,6 @@ def predict(model: CostModel, ranks: int, ranks_per_node: int,
 
 
 def _sweep_from_file(path: str) -> tuple[Sweep, dict[str, Any]]:
-    from .files import read_json
-
     meta, points, document = read_json(path)
     layout = layout_from_meta(meta)
     return Sweep(tuple(points), layout, Path(path).name), document

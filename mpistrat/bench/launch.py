@@ -12,6 +12,7 @@ algorithm for ``native`` (see the MPI library's documentation for the names).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
@@ -60,8 +61,6 @@ def apply_env(env: Mapping[str, str], environ: MutableMapping[str, str] | None =
         RuntimeError: MPI is already initialised in this process, so the library would
             not see the settings.
     """
-    import os
-
     if not env:
         return
     mpi = sys.modules.get("mpi4py.MPI")

@@ -14,6 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import mpi4py
+import numpy as np
+
+from .. import __version__
+from ..info import collect_info
+from ..launch.hugepages import thp_mode
+from ..runtime._mpi import Comm
+from ..runtime.topology import get_topology
+
 __all__ = ["collect", "git_state", "network", "parse_rate", "hosts_layout", "LINK_RATE"]
 
 LINK_RATE = "MPISTRAT_LINK_RATE"  # the rate of each host's link, as tc writes it (1gbit)
@@ -71,7 +80,7 @@ def git_state(repo: Path) -> dict[str, Any]:
     return state
 
 
-def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None = None,
+def collect(comm: Comm, options: Mapping[str, Any], *, ranks_per_node: int | None = None,
             mpi_env: Mapping[str, str] | None = None,
             notes: list[str] | None = None) -> dict[str, Any]:
     """Describe the run (collective over ``comm``; the result is complete on rank 0,
@@ -84,15 +93,6 @@ def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None
         mpi_env: MPI settings the run set through the environment (transport knobs).
         notes: remarks printed with the results.
     """
-    import mpi4py
-    import numpy as np
-
-    import mpistrat
-
-    from ..info import collect_info
-    from ..launch.hugepages import thp_mode
-    from ..runtime.topology import get_topology
-
     info = collect_info(comm, gpus=False)
     topology = get_topology(comm, ranks_per_node)
     if comm.Get_rank() != 0:
@@ -119,8 +119,8 @@ def collect(comm: Any, options: Mapping[str, Any], *, ranks_per_node: int | None
         "mpi_standard": info["mpi"]["standard"],
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
-        "mpistrat": mpistrat.__version__,
-        "git": git_state(Path(mpistrat.__file__).resolve().parent.parent),
+        "mpistrat": __version__,
+        "git": git_state(Path(__file__).resolve().parents[2]),
         "argv": list(sys.argv),
         "mpi_env": dict(mpi_env or {}),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),

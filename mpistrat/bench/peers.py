@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import socket
-from typing import Any
 
 import numpy as np
 
 from ..errors import BackendUnavailable
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm
 
 __all__ = ["TorchGloo", "torch_available", "require_torch"]
 
@@ -30,7 +30,7 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def require_torch(comm: Any, dtype: np.dtype) -> None:
+def require_torch(comm: Comm, dtype: np.dtype) -> None:
     """Raise the same error on every rank unless every rank has PyTorch and gloo handles
     ``dtype``. Collective over ``comm``."""
     missing = [r for r, ok in enumerate(comm.allgather(torch_available())) if not ok]
@@ -58,7 +58,8 @@ class TorchGloo:
 
     label = "torch.distributed gloo"
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
+        # optional, and slow to import: only --compare torch needs it
         import torch
         import torch.distributed as dist
 

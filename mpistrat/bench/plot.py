@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import BackendUnavailable
+from ..spec import format_bytes
 from .results import Point
 
 __all__ = ["plot", "require_matplotlib", "INSTALL_HINT"]
@@ -38,8 +39,6 @@ def _quartiles(samples: Sequence[float]) -> tuple[float, float]:
 
 
 def _size_ticks(axis: Any, sizes: Sequence[int]) -> None:
-    from ..spec import format_bytes
-
     step = max(1, len(sizes) // 8)
     ticks = list(sizes[::step])
     axis.set_xticks(ticks)
@@ -57,6 +56,7 @@ def plot(points: Sequence[Point], path: str | os.PathLike,
         ValueError: there is nothing to draw.
     """
     require_matplotlib()
+    # optional, and slow to import: only --plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

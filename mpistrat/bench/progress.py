@@ -26,7 +26,7 @@ class Progress:
         self._bar: Any = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # optional: without it, plain lines
             except ImportError:
                 tqdm = None
             if tqdm is not None:

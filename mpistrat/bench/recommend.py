@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import SpecError
 from ..spec import AllReduceSpec, AllReduceSpecTuple, format_bytes, parse_spec
 from .entries import BASELINE
+from .files import write_text
 from .results import Point, baseline_of, group_by_size
 
 __all__ = ["Choice", "Recommendation", "recommend", "read_spec_file", "write_spec_file",
@@ -164,8 +165,6 @@ def recommend(points: Sequence[Point], tolerance: float = DEFAULT_TOLERANCE) -> 
 def write_spec_file(path: str | os.PathLike, recommendation: Recommendation,
                     about: Sequence[str] = ()) -> None:
     """Write the recommended spec, with its ranges and ``about`` lines as comments."""
-    from .files import write_text
-
     lines = ["# mpistrat all-reduce spec, recommended by mpistrat bench"]
     lines += [f"# {line}" for line in about]
     lines += [line for line in recommendation.lines() if line.startswith("#")]

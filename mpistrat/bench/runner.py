@@ -25,15 +25,24 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from ..errors import MpistratError
+from ..backends import get_backend
+from ..backends.capabilities import probe_gpus
+from ..errors import BackendUnavailable, MpistratError
 from ..layout import Layout
+from ..runtime._mpi import Comm, world
+from ..runtime.topology import get_topology
 from ..spec import format_bytes
 from . import costmodel, files
 from .config import BenchConfig
 from .entries import Entry, select_entries
+from .metadata import collect
+from .peers import TorchGloo, require_torch
+from .plot import plot, require_matplotlib
+from .progress import Progress
 from .recommend import Recommendation, recommend, write_spec_file
 from .report import Table, describe_run, format_ratio, summary_lines
 from .results import Point, baseline_of, group_by_size
+from .timing import Sweep
 
 __all__ = ["Outputs", "SweepPlan", "SweepResult", "prepare_sweep", "run_sweep", "analyse",
            "analyse_file", "collective_check", "abort_on_error", "best_lines", "command_line"]
@@ -72,7 +81,7 @@ class Outputs:
 class SweepPlan:
     """A validated sweep: what every rank is about to measure."""
 
-    comm: Any
+    comm: Comm
     config: BenchConfig
     entries: list[Entry]
     sizes: list[int]
@@ -96,7 +105,7 @@ class SweepResult:
 # ----------------------------------------------------------------- failure handling
 
 
-def collective_check(comm: Any, check: Callable[[], Any]) -> Any:
+def collective_check(comm: Comm, check: Callable[[], Any]) -> Any:
     """Run ``check`` on every rank; if it raised a user error (ValueError, TypeError,
     MpistratError) on any rank, raise on every rank: the rank's own error where it
     failed, a ``RuntimeError`` naming the failing rank elsewhere."""
@@ -116,7 +125,7 @@ def collective_check(comm: Any, check: Callable[[], Any]) -> Any:
 
 
 @contextlib.contextmanager
-def abort_on_error(comm: Any) -> Iterator[None]:
+def abort_on_error(comm: Comm) -> Iterator[None]:
     """Turn an exception on any rank into a tagged traceback and ``MPI_Abort``."""
     try:
         yield
@@ -135,24 +144,18 @@ def abort_on_error(comm: Any) -> Iterator[None]:
 
 
 def _gpu_preflight(replicas: int) -> None:
-    from ..backends import get_backend
-    from ..backends.capabilities import probe_gpus
-    from ..errors import BackendUnavailable
-
     probe = probe_gpus()
     if not probe.usable or len(probe.devices) < replicas:
         reason = probe.reason or f"{len(probe.devices)} device(s) visible"
         raise BackendUnavailable(f"--gpus-per-rank {replicas} needs {replicas} CUDA "
                                  f"device(s) per rank through CuPy: {reason}")
-    import cupy
+    import cupy  # only with GPUs: importing mpistrat never imports CuPy
 
     get_backend(cupy.zeros(1, dtype=cupy.float32))
 
 
-def prepare_sweep(config: BenchConfig, comm: Any, outputs: Outputs | None = None) -> SweepPlan:
+def prepare_sweep(config: BenchConfig, comm: Comm, outputs: Outputs | None = None) -> SweepPlan:
     """Validate a sweep on every rank (collective; raises the same error everywhere)."""
-    from ..runtime.topology import get_topology
-
     outputs = outputs or Outputs()
     topology = collective_check(comm, lambda: get_topology(comm, config.ranks_per_node))
     replicas = config.replicas_per_rank
@@ -162,8 +165,6 @@ def prepare_sweep(config: BenchConfig, comm: Any, outputs: Outputs | None = None
         if config.gpus_per_rank:
             _gpu_preflight(replicas)
         if outputs.plot:
-            from .plot import require_matplotlib
-
             require_matplotlib()
         entries, notes = select_entries(layout, config.algorithms, config.shards,
                                         config.specs, config.compare)
@@ -174,8 +175,6 @@ def prepare_sweep(config: BenchConfig, comm: Any, outputs: Outputs | None = None
     entries, notes, sizes = collective_check(comm, check)
     peer = None
     if config.compare:
-        from .peers import TorchGloo, require_torch
-
         collective_check(comm, lambda: require_torch(comm, config.np_dtype))
         with abort_on_error(comm):  # a rank failing to join would leave the others waiting
             peer = TorchGloo(comm)
@@ -296,8 +295,6 @@ def _write_outputs(result: SweepResult, outputs: Outputs, complete: bool) -> Non
         table = Table(p.label for p in result.points)
         files.write_text(outputs.markdown, _markdown(result, table))
     if outputs.plot:
-        from .plot import plot
-
         plot(result.points, outputs.plot, result.meta)
     if outputs.save and result.recommendation:
         meta = result.meta
@@ -329,7 +326,7 @@ def analyse_file(path: str, outputs: Outputs, out: TextIO | None = None) -> Swee
 # ----------------------------------------------------------------- the sweep
 
 
-def run_sweep(config: BenchConfig, outputs: Outputs | None = None, comm: Any = None,
+def run_sweep(config: BenchConfig, outputs: Outputs | None = None, comm: Comm | None = None,
               out: TextIO | None = None, mpi_env: Mapping[str, str] | None = None
               ) -> SweepResult | None:
     """Validate, measure every size, print the table as it goes, then analyse and write
@@ -342,11 +339,6 @@ def run_sweep(config: BenchConfig, outputs: Outputs | None = None, comm: Any = N
         ValueError, TypeError, MpistratError, RuntimeError: invalid options, on every
             rank alike (before anything is measured).
     """
-    from ..runtime._mpi import world
-    from .metadata import collect
-    from .progress import Progress
-    from .timing import Sweep
-
     outputs = outputs or Outputs()
     out = out or sys.stdout
     comm = (world() if comm is None else comm).Dup()

@@ -32,8 +32,12 @@ from typing import Any
 import numpy as np
 
 from .. import dispatch
+from ..allreduce import all_reduce
+from ..backends import get_backend
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..runtime._mpi import Comm, mpi
+from ..runtime.shared import free_shared, shared_empty
 from .check import count_wrong, fill_pattern, reference
 from .config import BenchConfig
 from .entries import Entry
@@ -46,7 +50,7 @@ _MIN_WARMUP, _MAX_WARMUP, _WARMUP_SHARE = 3, 100, 0.1
 
 def _on_devices(host: list[np.ndarray]) -> list[Any]:
     """Copies of the replicas' inputs on this rank's GPUs 0..G-1 (CuPy)."""
-    import cupy
+    import cupy  # only with GPUs: importing mpistrat never imports CuPy
 
     out = []
     for device, array in enumerate(host):
@@ -65,10 +69,8 @@ class Sweep:
         peer: the torch.distributed peer when an entry of kind ``"torch"`` is present.
     """
 
-    def __init__(self, comm: Any, config: BenchConfig, entries: Sequence[Entry],
+    def __init__(self, comm: Comm, config: BenchConfig, entries: Sequence[Entry],
                  peer: Any = None) -> None:
-        from ..runtime._mpi import mpi
-
         self.MPI = mpi()
         self.comm, self.config, self.entries, self.peer = comm, config, list(entries), peer
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -92,8 +94,6 @@ class Sweep:
             return torch_call
         alg, shards = entry.route(nbytes)
         if len(work) > 1:
-            from ..allreduce import all_reduce
-
             spec = entry.spec if entry.kind == "spec" else (alg, shards, -1)
 
             def replicas_call(rotation: int) -> Sequence[np.ndarray]:
@@ -138,8 +138,6 @@ class Sweep:
     def _measure_shared(self, nbytes: int, started: float, host: list[np.ndarray],
                         pristine: list[Any]) -> tuple[list[Point] | None, dict[str, Any]]:
         """:meth:`_measure` on buffers in shared windows (``--shared``), freed afterwards."""
-        from ..runtime.shared import free_shared, shared_empty
-
         work = [shared_empty(p.shape, p.dtype, self.comm, self.config.ranks_per_node)
                 for p in pristine]
         try:
@@ -151,8 +149,6 @@ class Sweep:
     def _measure(self, nbytes: int, started: float, host: list[np.ndarray],
                  pristine: list[Any], work: list[Any]
                  ) -> tuple[list[Point] | None, dict[str, Any]]:
-        from ..backends import get_backend
-
         comm, MPI, config = self.comm, self.MPI, self.config
         E = len(self.entries)
         count = nbytes // self.dtype.itemsize
@@ -224,7 +220,7 @@ class Sweep:
         # 4. each iteration's time is its slowest rank's
         local_median = np.median(times, axis=0)
         comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-        medians = comm.gather(local_median, root=0)
+        medians = comm.gather(local_median, root=0) or []  # (rank 0 gets every rank's)
         wrong = np.array(checks, dtype=np.int64).T.copy()  # (checks, E)
         comm.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
         run = {"bytes": count * self.dtype.itemsize, "iters": iters, "warmup": rounds,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TopologyError
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
 from . import _files
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
@@ -143,7 +143,7 @@ class Checkpoint:
         save_counter: how many numbered saves this state has had (restored with it).
     """
 
-    def __init__(self, comm: Any = None, is_chief: bool | None = None, **objects: Any) -> None:
+    def __init__(self, comm: Comm | None = None, is_chief: bool | None = None, **objects: Any) -> None:
         if not objects:
             raise ValueError("Checkpoint needs the objects to save as keyword arguments, e.g. "
                              "Checkpoint(weights=w, step=mpistrat.checkpoint.Scalar(0))")
@@ -329,7 +329,7 @@ class Checkpoint:
         return plan
 
 
-def _broadcast(comm: Any, value: np.ndarray | None, entry: dict[str, Any], root: int) -> np.ndarray:
+def _broadcast(comm: Comm, value: np.ndarray | None, entry: dict[str, Any], root: int) -> np.ndarray:
     """The chief's array on every rank (moved as bytes, so any dtype travels)."""
     if value is None:
         out = np.empty(tuple(entry["shape"]), dtype=_dtype(entry["dtype"]))

@@ -13,14 +13,14 @@ import os
 import warnings
 from typing import Any
 
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from . import _files
 from .checkpoint import Checkpoint
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
 
-def _chief_says(comm: Any, chief: int, question: Any) -> Any:
+def _chief_says(comm: Comm, chief: int, question: Any) -> Any:
     """``question()`` evaluated on the chief, its answer (or its OSError) on every rank."""
     answer = None
     if comm.Get_rank() == chief:
@@ -35,7 +35,7 @@ def _chief_says(comm: Any, chief: int, question: Any) -> Any:
 
 
 def latest_checkpoint(directory: str, checkpoint_name: str | None = "ckpt",
-                      comm: Any = None) -> str | None:
+                      comm: Comm | None = None) -> str | None:
     """The path of the newest complete checkpoint ``checkpoint_name-N`` in ``directory``
     (highest N), or None; collective, read by rank 0 of ``comm`` (default ``COMM_WORLD``)
     and the same on every rank. ``checkpoint_name=None`` accepts any name."""

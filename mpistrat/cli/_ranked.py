@@ -11,6 +11,7 @@ __all__ = ["RankedCommand"]
 
 def _launcher_rank() -> int | None:
     """This process's rank as the launcher announced it (None outside a launcher); no MPI."""
+    # here, not at the top: only this command needs it (start-up time)
     from ..launch.env import detect
 
     return detect().rank

@@ -39,6 +39,7 @@ def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
 
 
 def _self_launch(ctx: click.Context, np_: int, mpiexec: str | None) -> None:
+    # here, not at the top: only this command needs it (start-up time)
     from ..bench.launch import relaunch_command
     from ..launch.selflaunch import launch_argv, self_launch
 
@@ -51,6 +52,7 @@ def _self_launch(ctx: click.Context, np_: int, mpiexec: str | None) -> None:
 
 
 def _sweep_config(p: dict[str, Any]) -> Any:
+    # here, not at the top: only this command needs it (start-up time)
     from ..bench.config import BenchConfig, parse_byte_count, parse_shards_list
     from ..bench.recommend import resolve_spec
 
@@ -71,6 +73,7 @@ def _sweep_config(p: dict[str, Any]) -> Any:
 
 
 def _batch_config(p: dict[str, Any]) -> Any:
+    # here, not at the top: only this command needs it (start-up time)
     from ..bench.batch import load_shapes
     from ..bench.config import BatchConfig, parse_agg, parse_int_list
     from ..bench.recommend import resolve_spec
@@ -91,6 +94,7 @@ def _batch_config(p: dict[str, Any]) -> Any:
 
 
 def _outputs(p: dict[str, Any]) -> Any:
+    # here, not at the top: only this command needs it (start-up time)
     from ..bench.runner import Outputs
 
     return Outputs(json=p["json_path"], csv=p["csv_path"], markdown=p["markdown_path"],
@@ -105,6 +109,7 @@ def _outputs(p: dict[str, Any]) -> Any:
 
 def _model_files(paths: tuple[str, ...], option: str) -> tuple[str, ...]:
     """Check the saved sweeps given to the cost model now, not after measuring."""
+    # here, not at the top: only this command needs it (start-up time)
     from ..bench.files import read_json
 
     for path in paths:
@@ -226,6 +231,7 @@ def bench(ctx: click.Context, **p: Any) -> None:
     rank, with min and max), algbw and busbw (GB/s; busbw = algbw x 2(n-1)/n), #wrong and
     the speedup over native. Wrong results make the exit status 1.
     """
+    # here, not at the top: only this command needs it (start-up time)
     from ..bench.launch import apply_env, parse_env, transport_env
 
     if p["from_json"]:
@@ -244,6 +250,7 @@ def bench(ctx: click.Context, **p: Any) -> None:
     try:
         outputs = _outputs(p)
         if p["from_json"]:
+            # here, not at the top: only this command needs it (start-up time)
             from ..bench.runner import analyse_file
 
             analyse_file(p["from_json"], outputs)
@@ -252,6 +259,7 @@ def bench(ctx: click.Context, **p: Any) -> None:
         env = {**transport_env(p["transport"]), **parse_env(p["mpi_env"])}
     except (ValueError, TypeError, MpistratError) as exc:
         raise click.UsageError(str(exc)) from None
+    # here, not at the top: only this command needs it (start-up time)
     from ..launch.hugepages import restart_with_hugepages
 
     restart_with_hugepages()  # measure what mpistrat run runs (before MPI starts)
@@ -268,11 +276,13 @@ def bench(ctx: click.Context, **p: Any) -> None:
         apply_env(env)
         result: Any  # run_batch's dict or run_sweep's SweepResult; None off rank 0
         if p["batch"]:
+            # here, not at the top: only this command needs it (start-up time)
             from ..bench.batchrun import run_batch
 
             result = run_batch(config, outputs, mpi_env=env)
             points = result["points"] if result else []
         else:
+            # here, not at the top: only this command needs it (start-up time)
             from ..bench.runner import run_sweep
 
             result = run_sweep(config, outputs, mpi_env=env)

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ..runtime._mpi import world
 from ._table import format_table
 
 __all__ = ["info", "render_info"]
@@ -157,8 +158,8 @@ def info(as_json, no_gpu, gpus_per_rank):
       MPISTRAT_RANKS_PER_NODE=2 mpiexec -n 4 mpistrat info --json
       srun --mpi=pmi2 -n 4 mpistrat info
     """
+    # here, not at the top: only this command needs it (start-up time)
     from ..info import collect_info
-    from ..runtime._mpi import world
 
     data = collect_info(gpus=not no_gpu, gpus_per_rank=gpus_per_rank)
     if world().Get_rank() == 0:

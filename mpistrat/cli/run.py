@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..config import Settings
 from ..errors import MpistratError
 from ._ranked import RankedCommand
 
@@ -61,8 +62,6 @@ Examples:
 
 
 def _settings() -> Any:
-    from ..config import Settings
-
     return Settings.from_env()
 
 
@@ -120,6 +119,7 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
     --timeout, no rank stays longer than that in one collective (its data exchange
     included), and ranks or hosts that cannot be reached are named.
     """
+    # here, not at the top: only this command needs it (start-up time)
     from ..launch.hugepages import restart_with_hugepages
     from ..runner import RunOptions, RunSetupError
 
@@ -159,6 +159,7 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
                                "with -n)")
     try:
         if np_ is not None:
+            # here, not at the top: only this command needs it (start-up time)
             from ..runner import launch_command, self_launch
             from ..runner.execute import check_target
             from ..runner.monitor import JobMonitor
@@ -171,6 +172,7 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
                             report_dir=options.report_dir) as monitor:
                 status = monitor.finish(self_launch(launch_command(options, np_, mpiexec)))
             ctx.exit(status)
+        # here, not at the top: only this command needs it (start-up time)
         from ..runner import run as run_job
 
         ctx.exit(run_job(options))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime._mpi import mpi, world
+from ..runtime._mpi import Comm, mpi, world
 from .base import ClusterResolver
 from .cluster_spec import ClusterSpec
 
@@ -39,7 +39,7 @@ class MPIClusterResolver(ClusterResolver):
 
     source = "the MPI communicator"
 
-    def __init__(self, comm: Any = None, gpus_per_rank: int | None = None,
+    def __init__(self, comm: Comm | None = None, gpus_per_rank: int | None = None,
                  port_base: int = 8888, rpc_layer: str | None = None) -> None:
         if gpus_per_rank is not None and (isinstance(gpus_per_rank, bool) or not isinstance(
                 gpus_per_rank, int) or gpus_per_rank < 0):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import TopologyError
-from ..runtime._mpi import world
+from ..runtime._mpi import Comm, world
 from ..runtime.agreement import agree
 from .base import ClusterResolver
 from .mpi import MPIClusterResolver
@@ -83,7 +83,7 @@ def match_world(resolver: ClusterResolver, rank: int, size: int) -> ClusterInfo:
     return info
 
 
-def check_against_world(resolver: ClusterResolver, comm: Any = None) -> None:
+def check_against_world(resolver: ClusterResolver, comm: Comm | None = None) -> None:
     """Check on every rank of ``comm`` that ``resolver`` describes its ranks.
 
     Collective over ``comm`` (default ``COMM_WORLD``). Every rank must also describe
@@ -98,7 +98,7 @@ def check_against_world(resolver: ClusterResolver, comm: Any = None) -> None:
 
 
 def resolve_cluster(cluster_resolver: ClusterResolver | None = None,
-                    comm: Any = None) -> ClusterInfo:
+                    comm: Comm | None = None) -> ClusterInfo:
     """This rank's :class:`ClusterInfo`; what a multi-worker strategy calls (collective).
 
     Args:
@@ -123,7 +123,7 @@ def should_checkpoint(resolver: ClusterResolver | ClusterInfo) -> bool:
     return bool(resolver.is_chief)
 
 
-def _checked(resolver: Any, comm: Any, what: str) -> ClusterInfo:
+def _checked(resolver: Any, comm: Comm, what: str) -> ClusterInfo:
     info, signature, error = None, None, None
     try:
         if not isinstance(resolver, ClusterResolver):

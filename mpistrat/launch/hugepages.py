@@ -38,6 +38,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import Settings
+
 __all__ = ["TUNABLE", "THRESHOLDS", "thp_mode", "glibc_version", "malloc_hugepages_env",
            "restart_with_hugepages", "describe_heap"]
 
@@ -82,8 +84,6 @@ def malloc_hugepages_env(environ: Mapping[str, str] | None = None, *,
     ``MPISTRAT_MALLOC_HUGEPAGES`` is off, the tunable is already set (either way), the C
     library is not glibc 2.35+, or the THP mode is not ``madvise`` (``mode`` and
     ``glibc`` default to this machine's)."""
-    from ..config import Settings
-
     env = os.environ if environ is None else environ
     current = env.get("GLIBC_TUNABLES", "")
     named = {item.split("=")[0].strip() for item in current.split(":")}

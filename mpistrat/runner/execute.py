@@ -15,6 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..cross_device_ops import MultiWorkerAllReduce
+from ..strategy import MultiWorkerMirroredStrategy, experimental_set_strategy
+from ..strategy.mirrored import RING_SPEC
 from .options import RunOptions
 
 __all__ = ["default_strategy", "set_default_strategy", "check_target", "run_target"]
@@ -25,13 +28,8 @@ def default_strategy(options: RunOptions) -> Any:
     :class:`~mpistrat.MultiWorkerMirroredStrategy` over ``COMM_WORLD`` built from the
     options (``--spec``/``--num-packs`` give it a :class:`~mpistrat.MultiWorkerAllReduce`).
     Collective: every rank builds it, and a bad option raises on every rank."""
-    from ..strategy import MultiWorkerMirroredStrategy
-
     cross_device_ops = None
     if options.parsed_spec is not None or options.num_packs is not None:
-        from ..cross_device_ops import MultiWorkerAllReduce
-        from ..strategy.mirrored import RING_SPEC
-
         cross_device_ops = MultiWorkerAllReduce(
             num_gpus_per_worker=options.gpus_per_rank or 0,
             all_reduce_spec=(options.parsed_spec if options.parsed_spec is not None
@@ -44,8 +42,6 @@ def default_strategy(options: RunOptions) -> Any:
 
 def set_default_strategy(strategy: Any) -> None:
     """Make ``strategy`` current for the whole process (None: the default strategy)."""
-    from ..strategy import experimental_set_strategy
-
     experimental_set_strategy(strategy)
 
 

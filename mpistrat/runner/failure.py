@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, MpistratError
 from ..runtime._mpi import mpi
+from .watchdog import abort_and_exit
 
 __all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
 
@@ -247,8 +248,6 @@ def _arm_hard_stop() -> None:
 def _abort(status: int, delay: float = _DELIVERY, notify: Any = None) -> None:
     """``MPI_Abort(status)``, and the end of this process whatever it does (see
     :func:`~mpistrat.runner.watchdog.abort_and_exit`). Never returns."""
-    from .watchdog import abort_and_exit
-
     _arm_hard_stop()
     if notify is not None:
         try:

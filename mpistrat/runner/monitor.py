@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .watchdog import local_addresses, name_ranks
+from .watchdog import HARD_STOP, local_addresses, name_ranks
 
 __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
            "LAUNCHER_GRACE"]
@@ -105,8 +105,6 @@ class JobMonitor:
     @property
     def bound(self) -> float:
         """Seconds the launcher may run on after a rank failed or vanished."""
-        from .watchdog import HARD_STOP
-
         return (self.timeout or 0.0) + HARD_STOP + LAUNCHER_GRACE
 
     def __enter__(self) -> JobMonitor:

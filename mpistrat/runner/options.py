@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bench.recommend import resolve_spec
+
 __all__ = ["RunOptions", "COMMUNICATIONS", "DEFAULT_STALL_CHECK"]
 
 COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -76,8 +78,6 @@ class RunOptions:
                                             or not self.report_dir.strip()):
             raise ValueError(f"--report-dir must be a directory path, got {self.report_dir!r}")
         if self.spec is not None and self.parsed_spec is None:
-            from ..bench.recommend import resolve_spec
-
             object.__setattr__(self, "parsed_spec", resolve_spec(self.spec))
 
     def command_line(self) -> list[str]:

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..runtime import stall
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ..runtime.stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
+from ..runtime.topology import get_topology
 
 __all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "name_ranks",
            "group_by_host", "local_addresses", "abort_and_exit"]
@@ -134,7 +135,7 @@ def local_addresses() -> list[str]:
     host name resolves to), for peers on other hosts to send probes to."""
     found: list[str] = []
     try:
-        import fcntl
+        import fcntl  # POSIX only: the rest of the module works without it
 
         probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -208,7 +209,7 @@ class Watchdog:
         return [(address, port) for address in addresses]
 
     @classmethod
-    def start(cls, watch: Any, comm: Any, report: Callable[[str], None],
+    def start(cls, watch: Any, comm: Comm, report: Callable[[str], None],
               report_file: str | None = None,
               notify: Callable[[int, str], None] | None = None) -> Watchdog:
         """Exchange the probe addresses over ``comm`` (a private duplicate of
@@ -646,11 +647,9 @@ def _hidden(filename: str) -> bool:
         path == os.path.abspath(runpy.__file__)
 
 
-def _hostnames(comm: Any) -> tuple[str, ...]:
+def _hostnames(comm: Comm) -> tuple[str, ...]:
     """Every rank's host name, from the topology (processor names)."""
     try:
-        from ..runtime.topology import get_topology
-
         return tuple(get_topology(comm).hostnames)
     except Exception:  # noqa: BLE001 - the same on every rank (the environment's fault)
         return tuple(comm.allgather(mpi().Get_processor_name()))

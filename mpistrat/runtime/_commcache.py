@@ -8,16 +8,16 @@ the cache: a duplicate starts fresh.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from ._mpi import mpi
+from ._mpi import Comm, mpi
 
 __all__ = ["comm_cache"]
 
 _KEYVAL: int | None = None
 
 
-def _on_free(comm: Any, keyval: int, cache: dict) -> None:
+def _on_free(comm: Comm, keyval: int, cache: dict) -> None:
     MPI = mpi()
     if MPI.Is_finalized():
         return
@@ -27,7 +27,7 @@ def _on_free(comm: Any, keyval: int, cache: dict) -> None:
             release()
 
 
-def comm_cache(comm: Any) -> dict:
+def comm_cache(comm: Comm) -> dict:
     """The cache dict attached to ``comm`` (created empty on first use).
 
     Values with a ``release()`` method have it called when ``comm`` is freed.
@@ -36,7 +36,7 @@ def comm_cache(comm: Any) -> dict:
     MPI = mpi()
     if _KEYVAL is None:
         _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_on_free)
-    cache = comm.Get_attr(_KEYVAL)
+    cache = cast("dict[Any, Any] | None", comm.Get_attr(_KEYVAL))
     if cache is None:
         cache = {}
         comm.Set_attr(_KEYVAL, cache)

@@ -3,9 +3,14 @@ communicator calls :func:`mpi`. Nothing imports ``mpi4py.MPI`` at module import 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["mpi", "world"]
+__all__ = ["mpi", "world", "Comm"]
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Intracomm as Comm
+else:
+    Comm = Any  # for annotations only; importing mpi4py.MPI here would start MPI
 
 
 _MPI: Any = None
@@ -21,6 +26,6 @@ def mpi() -> Any:
     return _MPI
 
 
-def world() -> Any:
+def world() -> Comm:
     """``MPI.COMM_WORLD``, the default communicator."""
     return mpi().COMM_WORLD

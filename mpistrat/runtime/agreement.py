@@ -20,12 +20,12 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from . import stall
-from ._mpi import mpi
+from ._mpi import Comm, mpi
 
 __all__ = ["agree"]
 
 
-def agree(comm: Any, signature: str | None, error: BaseException | None, what: str,
+def agree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
           hint: str = "the same call", timeout: float | None = None) -> None:
     """Raise on every rank unless every rank prepared the same ``signature`` without error.
 
@@ -93,7 +93,7 @@ _ARRIVAL_TAG = 0x5A7  # point-to-point tag of the arrival notes of timed agreeme
 class _Notes:
     """The arrival notes of one timed agreement: one sent to, one expected from, each rank."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         rank = comm.Get_rank()
         self.others = [r for r in range(comm.Get_size()) if r != rank]
         self._note = np.ones(1, dtype=np.int64)
@@ -117,7 +117,7 @@ class _Notes:
         MPI.Request.Waitall(self.sends)  # every rank takes the notes sent to it
 
 
-def _allreduce_within(comm: Any, flags: np.ndarray, timeout: float, what: str) -> _Notes:
+def _allreduce_within(comm: Comm, flags: np.ndarray, timeout: float, what: str) -> _Notes:
     """The agreement Allreduce, given up after ``timeout`` seconds.
 
     Each arriving rank also sends a one-word arrival note to every other rank, so that on

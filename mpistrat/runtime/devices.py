@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendUnavailable, DuplicateDeviceError, TopologyError
-from ._mpi import mpi
+from ._mpi import Comm, mpi
 from .topology import get_topology
 
 __all__ = [
@@ -146,7 +146,7 @@ def duplicate_devices(claims: Sequence[tuple[str, Sequence[str]]]) -> dict[tuple
     return {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
 
 
-def require_distinct_devices(comm: Any, physical: Sequence[str], *, host: str | None = None,
+def require_distinct_devices(comm: Comm, physical: Sequence[str], *, host: str | None = None,
                              purpose: str = "NCCL") -> None:
     """Raise :class:`DuplicateDeviceError` on every rank of ``comm`` when two ranks (or one
     rank twice) claim the same physical GPU (collective).
@@ -208,7 +208,7 @@ def device_identity(cupy: Any, ordinal: int) -> str | None:
         return None
 
 
-def node_assignment(comm: Any, gpus_per_rank: int, *, ranks_per_node: int | None = None,
+def node_assignment(comm: Comm, gpus_per_rank: int, *, ranks_per_node: int | None = None,
                     environ: Mapping[str, str] | None = None,
                     probe: Any = None) -> DeviceAssignment:
     """This rank's GPUs, agreed over ``comm`` (collective): if any rank cannot get its

@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import TopologyError
 from ..packing import checked_shapes, views_in_order
 from ._commcache import comm_cache
-from ._mpi import mpi, world
+from ._mpi import Comm, mpi, world
 from .topology import get_topology
 
 __all__ = ["Block", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
@@ -60,7 +60,7 @@ class Block:
     """
 
     uid: int
-    comm: Any
+    comm: Comm
     win: Any
     rank: int
     size: int
@@ -74,7 +74,7 @@ class Block:
         visible to the peers before stores after it."""
         self.win.Sync()
 
-    def serves(self, comm: Any) -> bool:
+    def serves(self, comm: Comm) -> bool:
         """True when ``comm`` has exactly this block's ranks in the same order (cached on
         ``comm``, whose cache dies with it: a freed communicator's handle may be reused)."""
         answers = comm_cache(comm).setdefault("shared_blocks_served", {})
@@ -106,13 +106,13 @@ class Block:
         self.comm.Free()
 
 
-def _agree_uid(comm: Any) -> int:
+def _agree_uid(comm: Comm) -> int:
     global _UID_FLOOR
     _UID_FLOOR = comm.allreduce(_UID_FLOOR + 1, op=mpi().MAX)
     return _UID_FLOOR
 
 
-def allocate(node_comm: Any, nbytes: int, owner: str = "user") -> Block:
+def allocate(node_comm: Comm, nbytes: int, owner: str = "user") -> Block:
     """Allocate a shared window of ``nbytes`` per rank over ``node_comm`` (collective).
 
     Every rank of ``node_comm`` must share memory with the others (one node) and pass
@@ -195,7 +195,7 @@ class _UserBlocks:
         self.blocks.clear()
 
 
-def shared_empty(shape: Any, dtype: Any = float, comm: Any = None,
+def shared_empty(shape: Any, dtype: Any = float, comm: Comm | None = None,
                  ranks_per_node: int | None = None) -> np.ndarray:
     """A new uninitialised array in memory shared by the ranks of this rank's node group.
 
@@ -227,7 +227,7 @@ def shared_empty(shape: Any, dtype: Any = float, comm: Any = None,
     return own[:nbytes].view(dtype).reshape(shape)
 
 
-def shared_zeros(shape: Any, dtype: Any = float, comm: Any = None,
+def shared_zeros(shape: Any, dtype: Any = float, comm: Comm | None = None,
                  ranks_per_node: int | None = None) -> np.ndarray:
     """Like :func:`shared_empty`, filled with zeros."""
     array = shared_empty(shape, dtype, comm, ranks_per_node)
@@ -235,7 +235,7 @@ def shared_zeros(shape: Any, dtype: Any = float, comm: Any = None,
     return array
 
 
-def shared_arrays(shapes: Any, dtype: Any = np.float32, comm: Any = None,
+def shared_arrays(shapes: Any, dtype: Any = np.float32, comm: Comm | None = None,
                   ranks_per_node: int | None = None) -> list[np.ndarray]:
     """Zeroed arrays of the given shapes, one after another in one shared array: gradient
     buffers for zero-copy batched all-reduces.
@@ -297,7 +297,7 @@ class _Pool:
         self.anchors: list[np.ndarray] = []
 
 
-def recycled(comm: Any, count: int, dtype: Any,
+def recycled(comm: Comm, count: int, dtype: Any,
              ranks_per_node: int | None = None) -> np.ndarray | None:
     """A 1-D array of ``count`` elements in shared memory, reusing a slot whose earlier
     results are gone on every rank of the node group — or None (on every rank of the

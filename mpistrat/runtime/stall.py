@@ -34,10 +34,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ..errors import CollectiveTimeoutError
-from ._mpi import mpi
+from ._mpi import Comm, mpi
 
 __all__ = ["watch", "unwatch", "current", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",
            "CHANNEL", "SEQ", "STARTED", "AGREED", "FRAME", "REPORTED", "POLLED"]
@@ -146,7 +146,7 @@ class Watch:
 
     # -- the agreement's allreduce
 
-    def allreduce(self, comm: Any, flags: Any, what: str) -> None:
+    def allreduce(self, comm: Comm, flags: Any, what: str) -> None:
         """``comm.Iallreduce(IN_PLACE, flags, MAX)``, watched."""
         MPI = mpi()
         channel = self._channel(comm)
@@ -163,7 +163,7 @@ class Watch:
             self._wait(channel, request, what, entry)
         entry[AGREED] = True
 
-    def track(self, comm: Any, what: str) -> None:
+    def track(self, comm: Comm, what: str) -> None:
         """Record, for ``mpistrat run``'s watchdog, a collective that starts without an
         agreement (``all_reduce(check=False)``): the watchdog then bounds it by
         ``--timeout`` like a watched one (its number in reports is that of the last
@@ -175,8 +175,8 @@ class Watch:
         self.active[threading.get_ident()] = [what, channel, channel.seq, now, True,
                                               _outermost(sys._getframe(1)), 0.0, now]
 
-    def _channel(self, comm: Any) -> _Channel | None:
-        channel = comm.Get_attr(self._keyval)
+    def _channel(self, comm: Comm) -> _Channel | None:
+        channel = cast("_Channel | None", comm.Get_attr(self._keyval))
         if channel is not None:
             return channel
         if comm.Is_inter() or comm.Get_size() == 1:

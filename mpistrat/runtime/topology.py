@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..config import RANKS_PER_NODE, Settings
 from ..errors import TopologyError
 from ._commcache import comm_cache
-from ._mpi import mpi, world
+from ._mpi import Comm, mpi, world
 
 __all__ = ["Topology", "get_topology", "env_ranks_per_node"]
 
@@ -51,15 +51,15 @@ class Topology:
             inside nodes, whatever order the launcher placed the ranks in.
     """
 
-    comm: Any
+    comm: Comm
     rank: int
     size: int
-    node_comm: Any
+    node_comm: Comm
     local_rank: int
     local_size: int
     node: int
     num_nodes: int
-    leader_comm: Any | None
+    leader_comm: Comm | None
     node_of_rank: tuple[int, ...]
     hostnames: tuple[str, ...]
     ranks_per_node: int | None
@@ -100,7 +100,7 @@ def env_ranks_per_node() -> int | None:
         return value
 
 
-def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topology:
+def get_topology(comm: Comm | None = None, ranks_per_node: int | None = None) -> Topology:
     """Return the node topology of ``comm`` (collective on first call, cached after).
 
     Args:
@@ -136,7 +136,7 @@ def get_topology(comm: Any = None, ranks_per_node: int | None = None) -> Topolog
     return topology
 
 
-def _build(comm: Any, ranks_per_node: int | None) -> Topology:
+def _build(comm: Comm, ranks_per_node: int | None) -> Topology:
     MPI = mpi()
     rank, size = comm.Get_rank(), comm.Get_size()
     physical = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -155,16 +155,17 @@ def _build(comm: Any, ranks_per_node: int | None) -> Topology:
         for r in members:
             node_of_rank[r] = index
     node = node_of_rank[rank]
-    node_comm = comm.Split(node, key=rank)
+    node_comm = cast("Comm", comm.Split(node, key=rank))
     local_rank = node_comm.Get_rank()
-    leader_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=rank)
+    leader_comm: Comm | None = cast(
+        "Comm", comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=rank))
     if leader_comm == MPI.COMM_NULL:
         leader_comm = None
     if all(a <= b for a, b in zip(node_of_rank, node_of_rank[1:])):
         host_major = comm
     else:  # (collective: every rank sees the same node_of_rank)
         order = sorted(range(size), key=lambda r: (node_of_rank[r], r))
-        host_major = comm.Split(0, key=order.index(rank))
+        host_major = cast("Comm", comm.Split(0, key=order.index(rank)))
     return Topology(
         comm=comm,
         rank=rank,

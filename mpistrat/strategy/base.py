@@ -22,7 +22,7 @@ from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, make_numpy_dataset
 from ..ops import ReduceOp
-from ..runtime._mpi import mpi
+from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
 from ..values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
 from .replica import ReplicaContext, run_replicas
@@ -182,7 +182,7 @@ class Strategy:
 
     _is_default = False
 
-    def __init__(self, extended: StrategyExtended, comm: Any) -> None:
+    def __init__(self, extended: StrategyExtended, comm: Comm) -> None:
         self._extended = extended
         self._comm = comm
         self._scope_depth = 0
@@ -449,7 +449,8 @@ class _DefaultStrategy(Strategy):
     def __init__(self) -> None:
         # MPI starts only if a reduction needs the (one-rank) communicator
         self._ops_factory = lambda: ReductionToOneDevice(comm=mpi().COMM_SELF)
-        super().__init__(_DefaultExtended(self), None)
+        # no communicator: the default strategy never communicates across ranks
+        super().__init__(_DefaultExtended(self), cast("Comm", None))
         self._default_replica_context = ReplicaContext(self, 0, 0)
 
     @property

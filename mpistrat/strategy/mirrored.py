@@ -29,7 +29,7 @@ from ..cluster import ClusterResolver, resolve_cluster
 from ..communication import CommunicationImplementation, CommunicationOptions
 from ..cross_device_ops import CrossDeviceOps, MultiWorkerAllReduce, ReductionToOneDevice
 from ..errors import BackendUnavailable, TopologyError
-from ..runtime._mpi import mpi, world
+from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import agree
 from ..runtime.topology import get_topology
 from ..values import default_devices, parse_device
@@ -81,7 +81,7 @@ def _require_gpu_replicas(count: int) -> None:
         f"GPUs were found ({len(probe.devices)}) but strategies reduce host arrays only")
 
 
-def _host_ops(comm: Any, implementation: CommunicationImplementation) -> Any:
+def _host_ops(comm: Comm, implementation: CommunicationImplementation) -> Any:
     """The cross-device ops of host replicas: RING's spec, or AUTO's choice by topology
     (collective: every rank builds the same)."""
     spec = RING_SPEC
@@ -122,7 +122,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, communication: Any = CommunicationImplementation.AUTO,
-                 cluster_resolver: Any = None, cross_device_ops: Any = None, comm: Any = None,
+                 cluster_resolver: Any = None, cross_device_ops: Any = None, comm: Comm | None = None,
                  communication_options: CommunicationOptions | None = None, *,
                  local_replicas: int | None = None, gpus_per_rank: int | None = None) -> None:
         comm = world() if comm is None else comm
@@ -205,7 +205,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[str] | None = None, cross_device_ops: Any = None,
-                 comm: Any = None) -> None:
+                 comm: Comm | None = None) -> None:
         names = ("/cpu:0",) if devices is None else tuple(devices)
         if not names:
             raise ValueError("MirroredStrategy needs at least one device, got []")
