@@ -47,7 +47,7 @@ _MONITORS = 2  # ranks 0 and 1 of each communicator
 _ANNOUNCED = 0  # the key of announcements (a channel's key is never 0 in practice)
 _SPIN = 10e-3  # poll (yielding the core) without sleeping for this long: short waits
 VERDICT_WAIT = 2.0  # seconds a timed-out non-monitor waits at most for the monitors' list
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpistrat/
 # Code that runs collectives but is not one (the script's runner, the CLI, benchmark
 # loops): the outermost frame of a collective is below these.
 _NOT_COLLECTIVE = tuple(os.path.join(_PACKAGE, name) for name in
