@@ -55,16 +55,18 @@ def _cupy_backend(array: Any, how: str) -> Any:
             f"CUDA device array ({how}), and device arrays need CuPy, which is not "
             f"installed; install it with {_INSTALL}, or pass host (NumPy) arrays"
         )
-    try:
-        from .cupy_backend import CupyBackend  # (its module is only needed for device arrays)
-    except Exception as exc:
-        raise BackendUnavailable(
-            f"CuPy failed to import ({exc}); reinstall it with {_INSTALL}"
-        ) from exc
+    from .cupy_backend import CupyBackend  # (its module is only needed for device arrays)
+
     device = _device_of(array, how)
     backend = _CUPY.get(device)
     if backend is None:
-        backend = _CUPY[device] = CupyBackend(device)
+        try:  # the backend imports CuPy, which fails when CuPy is installed but broken
+            backend = CupyBackend(device)
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"CuPy failed to import ({exc}); reinstall it with {_INSTALL}"
+            ) from exc
+        _CUPY[device] = backend
     return backend
 
 

@@ -72,6 +72,36 @@ def test_cuda_array_without_cupy_says_how_to_install(value, how):
         assert "pip install 'mpistrat[gpu]'" in text and type(value).__name__ in text
 
 
+def test_a_broken_cupy_install_is_backend_unavailable(monkeypatch):
+    """CuPy present but failing to import (e.g. its CUDA libraries missing): the backend,
+    which is where CuPy is imported, gives BackendUnavailable with the fix, not the
+    ImportError."""
+    import importlib.machinery
+
+    import mpistrat.backends as backends
+
+    class BrokenCupy:
+        def find_spec(self, name, path=None, target=None):
+            if name == "cupy":
+                return importlib.machinery.ModuleSpec("cupy", self)
+            return None
+
+        def create_module(self, spec):
+            raise ImportError("libcudart.so.12: cannot open shared object file")
+
+        def exec_module(self, module):
+            raise AssertionError("never reached")
+
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [BrokenCupy(), *sys.meta_path])
+    monkeypatch.setattr(backends, "_CUPY", {})
+    with pytest.raises(BackendUnavailable) as info:
+        get_backend(DLPackArray(2))
+    text = str(info.value)
+    assert "CuPy failed to import (libcudart.so.12" in text
+    assert "pip install 'mpistrat[gpu]'" in text
+
+
 def test_unknown_objects_are_type_errors():
     for value in (CpuTensor(), DLPackArray(1), object(), [1.0, 2.0]):
         with pytest.raises(TypeError, match="__cuda_array_interface__ or DLPack"):
