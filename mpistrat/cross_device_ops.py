@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from .packing import PackPlan
 from .runtime._mpi import Comm, world
 from .runtime.agreement import agree
 from .spec import AllReduceSpec, parse_spec
-from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device
+from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device, single
 
 __all__ = [
     "CrossDeviceOps",
@@ -60,18 +60,29 @@ def _reduce_op(value: Any) -> ReduceOp:
 
 
 def _per_replica(value: Any) -> DistributedValues:
-    """TF's conversion of a reduce input: a DistributedValues, or one array (on /cpu:0)."""
+    """TF's conversion of a reduce input: a DistributedValues, or one array (on /cpu:0).
+    A list or tuple of numbers becomes one array, as in TF 2.21; one holding arrays is
+    refused, since it most likely meant one value per device."""
     if isinstance(value, DistributedValues):
         return value
     if isinstance(value, (list, tuple)):
-        raise ValueError(
-            f"Cannot convert `input_tensor` to a `PerReplica` object, got {value!r} but "
-            f"expected a object that is not a tuple or list; wrap per-device values in "
-            f"PerReplica([...])"
-        )
+        if any(not np.isscalar(leaf) for leaf in _list_leaves(value)):
+            raise ValueError(
+                f"cannot reduce a {type(value).__name__} holding arrays as one tensor: "
+                f"wrap one value per device in PerReplica([...]), or pass one array "
+                f"(np.stack(...)) to reduce it as one tensor"
+            )
+        value = np.asarray(value)
     array = np.asarray(value) if np.isscalar(value) else value
     get_backend(array)  # TypeError for things no backend handles
     return PerReplica([array])
+
+
+def _list_leaves(value: Any) -> list[Any]:
+    """The leaves of nested lists and tuples."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _list_leaves(item)]
+    return [value]
 
 
 def _destinations(destinations: Any) -> tuple[Device, ...]:
@@ -186,11 +197,12 @@ class CrossDeviceOps(abc.ABC):
     # -- public API
 
     def reduce(self, reduce_op: Any, per_replica_value: Any, destinations: Any,
-               options: CommunicationOptions | None = None) -> Mirrored:
+               options: CommunicationOptions | None = None) -> Any:
         """Reduce ``per_replica_value`` over every replica of every rank to ``destinations``.
 
         Returns:
-            A :class:`Mirrored` on the destination devices, the same on every rank.
+            A :class:`Mirrored` on the destination devices, the same on every rank; with a
+            single destination device, the array itself (as TF returns the tensor).
         """
         comm = self.comm
         signature = error = None
@@ -210,16 +222,17 @@ class CrossDeviceOps(abc.ABC):
         self._check_implementation(options)
         if comm.Get_size() == 1 and len(value) == 1 and \
                 _same_devices(value.device_set, dest, comm):
-            return Mirrored(value.values, value.devices)  # TF's shortcut: no arithmetic
-        return self.reduce_implementation(op, value, dest, options)
+            return value.values[0]  # TF's shortcut: no arithmetic
+        return single(self.reduce_implementation(op, value, dest, options))
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Any,
-                     options: CommunicationOptions | None = None) -> list[Mirrored]:
+                     options: CommunicationOptions | None = None) -> list[Any]:
         """Reduce several values at once; one batched all-reduce when every pair's
         destinations are its value's devices (and all values share devices).
 
         Returns:
-            One :class:`Mirrored` per pair, in the order of the pairs.
+            One :class:`Mirrored` per pair, in the order of the pairs (the array itself
+            where a pair has a single destination device).
         """
         comm = self.comm
         signature = error = None
@@ -237,14 +250,16 @@ class CrossDeviceOps(abc.ABC):
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
-            return [Mirrored(v.values, v.devices) for v, _ in pairs]  # TF's shortcut
-        return self.batch_reduce_implementation(op, pairs, options, match=match)
+            return [v.values[0] for v, _ in pairs]  # TF's shortcut
+        return [single(r) for r in self.batch_reduce_implementation(op, pairs, options,
+                                                                     match=match)]
 
-    def broadcast(self, tensor: Any, destinations: Any) -> Mirrored:
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every destination device on every rank.
 
         Returns:
-            A :class:`Mirrored` on the destination devices.
+            A :class:`Mirrored` on the destination devices; with a single destination
+            device, the array itself (as in TF).
         """
         comm = self.comm
         signature = error = None
@@ -261,6 +276,8 @@ class CrossDeviceOps(abc.ABC):
             backend.synchronize()
             comm.Bcast(backend.comm_view(buf), root=0)
         result = buf.reshape(array.shape)
+        if len(dest) == 1:
+            return result  # one destination: the tensor itself, as in TF
         return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])
 
     # -- hooks for subclasses
@@ -307,6 +324,8 @@ class CrossDeviceOps(abc.ABC):
 
     @staticmethod
     def _pairs(value_destination_pairs: Any) -> list[tuple[DistributedValues, Any]]:
+        if isinstance(value_destination_pairs, Iterator):
+            value_destination_pairs = list(value_destination_pairs)  # a generator, as TF 2.21
         if not isinstance(value_destination_pairs, (list, tuple)):
             raise ValueError(
                 f"`value_destination_pairs` should be a list or tuple, got "
@@ -541,8 +560,8 @@ class HierarchicalCopyAllReduce(AllReduceCrossDeviceOps):
     packed tensors. Over MPI the sums run on the rank owning the first root, then the
     total is broadcast (TF's summation order and root rotation are kept).
 
-    Requires an even number of devices in total; TF silently dropped the last device's
-    contribution for an odd count, this raises :class:`~mpistrat.errors.TopologyError`.
+    Requires an even number of devices in total (two equal halves); an odd count raises
+    :class:`~mpistrat.errors.TopologyError`, where TF 2.21 falls back to another reduction.
 
     Raises:
         ValueError: ``num_packs < 0`` (TF's wording).
@@ -560,8 +579,8 @@ def _hierarchical_copy_reducer(comm: Comm, op: ReduceOp, replicas: int) -> engin
     if devices % 2:
         raise TopologyError(
             f"hierarchical copy needs an even number of devices, got {devices} ({size} "
-            f"rank(s) x {replicas} device(s)); TensorFlow silently dropped the last "
-            f"device's value here; use MultiWorkerAllReduce or ReductionToOneDevice"
+            f"rank(s) x {replicas} device(s)), for its two equal halves; use "
+            f"MultiWorkerAllReduce or ReductionToOneDevice, or an even device count"
         )
     half = devices // 2
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from ._nest import map_structure
 
 __all__ = ["Device", "DistributedValues", "PerReplica", "Mirrored", "parse_device",
-           "default_devices", "select_replica", "regroup"]
+           "default_devices", "select_replica", "regroup", "components_of", "single"]
 
 _DEVICE_RE = re.compile(
     r"^(?:/?job:(?P<job>[\w-]+))?(?:/?replica:(?P<replica>\d+))?(?:/?task:(?P<task>\d+))?"
@@ -221,3 +221,17 @@ def regroup(per_replica: list[Any], devices: Sequence[str]) -> Any:
     except ValueError as exc:
         raise ValueError(f"the replicas returned values of different structures: {exc}") \
             from None
+
+
+def components_of(value: Any) -> tuple[Any, ...]:
+    """The local components of a DistributedValues; a plain value is its only component
+    (what a reduction to a single device returns, as in TF)."""
+    return tuple(value.values) if isinstance(value, DistributedValues) else (value,)
+
+
+def single(value: Any) -> Any:
+    """A Mirrored on a single device as the value itself (TF returns the tensor there);
+    anything else unchanged."""
+    if isinstance(value, Mirrored) and len(value.values) == 1:
+        return value.values[0]
+    return value

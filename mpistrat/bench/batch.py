@@ -46,7 +46,7 @@ from ..packing import flat_arrays, plan_tf_packing
 from ..runtime._mpi import Comm, mpi
 from ..runtime.shared import shared_arrays
 from ..spec import AllReduceSpec, format_bytes
-from ..values import PerReplica
+from ..values import PerReplica, components_of
 from .check import fill_pattern
 from .config import BatchConfig
 from .report import format_ratio
@@ -312,7 +312,7 @@ class BatchBench:
             return self.total * self.G
         wrong = 0
         for (o, n), shape, mirrored in zip(spans, shapes, result):
-            values = list(getattr(mirrored, "values", ()))
+            values = list(components_of(mirrored))
             if len(values) != self.G:
                 wrong += n * self.G
                 continue

@@ -13,7 +13,7 @@ from .context import (
     in_cross_replica_context,
 )
 from .mirrored import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy
-from .replica import ReplicaContext
+from .replica import ReplicaContext, ValueContext
 from .variables import (
     DistributedVariable,
     MirroredVariable,
@@ -25,7 +25,7 @@ from .variables import (
 
 __all__ = [
     "Strategy", "StrategyExtended", "MultiWorkerMirroredStrategy", "MirroredStrategy",
-    "OneDeviceStrategy", "ReplicaContext", "get_strategy", "has_strategy",
+    "OneDeviceStrategy", "ReplicaContext", "ValueContext", "get_strategy", "has_strategy",
     "get_replica_context", "get_cross_replica_context", "in_cross_replica_context",
     "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
     "DistributedVariable", "MirroredVariable", "SyncOnReadVariable",

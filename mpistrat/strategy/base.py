@@ -17,15 +17,16 @@ from typing import Any, cast
 import numpy as np
 
 from . import context
-from .._nest import flatten
+from .._nest import flatten, map_structure, pack_sequence_as
 from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, make_numpy_dataset
 from ..ops import ReduceOp
 from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
-from ..values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
-from .replica import ReplicaContext, run_replicas
+from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
+                      select_replica)
+from .replica import ReplicaContext, ValueContext, run_replicas
 from .variables import DistributedVariable, MirroredVariable
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -186,6 +187,9 @@ class Strategy:
         self._extended = extended
         self._comm = comm
         self._scope_depth = 0
+        # distributed variables created in this strategy's scope so far: the same on every
+        # rank (creation is collective), unlike the process-wide counter of default names
+        self._variables_created = 0
 
     # -- facts
     @property
@@ -276,21 +280,39 @@ class Strategy:
         the examples, both summed across replicas, so the mean is over the actual number
         of examples (replicas holding 4 and 2 examples average over 6).
 
+        A nest (dict, list, tuple) of values is reduced leaf by leaf and keeps its
+        structure, as in TF. Integer values keep their dtype under SUM (int32 stays int32);
+        MEAN along an axis divides, so it gives floats (TF's ``truediv``).
+
         Raises:
             RuntimeError: called in replica context (use ``merge_call``).
-            ValueError: an unknown op, or ``axis`` out of range.
+            ValueError: an unknown op, ``axis`` out of range, or SUM of a Mirrored value.
             TypeError: ``axis`` is not an int (or a sequence of ints).
         """
         _require_cross_replica(self, "reduce")
         op = ReduceOp.parse(reduce_op)
-        value = _as_values(value)
         if op not in (ReduceOp.SUM, ReduceOp.MEAN):
             raise TypeError(f"Expected `reduce_op` to be a `tf.distribute.ReduceOp` SUM or "
                             f"MEAN, not: {reduce_op!r}")
+        if isinstance(value, (dict, list, tuple)):
+            leaves = flatten(value)
+            return pack_sequence_as(value, [self._reduce_leaf(op, leaf, axis)
+                                            for leaf in leaves])
+        return self._reduce_leaf(op, value, axis)
+
+    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | Sequence[int] | None) -> Any:
+        value = _as_values(value)  # (a MirroredVariable becomes a Mirrored)
+        if op is ReduceOp.SUM and isinstance(value, Mirrored) and self.num_replicas_in_sync > 1:
+            # TF refuses too: the copies are one value, and summing them is not defined
+            raise ValueError(
+                "reduce(SUM, ...) got a Mirrored value (or a MirroredVariable), whose copies "
+                "are the same value on every replica; summing the copies is not defined "
+                "(TensorFlow refuses it too). Reduce the PerReplica values it was made "
+                "from, or use MEAN")
         if axis is not None:
             return self._reduce_along(op, value, axis)
         reduced = self._extended.reduce_to(op, value, self._destinations_of(value))
-        return reduced.values[0] if isinstance(reduced, DistributedValues) else reduced
+        return components_of(reduced)[0]
 
     def _destinations_of(self, value: Any) -> Any:
         if isinstance(value, DistributedValues):
@@ -322,20 +344,45 @@ class Strategy:
                   hint="values of the same rank (number of dimensions) and the same axis")
         elif error is not None:
             raise error
-        sums = [np.sum(p, axis=axes) for p in parts]
+        # NumPy's sum widens small integers (int32 -> int64); TF keeps the dtype
+        sums = [np.sum(p, axis=axes, dtype=p.dtype if p.dtype.kind in "iu" else None)
+                for p in parts]
         devices = value.devices if isinstance(value, DistributedValues) else None
         numer = PerReplica(sums, devices)
         if op is ReduceOp.SUM:
             total = self._extended.reduce_to(ReduceOp.SUM, numer, numer)
-            return total.values[0]
+            return components_of(total)[0]
         counts = [np.asarray(int(np.prod([p.shape[a] for a in axes])), dtype=np.int64)
                   for p in parts]
         denom = PerReplica(counts, devices)
         total, count = self._extended.batch_reduce_to(ReduceOp.SUM,
                                                       [(numer, numer), (denom, denom)])
-        result = total.values[0]
+        result = components_of(total)[0]
         dtype = result.dtype if np.issubdtype(result.dtype, np.inexact) else np.float64
-        return (result / np.asarray(count.values[0]).astype(dtype)).astype(dtype)
+        return (result / np.asarray(components_of(count)[0]).astype(dtype)).astype(dtype)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext],
+                                                                              Any]) -> Any:
+        """Call ``value_fn(ValueContext)`` once for each of this rank's replicas (in local
+        order, with its global replica id) and return the values as a :class:`PerReplica`
+        (a nest of them when ``value_fn`` returns a nest), even with one replica, as TF
+        does. No communication.
+
+        Raises:
+            TypeError: ``value_fn`` is not callable.
+            ValueError: the replicas' values have different structures.
+        """
+        if not callable(value_fn):
+            raise TypeError(f"value_fn must be a callable taking a ValueContext, got "
+                            f"{type(value_fn).__name__}")
+        devices = self._extended.worker_devices
+        count = self.num_replicas_in_sync
+        values = [value_fn(ValueContext(j, count)) for j in self._replica_ids()]
+        try:
+            return map_structure(lambda *leaves: PerReplica(list(leaves), devices), *values)
+        except ValueError as exc:
+            raise ValueError(f"value_fn returned values of different structures for the "
+                             f"replicas: {exc}") from None
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """This rank's per-replica parts of ``value``, in local device order: the
@@ -474,7 +521,7 @@ class _DefaultExtended(StrategyExtended):
                   options: CommunicationOptions | None = None) -> Any:
         op = ReduceOp.parse(reduce_op)
         if not isinstance(value, DistributedValues):
-            return Mirrored([np.asarray(value)])
+            return np.asarray(value)  # one device: the value itself
         if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
             return value
         return self.cross_device_ops.reduce(op, value, destinations, options=options)

@@ -219,7 +219,8 @@ class MirroredStrategy(Strategy):
         if cross_device_ops is None:
             cross_device_ops = ReductionToOneDevice(comm=comm)
         elif not isinstance(cross_device_ops, CrossDeviceOps):
-            raise ValueError(f"cross_device_ops must be a CrossDeviceOps, got "
+            raise ValueError(f"cross_device_ops must be a CrossDeviceOps (e.g. "
+                             f"ReductionToOneDevice() or MultiWorkerAllReduce(...)), got "
                              f"{cross_device_ops!r}")
         extended = StrategyExtended(self, cross_device_ops, [str(d) for d in parsed],
                                     comm.Get_size(), comm.Get_rank(), comm.Get_rank() == 0)

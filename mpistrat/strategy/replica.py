@@ -20,11 +20,12 @@ from typing import Any
 
 from .._nest import flatten, pack_sequence_as
 from ..ops import ReduceOp
-from ..values import DistributedValues, PerReplica, regroup, select_replica
+from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
+                      select_replica)
 from . import context
 from .variables import DistributedVariable, Variable
 
-__all__ = ["ReplicaContext", "regroup", "select_replica", "run_replicas"]
+__all__ = ["ReplicaContext", "ValueContext", "regroup", "select_replica", "run_replicas"]
 
 
 class ReplicaContext:
@@ -95,8 +96,8 @@ class ReplicaContext:
             values = [_contributions(v, devices) for v in per_replica]
             reduced = strategy.extended.batch_reduce_to(op, [(v, v) for v in values],
                                                         options=options)
-            return tuple(PerReplica(m.values, m.devices) if len(m.values) > 1 else m.values[0]
-                         for m in reduced)
+            return tuple(PerReplica(m.values, m.devices) if isinstance(m, DistributedValues)
+                         and len(m.values) > 1 else components_of(m)[0] for m in reduced)
 
         reduced = self.merge_call(merge_fn, args=tuple(leaves))
         return pack_sequence_as(value, list(reduced))
@@ -108,7 +109,9 @@ class ReplicaContext:
         devices = self._strategy.extended.worker_devices
 
         def merge_fn(strategy: Any, *per_replica: Any) -> Any:
-            return tuple(strategy._gather(_contributions(v, devices), axis)
+            # one copy per local replica, as TF gives each device its own tensor: strategy.run
+            # then returns a PerReplica of them, not one shared array
+            return tuple(_per_device(strategy._gather(_contributions(v, devices), axis), devices)
                          for v in per_replica)
 
         leaves = flatten(value)
@@ -118,6 +121,39 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica {self._replica_id} of {self.num_replicas_in_sync}, "
                 f"{type(self._strategy).__name__})")
+
+
+class ValueContext:
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` gets for
+    each replica (``tf.distribute.experimental.ValueContext``)."""
+
+    __slots__ = ("_replica_id", "_num_replicas")
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1) -> None:
+        self._replica_id = replica_id_in_sync_group
+        self._num_replicas = num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's global id, in ``[0, num_replicas_in_sync)``."""
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas across every rank."""
+        return self._num_replicas
+
+    def __repr__(self) -> str:
+        return (f"ValueContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self._num_replicas})")
+
+
+def _per_device(array: Any, devices: Sequence[str]) -> Any:
+    """``array`` for the first local replica and a copy for each other one (a Mirrored), or
+    the array itself with one replica."""
+    if len(devices) == 1:
+        return array
+    return Mirrored([array] + [array.copy() for _ in devices[1:]], devices)
 
 
 def _contributions(value: Any, devices: Sequence[str]) -> DistributedValues:

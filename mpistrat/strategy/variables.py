@@ -31,7 +31,7 @@ import numpy as np
 
 from ..ops import ReduceOp
 from ..runtime.agreement import agree
-from ..values import Mirrored, PerReplica, select_replica
+from ..values import Mirrored, PerReplica, components_of, select_replica
 from . import context
 
 __all__ = ["VariableSynchronization", "VariableAggregation", "Variable", "DistributedVariable",
@@ -256,6 +256,7 @@ class DistributedVariable(Variable):
         count = len(strategy.extended.worker_devices)
         self._components = [initial] + [initial.copy() for _ in range(count - 1)]
         self._init_common(name, trainable, synchronization, aggregation)
+        self._creation_index = 0  # set by the strategy that creates it
         for component in self._components:
             DistributedVariable._registry[id(component)] = weakref.ref(self)
 
@@ -321,7 +322,9 @@ class DistributedVariable(Variable):
         comm = self._strategy.comm
         if comm.Get_size() == 1:
             return local
-        agree(comm, f"{self._name} {local.shape} {local.dtype.str}", None,
+        # keyed by creation order in the strategy, not by the name: a default name counts
+        # every variable the process made, strategy or not, so it can differ between ranks
+        agree(comm, f"variable #{self._creation_index} {local.shape} {local.dtype.str}", None,
               f"variable {self._name!r} ONLY_FIRST_REPLICA update",
               hint="values of the variable's shape")
         comm.Bcast(local.reshape(-1).view(np.uint8), root=0)
@@ -384,7 +387,7 @@ class MirroredVariable(DistributedVariable):
                     f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
                     f"SUM or ONLY_FIRST_REPLICA, or a float variable")
             per_replica = PerReplica(parts, devices)
-            reduced = strategy.extended.reduce_to(op, per_replica, per_replica).values[0]
+            reduced = components_of(strategy.extended.reduce_to(op, per_replica, per_replica))[0]
         self._apply(kind, reduced)
 
     def _apply(self, kind: str, value: np.ndarray) -> None:
@@ -417,7 +420,7 @@ class SyncOnReadVariable(DistributedVariable):
             return self._first_replica_value(self._components[0])
         op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         per_replica = PerReplica(list(self._components), self.devices)
-        return self._strategy.extended.reduce_to(op, per_replica, per_replica).values[0]
+        return components_of(self._strategy.extended.reduce_to(op, per_replica, per_replica))[0]
 
     def assign(self, value: Any, use_locking: bool = False, name: Any = None,
                read_value: bool = True) -> Any:
@@ -464,6 +467,8 @@ def _create_distributed(initial_value: Any = None, trainable: bool | None = None
             f"strategy.run: create them before the training loop")
     synchronization = _parse(VariableSynchronization, synchronization, "synchronization")
     aggregation = _parse(VariableAggregation, aggregation, "aggregation")
+    if synchronization is VariableSynchronization.AUTO:
+        synchronization = VariableSynchronization.ON_WRITE  # what TF resolves AUTO to
     if synchronization is VariableSynchronization.NONE:
         raise ValueError(
             "`NONE` variable synchronization mode is not supported with `Mirrored` "
@@ -474,6 +479,13 @@ def _create_distributed(initial_value: Any = None, trainable: bool | None = None
     initial = None
     try:
         initial = _initial(initial_value, dtype)
+        if aggregation is VariableAggregation.MEAN and not np.issubdtype(initial.dtype,
+                                                                        np.inexact):
+            raise ValueError(
+                f"aggregation MEAN needs a float variable, got dtype {initial.dtype} for "
+                f"{name or 'Variable'!r}: the mean of integers is not an integer (TensorFlow "
+                f"refuses it too); use VariableAggregation.SUM or ONLY_FIRST_REPLICA, or a "
+                f"float dtype")
         signature = f"Variable {initial.shape} {initial.dtype.str} {synchronization.name} " \
                     f"{aggregation.name}"
     except (ValueError, TypeError) as exc:
@@ -490,4 +502,7 @@ def _create_distributed(initial_value: Any = None, trainable: bool | None = None
         else MirroredVariable
     if trainable is None:
         trainable = synchronization is not VariableSynchronization.ON_READ
-    return cls(strategy, initial, name, trainable, synchronization, aggregation)
+    variable = cls(strategy, initial, name, trainable, synchronization, aggregation)
+    variable._creation_index = strategy._variables_created
+    strategy._variables_created += 1
+    return variable

@@ -66,7 +66,7 @@ def check(comm, name: str, spec: str, packs: int, replicas: int, op: str,
                 f"{len(shapes)} Mirrored values"], "malformed"
     wrong_tensors = []
     for i, (mirrored, o, n, s) in enumerate(zip(result, offsets, sizes, shapes)):
-        values = [np.asarray(v) for v in getattr(mirrored, "values", ())]
+        values = [np.asarray(v) for v in components_of(mirrored)]
         if len(values) != replicas:
             problems.append(f"{label}: tensor {i} {s} has {len(values)} values, expected "
                             f"{replicas}")

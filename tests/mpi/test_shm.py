@@ -21,10 +21,11 @@ from test_algorithms import contribution, reference, run_and_check
 
 import mpistrat
 from mpistrat import ReduceOp, algorithms, dispatch
-from mpistrat.runtime import shared
 from mpistrat.algorithms import Source, shm
 from mpistrat.backends import get_backend
 from mpistrat.errors import CollectiveAbortedError, CollectiveMismatchError, TopologyError
+from mpistrat.runtime import shared
+from mpistrat.values import components_of
 
 BACKEND = get_backend(np.zeros(1))
 
@@ -213,13 +214,13 @@ def test_batch_reduce_of_shared_gradients(world, spec, monkeypatch):
     results = ops.batch_reduce("sum", [(v, v) for v in values])
     problems = []
     for i, (got, want) in enumerate(zip(results, expected)):
-        if not np.array_equal(got.values[0], want):
+        if not np.array_equal(components_of(got)[0], want):
             problems.append(f"gradient {i}: wrong sum")
     want = ["one buffer" if spec == "shm" else "tensors in place"] if world.size > 1 else []
     if seen != want:
         problems.append(f"shm read the gradients as {seen}, expected {want}")
     mpistrat.free_shared(grads[0])
-    finish(world, problems, [("grads", digest(np.concatenate([r.values[0].ravel()
+    finish(world, problems, [("grads", digest(np.concatenate([components_of(r)[0].ravel()
                                                               for r in results])))])
 
 
@@ -264,13 +265,14 @@ def test_results_in_shared_memory_survive_later_calls(world):
         values = [PerReplica([np.full(length // 2, step + world.rank, np.float32)]),
                   PerReplica([np.full(length - length // 2, -step, np.float32)])]
         results = ops.batch_reduce("sum", [(v, v) for v in values])
-        if world.size > 1 and step == 0 and not mpistrat.is_shared(results[0].values[0]):
+        first = components_of(results[0])[0]
+        if world.size > 1 and step == 0 and not mpistrat.is_shared(first):
             problems.append("the result of a large shm pack is not in shared memory")
         if world.rank % 2 == 0 or step % 2 == 0:  # ranks keep different results alive
             kept.append((step, results))
     n = world.size
     for step, results in kept:
-        a, b = (r.values[0] for r in results)
+        a, b = (components_of(r)[0] for r in results)
         if not (np.all(a == n * step + n * (n - 1) // 2) and np.all(b == -n * step)):
             problems.append(f"the result of step {step} changed")
     finish(world, problems, [])

@@ -164,8 +164,8 @@ def test_default_strategy():
     ctx = ms.get_replica_context()
     assert ctx.all_reduce("sum", {"a": np.ones(2)})["a"].tolist() == [1.0, 1.0]
     assert ctx.merge_call(lambda strategy, x: (strategy is default, x), args=(5,)) == (True, 5)
-    mirrored = default.extended.reduce_to("sum", 2.0, "/cpu:0")
-    assert isinstance(mirrored, Mirrored) and mirrored.values[0] == 2.0
+    reduced = default.extended.reduce_to("sum", 2.0, "/cpu:0")
+    assert isinstance(reduced, np.ndarray) and reduced == 2.0  # one device: the value
     with default.scope():
         v = ms.Variable(np.zeros(2))
     assert type(v) is ms.Variable  # the default strategy makes plain variables
