@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 import mpistrat as ms
 from mpistrat.bench.shapes import resnet50_gradient_shapes
+from mpistrat.values import components_of
 
 
 def _position(length: int) -> np.ndarray:

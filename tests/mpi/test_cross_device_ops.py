@@ -41,7 +41,7 @@ from mpistrat import (
 )
 from mpistrat.bench.shapes import resnet50_gradient_shapes
 from mpistrat.runtime.agreement import _ARRIVAL_TAG
-from mpistrat.values import components_of, default_devices, parse_device
+from mpistrat.values import default_devices, parse_device
 
 MPI = pytest.importorskip("mpi4py.MPI")
 

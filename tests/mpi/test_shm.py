@@ -20,7 +20,7 @@ from mpi4py import MPI
 from test_algorithms import contribution, reference, run_and_check
 
 import mpistrat
-from mpistrat import ReduceOp, algorithms, dispatch
+from mpistrat import ReduceOp, dispatch
 from mpistrat.algorithms import Source, shm
 from mpistrat.backends import get_backend
 from mpistrat.errors import CollectiveAbortedError, CollectiveMismatchError, TopologyError

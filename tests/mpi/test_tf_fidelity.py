@@ -17,7 +17,7 @@ from mpistrat.values import default_devices
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
-GS = [1, 2, 3]
+GS = [1, 2, 3, 4]
 
 
 def strategy_for(world, g):

@@ -15,7 +15,6 @@ from mpistrat import (
     Dataset,
     InputOptions,
     InputReplicationMode,
-    Mirrored,
     PerReplica,
     ReductionToOneDevice,
 )
