@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,8 @@ def test_no_import_runs_up_the_layers():
     result = subprocess.run([_tool("lint-imports"), "--config", "pyproject.toml"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    kept = len(contracts["contracts"])
+    # (counted in the text: tomllib is Python 3.11+, and the package supports 3.10)
+    kept = (ROOT / "pyproject.toml").read_text().count("[[tool.importlinter.contracts]]")
     assert f"Contracts: {kept} kept, 0 broken." in result.stdout, result.stdout[-3000:]
 
 
