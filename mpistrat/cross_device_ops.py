@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, engine
+from ._nest import flatten
 from .backends import get_backend
 from .backends.capabilities import probe_gpus
 from .communication import CommunicationImplementation, CommunicationOptions
@@ -66,7 +67,7 @@ def _per_replica(value: Any) -> DistributedValues:
     if isinstance(value, DistributedValues):
         return value
     if isinstance(value, (list, tuple)):
-        if any(not np.isscalar(leaf) for leaf in _list_leaves(value)):
+        if any(not np.isscalar(leaf) for leaf in flatten(value)):
             raise ValueError(
                 f"cannot reduce a {type(value).__name__} holding arrays as one tensor: "
                 f"wrap one value per device in PerReplica([...]), or pass one array "
@@ -76,13 +77,6 @@ def _per_replica(value: Any) -> DistributedValues:
     array = np.asarray(value) if np.isscalar(value) else value
     get_backend(array)  # TypeError for things no backend handles
     return PerReplica([array])
-
-
-def _list_leaves(value: Any) -> list[Any]:
-    """The leaves of nested lists and tuples."""
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _list_leaves(item)]
-    return [value]
 
 
 def _destinations(destinations: Any) -> tuple[Device, ...]:

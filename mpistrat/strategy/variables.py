@@ -256,7 +256,9 @@ class DistributedVariable(Variable):
         count = len(strategy.extended.worker_devices)
         self._components = [initial] + [initial.copy() for _ in range(count - 1)]
         self._init_common(name, trainable, synchronization, aggregation)
-        self._creation_index = 0  # set by the strategy that creates it
+        # the same on every rank (creation is collective), unlike default names
+        self._creation_index = strategy._variables_created
+        strategy._variables_created += 1
         for component in self._components:
             DistributedVariable._registry[id(component)] = weakref.ref(self)
 
@@ -502,7 +504,4 @@ def _create_distributed(initial_value: Any = None, trainable: bool | None = None
         else MirroredVariable
     if trainable is None:
         trainable = synchronization is not VariableSynchronization.ON_READ
-    variable = cls(strategy, initial, name, trainable, synchronization, aggregation)
-    variable._creation_index = strategy._variables_created
-    strategy._variables_created += 1
-    return variable
+    return cls(strategy, initial, name, trainable, synchronization, aggregation)
