@@ -33,5 +33,15 @@ case "${MPISTRAT_MPI:-mpich}" in
 esac
 echo "+ installing mpistrat[$EXTRAS] into $VENV"
 "${PIP[@]}" -e "$ROOT[$EXTRAS]"
+# PyTorch, for the tests of torch tensors at every entry point and of mpistrat.torch. A
+# plain "torch" requirement takes a CUDA build of several GB; MPISTRAT_TORCH names the
+# build to install (default torch==2.13.0, whose CPU wheel pip finds here; elsewhere point
+# pip at PyTorch's CPU index with PIP_EXTRA_INDEX_URL). MPISTRAT_TORCH= (empty) skips it,
+# and the torch tests then skip and say so.
+TORCH_REQ="${MPISTRAT_TORCH-torch==2.13.0}"
+if [ -n "$TORCH_REQ" ] && ! "$PY" -c "import torch" 2>/dev/null; then
+    echo "+ installing $TORCH_REQ into $VENV"
+    "${PIP[@]}" "$TORCH_REQ" || echo "installing $TORCH_REQ failed: the torch tests will skip" >&2
+fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"
