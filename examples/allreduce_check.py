@@ -28,7 +28,7 @@ def main(count: int = 1 << 18) -> int:
     ok = True
     for spec in ALGORITHMS:
         start = MPI.Wtime()
-        result = mpistrat.all_reduce(replicas, op="sum", spec=spec, comm=comm)
+        result = mpistrat.all_reduce(mpistrat.PerReplica(replicas), op="sum", spec=spec, comm=comm)
         elapsed = MPI.Wtime() - start
         exact = all(bool(np.all(r == expected)) for r in result)
         digest = hashlib.sha256(result[0].tobytes()).hexdigest()

@@ -1,19 +1,24 @@
-"""``all_reduce``: reduce one tensor (or a rank's G local replicas of it) across a communicator.
+"""``all_reduce``: reduce one tensor, a batch of tensors, or a rank's local replicas of one
+tensor across a communicator.
 
 What happens on every rank, in order:
 
-1. the value is normalised: one array, or a list of the rank's ``G`` replica arrays of
-   one shape and dtype; the op is parsed; the spec is parsed and the entry for the
-   tensor's byte size is chosen;
-2. unless ``check=False``, the ranks agree that they all asked for the same thing (``G``,
-   shape, dtype, op, spec) with one small ``Allreduce`` of a hash; a rank whose
-   arguments were invalid takes part too, so a mistake on one rank raises the same error
-   on every rank instead of leaving the others waiting;
-3. the chosen entry is checked against the job's layout (e.g. shards above the number of
-   gather ranks) — identical on every rank, so it fails everywhere or nowhere;
-4. the ``G`` replicas are combined locally (in replica order), the algorithm reduces the
-   result across ranks in place, MEAN divides by ``W * G``, and the result is copied
-   back out to ``G`` fresh arrays (or into the inputs with ``inplace=True``).
+1. the value is taken at the edge (:mod:`mpistrat.backends.interop`): arrays of any library
+   (NumPy, CuPy, PyTorch, JAX, anything exposing DLPack, the array or CUDA array interface
+   or the buffer protocol) become NumPy or CuPy arrays sharing their memory; the op and
+   the spec are parsed and each tensor's spec entry is chosen by its byte size;
+2. unless ``check=False``, the ranks agree that they all asked for the same thing (the
+   form, shapes, dtypes, op, spec, ``inplace``, ``out``) with one small ``Allreduce`` of
+   a hash; a rank whose arguments were invalid takes part too, so a mistake on one rank
+   raises the same error on every rank instead of leaving the others waiting;
+3. the chosen entries are checked against the job's layout (e.g. shards above the number
+   of gather ranks) — identical on every rank, so it fails everywhere or nowhere;
+4. one tensor: its ``G`` local replicas are combined (in replica order), the algorithm
+   reduces the result across ranks (in place when it can), MEAN divides by ``W * G``;
+   a batch: the tensors go to their spec entries by size and are packed as
+   ``MultiWorkerAllReduce.batch_reduce`` packs them (the algorithms read the packs
+   straight from the tensors). Results are written into the inputs (``inplace=True``),
+   into ``out``, or into new arrays, and come back as the caller's array type.
 
 Inputs are never modified unless ``inplace=True``. Results are bitwise identical on
 every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the dtype.
@@ -21,6 +26,8 @@ every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +36,7 @@ import numpy as np
 
 from . import algorithms, dispatch, engine
 from .backends import get_backend
+from .backends.interop import describe_type, restore, to_native
 from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
@@ -37,13 +45,19 @@ from .runtime._mpi import Comm, world
 from .runtime.agreement import agree
 from .runtime.topology import env_ranks_per_node
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
+from .values import PerReplica
 
 __all__ = ["all_reduce", "CollectiveMismatchError"]
 
 
 @dataclass(frozen=True)
 class _Call:
+    """One tensor (``arrays``: its ``G`` local replicas, as backend arrays)."""
+
     arrays: list[Any]
+    likes: list[Any]          # the caller's values, to hand results back as their type
+    outs: list[Any] | None    # ``out``'s arrays, one per replica
+    out_likes: list[Any]      # ``out`` as the caller gave it, one per replica
     backend: ArrayBackend
     op: ReduceOp
     spec: AllReduceSpec
@@ -56,13 +70,45 @@ class _Call:
         """What every rank must agree on, as text (built only when checking)."""
         first = self.arrays[0]
         text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
-                f"op={self.op.name} spec={self.spec} inplace={self.inplace}")
+                f"op={self.op.name} spec={self.spec} inplace={self.inplace} "
+                f"out={self.outs is not None}")
         if algorithms.get(self.entry.alg).hierarchical:
-            # ranks must agree on the node grouping too (a cached topology would hide it)
-            effective = self.ranks_per_node if self.ranks_per_node is not None \
-                else env_ranks_per_node()  # (the same parse get_topology uses)
-            text += f" ranks_per_node={effective}"
+            text += _node_grouping(self.ranks_per_node)
         return text
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch of tensors, one replica each."""
+
+    arrays: list[Any]
+    likes: list[Any]
+    outs: list[Any] | None
+    out_likes: list[Any]
+    op: ReduceOp
+    spec: AllReduceSpec
+    inplace: bool
+    ranks_per_node: int | None
+
+    @property
+    def signature(self) -> str:
+        text = (f"batch {_batch_text(engine.structure(self.arrays))} op={self.op.name} "
+                f"spec={self.spec} inplace={self.inplace} out={self.outs is not None}")
+        if any(algorithms.get(entry.alg).hierarchical for entry in self.spec):
+            text += _node_grouping(self.ranks_per_node)
+        return text
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_text(structure: tuple) -> str:
+    return ";".join(f"{shape}:{dtype.str}" for shape, dtype in structure)
+
+
+def _node_grouping(ranks_per_node: int | None) -> str:
+    # ranks must agree on the node grouping too (a cached topology would hide it)
+    effective = ranks_per_node if ranks_per_node is not None \
+        else env_ranks_per_node()  # (the same parse get_topology uses)
+    return f" ranks_per_node={effective}"
 
 
 _SPEC_CACHE: dict[Any, AllReduceSpec] = {}
@@ -82,17 +128,104 @@ def _spec(spec: Any) -> AllReduceSpec:
     return parsed
 
 
-def _prepare(value: Any, op: Any, spec: Any, inplace: bool,
-             ranks_per_node: int | None) -> _Call:
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError("all_reduce got an empty list: give one array, or one array "
-                             "per local replica")
-        items = list(value)
+def _native(item: Any, what: str) -> Any:
+    if type(item) is np.ndarray:
+        return item
+    if np.isscalar(item):
+        return np.asarray(item)
+    return to_native(item, what)
+
+
+def _check_dtype(dtype: Any, op: ReduceOp, inplace: bool) -> None:
+    if not (dtype.kind in "fiuc" or dtype.name == "bfloat16"):
+        raise TypeError(f"cannot all-reduce dtype {dtype}: expected a numeric dtype "
+                        f"(float16/32/64, bfloat16, int*, uint*, complex)")
+    if dtype.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(f"{op} is not defined for complex dtype {dtype}")
+    if inplace and op is ReduceOp.MEAN and dtype.kind in "iu":
+        raise TypeError(f"inplace=True cannot hold a MEAN of integers ({dtype}): the "
+                        f"result is float64; drop inplace=True or use op='sum'")
+
+
+def _check_writeable(array: Any, like: Any, what: str) -> None:
+    flags = getattr(array, "flags", None)
+    if flags is not None and not flags.writeable:
+        why = " (JAX arrays are immutable)" if type(like).__module__.startswith("jax") else ""
+        fix = "drop inplace=True and use the result" if what == "inplace=True" \
+            else "pass writeable arrays as out"
+        raise ValueError(f"{what} needs writeable arrays, got a read-only "
+                         f"{describe_type(like)}{why}; {fix}")
+
+
+def _result_dtype(dtype: Any, op: ReduceOp) -> Any:
+    return np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iu" else dtype
+
+
+def _outs(out: Any, count: int, shape: Any, dtype: Any, form: str,
+          ) -> tuple[list[Any], list[Any]]:
+    """``out`` as backend arrays and as given, one per result, each checked against its
+    result."""
+    items = list(out.values if isinstance(out, PerReplica) else out) \
+        if isinstance(out, (list, tuple, PerReplica)) else [out]
+    if len(items) != count or form == "one" and isinstance(out, (list, tuple, PerReplica)):
+        raise ValueError(f"out must be {'one array' if form == 'one' else f'{count} arrays'} "
+                         f"like the result, got {len(items)}")
+    arrays = [_native(item, "write the result into") for item in items]
+    for index, (array, like) in enumerate(zip(arrays, items)):
+        want_shape = shape[index] if form == "batch" else shape
+        want_dtype = dtype[index] if form == "batch" else dtype
+        if tuple(array.shape) != tuple(want_shape) or array.dtype != want_dtype:
+            raise ValueError(
+                f"out[{index}] has shape {tuple(array.shape)} and dtype {array.dtype}; the "
+                f"result has shape {tuple(want_shape)} and dtype {want_dtype}: pass an "
+                f"array of that shape and dtype" if form != "one" else
+                f"out has shape {tuple(array.shape)} and dtype {array.dtype}; the result has "
+                f"shape {tuple(want_shape)} and dtype {want_dtype}: pass an array of that "
+                f"shape and dtype")
+        _check_writeable(array, like, "out")
+    return arrays, items
+
+
+def _check_rpn(ranks_per_node: Any) -> None:
+    if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1):
+        raise TopologyError(
+            f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}"
+        )
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_list_of_replicas(items: list[Any]) -> None:
+    """Once per process: a list of like arrays used to mean one tensor's replicas."""
+    if _WARNED or len(items) < 2:
+        return
+    first = items[0]
+    if all(getattr(a, "shape", None) == first.shape and getattr(a, "dtype", None)
+           == first.dtype for a in items[1:]):
+        _WARNED.append(True)
+        warnings.warn(
+            "all_reduce(list) reduces each array of the list as a tensor of its own (a "
+            "batch); before mpistrat 0.2 a list of arrays of one shape meant this rank's "
+            "local replicas of one tensor, summed together. For replicas, pass "
+            "mpistrat.PerReplica([...]).", FutureWarning, stacklevel=3)
+
+
+def _prepare(value: Any, op: Any, spec: Any, inplace: bool, out: Any,
+             ranks_per_node: int | None) -> _Call | _Batch:
+    reduce_op = ReduceOp.parse(op)
+    _check_rpn(ranks_per_node)
+    parsed = _spec(spec)
+    if isinstance(value, (list, tuple)) and not _is_numbers(value):
+        return _prepare_batch(list(value), reduce_op, parsed, inplace, out, ranks_per_node)
+    if isinstance(value, PerReplica):
+        likes = list(value.values)
     else:
-        items = [value]
-    backend = get_backend(items[0] if not np.isscalar(items[0]) else np.asarray(items[0]))
-    arrays = [backend.asarray(item) for item in items]
+        likes = [value]
+    arrays = [_native(item, "all-reduce") for item in likes]
+    backend = get_backend(arrays[0])
     first = arrays[0]
     for index, array in enumerate(arrays[1:], start=1):
         if array.shape != first.shape or array.dtype != first.dtype:
@@ -101,37 +234,47 @@ def _prepare(value: Any, op: Any, spec: Any, inplace: bool,
                 f"replica 0 has {first.shape} and {first.dtype}; every replica of a tensor "
                 f"must have the same shape and dtype"
             )
-    dtype = first.dtype
-    if not (dtype.kind in "fiuc" or dtype.name == "bfloat16"):
-        raise TypeError(f"cannot all-reduce dtype {dtype}: expected a numeric dtype "
-                        f"(float16/32/64, bfloat16, int*, uint*, complex)")
-    reduce_op = ReduceOp.parse(op)
-    if dtype.kind == "c" and reduce_op in (ReduceOp.MIN, ReduceOp.MAX):
-        raise TypeError(f"{reduce_op} is not defined for complex dtype {dtype}")
+        if get_backend(array) is not backend:
+            raise ValueError(f"local replica {index} lives on another device than replica 0; "
+                             f"the replicas of one all_reduce must share a backend")
+    _check_dtype(first.dtype, reduce_op, inplace)
     if inplace:
-        for item in items:
-            if not isinstance(item, np.ndarray) or not item.flags.c_contiguous \
-                    or not item.flags.writeable:
-                raise ValueError(
-                    f"inplace=True needs writeable C-contiguous arrays, got a "
-                    f"{type(item).__name__}"
-                    + ("" if not isinstance(item, np.ndarray) else
-                       f" (C-contiguous: {item.flags.c_contiguous}, writeable: "
-                       f"{item.flags.writeable})")
-                    + "; pass such arrays, or drop inplace=True"
-                )
-        if reduce_op is ReduceOp.MEAN and dtype.kind in "iu":
-            raise TypeError(f"inplace=True cannot hold a MEAN of integers ({dtype}): the "
-                            f"result is float64; drop inplace=True or use op='sum'")
-    if ranks_per_node is not None and (
-            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
-            or ranks_per_node < 1):
-        raise TopologyError(
-            f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}"
-        )
-    parsed = _spec(spec)
-    return _Call(arrays, backend, reduce_op, parsed, parsed.route(first.nbytes), inplace,
-                 ranks_per_node)
+        if out is not None:
+            raise ValueError("inplace=True writes into the inputs: drop out, or inplace")
+        for array, like in zip(arrays, likes):
+            if np.isscalar(like):  # a number has no memory to write into
+                raise ValueError(f"inplace=True needs arrays, got a {describe_type(like)}; "
+                                 f"pass an array, or drop inplace=True")
+            _check_writeable(array, like, "inplace=True")
+    outs, out_likes = (None, []) if out is None else _outs(
+        out, len(arrays), first.shape, _result_dtype(first.dtype, reduce_op),
+        "replicas" if isinstance(value, PerReplica) else "one")
+    return _Call(arrays, likes, outs, out_likes, backend, reduce_op, parsed,
+                 parsed.route(first.nbytes), inplace, ranks_per_node)
+
+
+def _is_numbers(value: Any) -> bool:
+    """A list of numbers is one tensor (as ``numpy.asarray`` reads it), not a batch."""
+    return bool(value) and all(np.isscalar(x) and not isinstance(x, (str, bytes))
+                               for x in value)
+
+
+def _prepare_batch(items: list[Any], op: ReduceOp, spec: AllReduceSpec, inplace: bool,
+                   out: Any, ranks_per_node: int | None) -> _Batch:
+    arrays = [_native(item, "all-reduce") for item in items]
+    _warn_list_of_replicas(arrays)
+    for array, like in zip(arrays, items):
+        _check_dtype(array.dtype, op, inplace)
+        if inplace:
+            _check_writeable(array, like, "inplace=True")
+    if inplace and out is not None:
+        raise ValueError("inplace=True writes into the inputs: drop out, or inplace")
+    if arrays and len({get_backend(a).name for a in arrays}) > 1:
+        raise ValueError("a batch mixes host and device arrays; reduce them in two calls")
+    outs, out_likes = (None, []) if out is None else _outs(
+        out, len(arrays), [a.shape for a in arrays],
+        [_result_dtype(a.dtype, op) for a in arrays], "batch")
+    return _Batch(arrays, items, outs, out_likes, op, spec, inplace, ranks_per_node)
 
 
 class _Counter:
@@ -151,28 +294,41 @@ def all_reduce(
     *,
     check: bool = True,
     inplace: bool = False,
+    out: Any = None,
     ranks_per_node: int | None = None,
 ) -> Any:
     """All-reduce ``value`` across every rank (and local replica) of ``comm``.
 
     Args:
-        value: one array (any shape, a scalar too), or a list of this rank's ``G`` local
-            replica arrays of one shape and dtype.
+        value: what to reduce, in one of three forms:
+
+            * one array (any shape, a scalar too) of any library: NumPy, CuPy, PyTorch
+              (CPU or CUDA), JAX, or anything exposing DLPack, ``__array_interface__``,
+              ``__cuda_array_interface__`` or the buffer protocol — taken without a copy;
+            * a list or tuple of arrays: a **batch**, each array reduced as a tensor of
+              its own (Horovod's grouped all-reduce), routed and packed as
+              ``MultiWorkerAllReduce.batch_reduce`` does, in one call;
+            * a :class:`~mpistrat.PerReplica` of this rank's ``G`` local replicas of one
+              tensor (same shape and dtype), combined locally and across ranks.
         op: ``"sum"``, ``"mean"``, ``"min"``, ``"max"`` (any case) or a :class:`ReduceOp`.
-        spec: an all-reduce spec in any form :func:`~mpistrat.parse_spec` accepts; the
-            entry for the tensor's byte size is used.
+        spec: an all-reduce spec in any form :func:`~mpistrat.parse_spec` accepts; each
+            tensor uses the entry for its byte size.
         comm: an mpi4py intracommunicator (default ``COMM_WORLD``); a ``Dup`` or
             ``Split`` works.
         check: agree across ranks that every rank passed the same call before
             communicating (one small Allreduce). Turn it off only for calls whose
             structure is known to match, e.g. a training loop after its first step.
-        inplace: write the result into the input arrays (C-contiguous) instead of new ones.
+        inplace: write the results into the input arrays (writeable ones; JAX arrays are
+            immutable) instead of new ones.
+        out: arrays to write the results into, shaped like the result: one array, a list
+            (batch) or a list / ``PerReplica`` of ``G`` arrays (replicas).
         ranks_per_node: virtual node size for hierarchical algorithms (default
             ``MPISTRAT_RANKS_PER_NODE``, else physical nodes).
 
     Returns:
-        The reduced array (same shape; the same dtype except MEAN of integers, which is
-        float64), or a list of ``G`` such arrays when ``value`` was a list.
+        The reduced array, as the caller's array type (same shape; the same dtype except
+        MEAN of integers, which is float64); a list of them for a batch or for
+        replicas. With ``inplace=True`` or ``out``, the arrays written into.
 
     Raises:
         ValueError, TypeError: invalid arguments (on every rank when ``check``).
@@ -180,26 +336,36 @@ def all_reduce(
         TopologyError: the spec entry does not fit this job (on every rank).
     """
     comm = world() if comm is None else comm
-    call = error = None
+    call: _Call | _Batch | None = None
+    error = None
     try:
-        call = _prepare(value, op, spec, inplace, ranks_per_node)
+        call = _prepare(value, op, spec, inplace, out, ranks_per_node)
     except (ValueError, TypeError) as exc:
         if not check:
             raise
         error = exc
     if check:
         agree(comm, call.signature if call is not None else None, error, "all_reduce",
-              "the same number of replicas, shape, dtype, op and spec")
+              "the same form (one array, a batch, or replicas), shapes, dtypes, op and "
+              "spec")
     assert call is not None
+    if isinstance(call, _Batch):
+        return _reduce_batch(comm, call)
     arrays, backend, reduce_op = call.arrays, call.backend, call.op
     replicas = len(arrays)
     workers = comm.Get_size()
     dispatch.fit(call.entry.alg, comm, call.entry.shards, ranks_per_node=ranks_per_node,
                  devices_per_worker=replicas)
 
-    # the engine combines the local replicas in replica order, then runs the algorithm
+    # the engine combines the local replicas in replica order, then runs the algorithm;
+    # with one replica it reduces in place, in the input (inplace) or in ``out``
     first = arrays[0]
-    into = backend.flat_view(first) if inplace and replicas == 1 else None
+    targets = arrays if inplace else call.outs
+    into = None
+    if replicas == 1 and targets is not None and targets[0].dtype == first.dtype:
+        into = backend.flat_view(targets[0])
+        if into is not None and not inplace:
+            backend.copy(targets[0], first)
     sources = [] if into is not None else \
         [algorithms.Source.of(engine.flat(array, backend)) for array in arrays]
     counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
@@ -210,13 +376,34 @@ def all_reduce(
         counter.value += 1
     buf = engine.mean(buf, reduce_op, workers * replicas)
     result = buf.reshape(first.shape)
-    if inplace:
-        for array in arrays:
-            if array is not first or replicas > 1:
-                backend.copy(array, result)
-        outputs: Sequence[Any] = arrays
+    if targets is not None:
+        for index, target in enumerate(targets):
+            if index or into is None:
+                backend.copy(target, result)
+        handed = call.likes if inplace else call.out_likes
     else:
         outputs = [result] + [result.copy() for _ in arrays[1:]]
-    if isinstance(value, (list, tuple)):
-        return list(outputs)
-    return outputs[0]
+        handed = [restore(o, like) for o, like in zip(outputs, call.likes)]
+    if isinstance(value, PerReplica):
+        return list(handed)
+    return handed[0]
+
+
+def _reduce_batch(comm: Comm, call: _Batch) -> list[Any]:
+    """A batch: route by size, pack as ``batch_reduce`` does, write back or hand out."""
+    arrays = call.arrays
+    if not arrays:
+        return []
+    routes = engine.routes(engine.structure(arrays), call.spec, 1, 0, 0, 0)
+    groups = []
+    for indices, plan, alg, shards in routes:
+        dispatch.fit(alg, comm, shards, ranks_per_node=call.ranks_per_node)
+        groups.append((indices, plan, engine.algorithm_reducer(
+            comm, call.op, alg, shards, checked=True, ranks_per_node=call.ranks_per_node)))
+    results = engine.reduce_batch(comm, call.op, [(a,) for a in arrays], groups)
+    targets = arrays if call.inplace else call.outs
+    if targets is not None:
+        for target, (result,) in zip(targets, results):
+            get_backend(target).copy(target, result)
+        return list(call.likes if call.inplace else call.out_likes)
+    return [restore(result, like) for (result,), like in zip(results, call.likes)]

@@ -98,8 +98,8 @@ def get_backend(array: Any) -> Any:
         return _cupy_backend(array, how)
     raise TypeError(
         f"cannot all-reduce a {type(array).__module__}.{type(array).__name__}: expected a "
-        f"NumPy array (or a value numpy.asarray accepts), a CuPy array, or a CUDA array "
-        f"exposing __cuda_array_interface__ or DLPack"
+        f"NumPy or CuPy array, or a CUDA array exposing __cuda_array_interface__ or DLPack "
+        f"(other libraries' arrays go through mpistrat.backends.interop.to_native first)"
     )
 
 

@@ -307,7 +307,7 @@ def test_all_reduce_with_local_replicas_and_mean(comm):
     for length in (3, 3 * shm.CHUNK_BYTES // 8 + 1):
         a = contribution(comm.rank, length, np.dtype(np.float64), 0)
         b = contribution(comm.rank, length, np.dtype(np.float64), 1)
-        out = mpistrat.all_reduce([a, b], "mean", "shm", comm)
+        out = mpistrat.all_reduce(mpistrat.PerReplica([a, b]), "mean", "shm", comm)
         ref, tol = reference(ReduceOp.MEAN, n, length, np.dtype(np.float64), replicas=2)
         for g, result in enumerate(out):
             found = problem(result, ref, tol, np.dtype(np.float64), f"replica {g} {length}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpistrat import ReduceOp
+from mpistrat import PerReplica, ReduceOp
 from mpistrat.backends import NumpyBackend, get_backend
 from mpistrat.errors import SpecTypeError
 
@@ -230,19 +230,19 @@ def test_all_reduce_on_one_process(self_comm, spec):
     np.testing.assert_array_equal(out, a)
     np.testing.assert_array_equal(a, before)
     # two local replicas
-    s, _ = all_reduce([a, b], "sum", spec, self_comm)
+    s, _ = all_reduce(PerReplica([a, b]), "sum", spec, self_comm)
     np.testing.assert_array_equal(s, a + b)
-    mean = all_reduce([a, b], "mean", spec, self_comm)
+    mean = all_reduce(PerReplica([a, b]), "mean", spec, self_comm)
     assert isinstance(mean, list) and len(mean) == 2
     for r in mean:
         assert r.dtype == np.float64
         np.testing.assert_array_equal(r, (a + b) / 2)
     assert not np.shares_memory(mean[0], mean[1])
-    lo = all_reduce([a, b], "min", spec, self_comm)[1]
+    lo = all_reduce(PerReplica([a, b]), "min", spec, self_comm)[1]
     np.testing.assert_array_equal(lo, np.minimum(a, b))
     # in place
     x, y = a.astype(np.float64), b.astype(np.float64)
-    got = all_reduce([x, y], "max", spec, self_comm, inplace=True)
+    got = all_reduce(PerReplica([x, y]), "max", spec, self_comm, inplace=True)
     assert got[0] is x and got[1] is y
     np.testing.assert_array_equal(x, b)
     np.testing.assert_array_equal(y, b)
