@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
