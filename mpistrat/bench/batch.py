@@ -23,6 +23,15 @@ timed in the same run, round-robin with a rotating start:
   shared memory with ``--shared`` (:func:`mpistrat.shared_arrays`). A pack of such
   tensors is reduced as that one buffer.
 
+With ``--compare torch`` (one replica per rank), torch.distributed with gloo on the same
+values, held in torch tensors created once (:class:`~.peers.TorchGloo`):
+
+* ``torch-gloo per-tensor``: one ``all_reduce`` per tensor, in place (a hand-written
+  loop over the gradients);
+* ``torch-gloo all_reduce_coalesced``: one ``all_reduce_coalesced`` of the batch;
+* ``torch-gloo flat (cat, split)``: ``torch.cat`` of the batch, one ``all_reduce``, the
+  pieces copied back into the tensors.
+
 Inputs are small integers (exact sums); in-place methods get their input back before
 each iteration, outside the timed region; with G > 1 adding up the local replicas is
 part of every method's timed work, as it is inside ``batch_reduce``.
@@ -93,7 +102,9 @@ class Method:
     """One way of reducing the batch (a row of the table)."""
 
     label: str
-    kind: str  # per-tensor | per-tensor-oop | flat-native | flat-spec | flat-batch | batch
+    # per-tensor | per-tensor-oop | flat-native | flat-spec | flat-batch | batch |
+    # batch-views | torch-each | torch-coalesced | torch-flat
+    kind: str
     calls: int
     plan: str
     ops: Any = None
@@ -128,8 +139,10 @@ def _plan(spec: AllReduceSpec, shapes: Sequence[tuple[int, ...]], dtype: np.dtyp
     return calls, "; ".join(parts)
 
 
-def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Comm) -> list[Method]:
-    """The rows of a batch run, in table order."""
+def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Comm,
+                  peer: Any = None) -> list[Method]:
+    """The rows of a batch run, in table order (the torch rows last, with ``peer``: a
+    :class:`~.peers.TorchGloo`)."""
     shapes, dtype, n = config.shapes, config.np_dtype, len(config.shapes)
     total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * dtype.itemsize
     flat_alg, flat_shards, _ = spec.route(total)
@@ -169,6 +182,16 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Comm) -> list[
                               f"{plan}; the tensors are views of "
                               f"{'one shared buffer' if config.shared else 'one array'}",
                               ops(num_packs=packs), packs))
+    if peer is not None:
+        methods.append(Method("torch-gloo per-tensor", "torch-each", n,
+                              f"{n} x torch.distributed.all_reduce (gloo), in place", peer))
+        if peer.coalesced:
+            methods.append(Method("torch-gloo all_reduce_coalesced", "torch-coalesced", 1,
+                                  f"1 x torch.distributed.all_reduce_coalesced (gloo) of the "
+                                  f"{n} tensors, in place", peer))
+        methods.append(Method("torch-gloo flat (cat, split)", "torch-flat", 1,
+                              "torch.cat of the batch, 1 x torch.distributed.all_reduce "
+                              "(gloo), split and copied back into the tensors", peer))
     return methods
 
 
@@ -214,6 +237,10 @@ class BatchBench:
         self.flat_pairs = [(flat_value, flat_value)]
         self.flat_alg, self.flat_shards, _ = spec.route(self.total * dtype.itemsize)
         self.ref: np.ndarray | None = None
+        peer = next((m.ops for m in methods if m.kind.startswith("torch-")), None)
+        # the batch as torch tensors, made once; their .numpy() views refill and check them
+        self.torch_tensors = peer.tensors(self.shapes, dtype) if peer is not None else []
+        self.torch_views = [t.numpy() for t in self.torch_tensors]
 
     # -- untimed preparation, then the timed call
 
@@ -225,6 +252,9 @@ class BatchBench:
                 np.copyto(w, x)
         elif m.kind in ("flat-native", "flat-spec"):
             np.copyto(self.flat, self.flat_in[0])
+        elif m.kind.startswith("torch-"):
+            for view, x in zip(self.torch_views, self.inputs[0]):
+                np.copyto(view, x)
 
     def _local_sum(self, out: np.ndarray, parts: list[np.ndarray]) -> None:
         np.add(parts[0], parts[1], out=out)
@@ -255,6 +285,15 @@ class BatchBench:
             else:
                 self.run(self.flat_alg, comm, self.flat, op=self.SUM, shards=self.flat_shards,
                          backend=self.backend, rotation=rotation)
+            return None
+        if m.kind == "torch-each":
+            m.ops.all_reduce_each(self.torch_tensors)
+            return None
+        if m.kind == "torch-coalesced":
+            m.ops.all_reduce_coalesced(self.torch_tensors)
+            return None
+        if m.kind == "torch-flat":
+            m.ops.all_reduce_flat(self.torch_tensors, self.sizes)
             return None
         pairs = {"flat-batch": self.flat_pairs, "batch-views": self.view_pairs}
         return m.ops.batch_reduce("sum", pairs.get(m.kind, self.pairs))
@@ -297,10 +336,11 @@ class BatchBench:
     def _wrong(self, m: Method, result: Any) -> int:
         ref = self.ref
         assert ref is not None, "check_all() runs first"
-        if m.kind in ("per-tensor", "per-tensor-oop"):
+        if m.kind in ("per-tensor", "per-tensor-oop") or m.kind.startswith("torch-"):
+            results = {"per-tensor": self.work, "per-tensor-oop": self.outs}.get(
+                m.kind, self.torch_views)
             return sum(int(np.count_nonzero(w.reshape(-1) != ref[o:o + n]))
-                       for w, o, n in zip(self.work if m.kind == "per-tensor" else self.outs,
-                                          self.offsets[:-1], self.sizes))
+                       for w, o, n in zip(results, self.offsets[:-1], self.sizes))
         if m.kind in ("flat-native", "flat-spec"):
             return int(np.count_nonzero(self.flat != ref))
         shapes: Sequence[tuple[int, ...]]

@@ -2,7 +2,8 @@
 
 Timing follows the sweep (:mod:`.timing`): one checked call of every method, warm-up
 rounds, then timed rounds in which every method runs once with a rotating start; an
-iteration's time is its slowest rank's, reported as median with min and max.
+iteration's time is its slowest rank's, reported as median with min and max. With
+``--compare torch`` the torch.distributed (gloo) rows take part in the same rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from . import files
 from .batch import BatchBench, batch_table, build_methods
 from .config import BatchConfig
 from .metadata import collect
+from .peers import TorchGloo, require_torch
 from .progress import Progress
 from .recommend import resolve_spec
 from .results import Point
@@ -65,15 +67,22 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
     try:
         spec = collective_check(comm, lambda: _validate(config, comm, outputs))
         rank, size, G = comm.Get_rank(), comm.Get_size(), config.local_replicas
+        peer, notes = None, []
+        if config.compare:
+            collective_check(comm, lambda: require_torch(comm, config.np_dtype))
+            with abort_on_error(comm):  # a rank failing to join would leave the others waiting
+                peer = TorchGloo(comm)
+            notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
+                         f"group over the MPI world, {peer.threads} torch thread(s) per rank")
         with abort_on_error(comm):
-            methods = build_methods(config, spec, comm)
+            methods = build_methods(config, spec, comm, peer)
             dtype = config.np_dtype
             total = sum(int(np.prod(s, dtype=np.int64)) for s in config.shapes)
             options = asdict(config)
             options.update({"shapes": [list(s) for s in config.shapes], "spec": str(spec),
                             "dtype": str(dtype), "op": "sum", "replicas_per_rank": G,
                             "tensors": len(config.shapes), "elements": total})
-            meta = collect(comm, options, mpi_env=mpi_env)
+            meta = collect(comm, options, mpi_env=mpi_env, notes=notes)
             if rank == 0:
                 print(f"# mpistrat bench --batch {config.name}: {len(config.shapes)} {dtype} "
                       f"tensors, {total:,} elements ({format_bytes(total * dtype.itemsize)}); "
@@ -86,6 +95,8 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
                       file=out)
                 for m in methods:
                     print(f"#   {m.label}: {m.plan}", file=out)
+                for note in notes:
+                    print(f"# {note}", file=out)
                 out.flush()
             started = time.perf_counter()
             bench = BatchBench(comm, config, spec, methods)
@@ -118,6 +129,8 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
             comm.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
             modified = comm.allreduce(modified)
             del bench
+            if peer is not None:
+                peer.close()
     finally:
         comm.Free()
     if rank != 0:

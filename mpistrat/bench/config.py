@@ -141,6 +141,17 @@ def sizes(minbytes: int, maxbytes: int, stepfactor: int | None = None,
     return out
 
 
+def _check_compare(compare: tuple[str, ...], replicas: int) -> None:
+    """``--compare``: known peers, one replica per rank."""
+    unknown = [c for c in compare if c != "torch"]
+    if unknown:
+        raise ValueError(f"--compare knows 'torch' (torch.distributed with gloo), got "
+                         f"{', '.join(map(repr, unknown))}")
+    if compare and replicas > 1:
+        raise ValueError(f"--compare torch measures one buffer per rank, got {replicas} "
+                         f"replicas per rank; leave out --local-replicas/--gpus-per-rank")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """What to measure and how; built by the CLI (or a script) from its options.
@@ -211,13 +222,7 @@ class BenchConfig:
         if self.shared and self.gpus_per_rank:
             raise ValueError("--shared allocates host buffers in shared memory; it does not "
                              "apply with --gpus-per-rank")
-        unknown = [c for c in self.compare if c != "torch"]
-        if unknown:
-            raise ValueError(f"--compare knows 'torch' (torch.distributed with gloo), got "
-                             f"{', '.join(map(repr, unknown))}")
-        if self.compare and self.replicas_per_rank > 1:
-            raise ValueError("--compare torch measures one buffer per rank; leave out "
-                             "--local-replicas/--gpus-per-rank")
+        _check_compare(self.compare, self.replicas_per_rank)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -258,6 +263,8 @@ class BatchConfig:
         agg_bytes, agg_group: the small-tensor aggregation row (0, 0: no such row).
         shared: the "tensors in one buffer" row keeps them in shared memory
             (:func:`mpistrat.shared_arrays`), so ``shm`` reads them in place.
+        compare: peers to time on the same batch (``("torch",)``: torch.distributed
+            with gloo, per tensor, coalesced and flat; one replica per rank).
         dtype, local_replicas, warmup, iters, check_every, quiet: as in BenchConfig
             (fixed counts; the batch is one size).
     """
@@ -274,12 +281,14 @@ class BatchConfig:
     warmup: int = 3
     iters: int = 20
     check_every: bool = False
+    compare: tuple[str, ...] = ()
     quiet: bool = False
 
     def __post_init__(self) -> None:
         if not self.shapes:
             raise ValueError(f"the batch {self.name!r} has no tensors")
         resolve_dtype(self.dtype)
+        _check_compare(self.compare, self.local_replicas)
 
     @property
     def np_dtype(self) -> np.dtype:

@@ -4,12 +4,20 @@ PyTorch is optional and never installed by mpistrat. The process group is built 
 the MPI world (same ranks, same size): rank 0 picks a free TCP port on its host and
 broadcasts ``tcp://host:port`` through MPI, and every rank joins with its MPI rank.
 Checks are collective, so a rank without PyTorch is an error on every rank.
+
+With ``--batch`` the peer also reduces a whole batch of torch tensors three ways: one
+``all_reduce`` per tensor (a hand-written loop), one ``all_reduce_coalesced`` call, and
+one ``all_reduce`` of the batch concatenated (``torch.cat``) and split back.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +27,8 @@ from ..runtime._mpi import Comm
 
 __all__ = ["TorchGloo", "torch_available", "require_torch"]
 
-_TORCH_DTYPES = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"}
+# what gloo reduces among the dtypes torch.from_numpy takes (int16: "Invalid scalar type")
+_TORCH_DTYPES = {"float16", "float32", "float64", "int8", "int32", "int64", "uint8"}
 
 INSTALL_HINT = ("pip install torch --index-url https://download.pytorch.org/whl/cpu "
                 "(the CPU build is enough for gloo)")
@@ -52,6 +61,10 @@ def _free_port() -> int:
 class TorchGloo:
     """A gloo process group over the ranks of an MPI communicator.
 
+    Without ``OMP_NUM_THREADS`` in the environment, torch's own operations (``torch.cat``,
+    copies) run on one thread per rank, as under ``torchrun`` with several processes per
+    host; ``threads`` says how many.
+
     Args:
         comm: the MPI communicator whose ranks join (collective).
     """
@@ -64,6 +77,11 @@ class TorchGloo:
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+        self.threads = torch.get_num_threads()
+        # the same on every rank, or no rank measures it (a collective left half-called)
+        self.coalesced = all(comm.allgather(hasattr(dist, "all_reduce_coalesced")))
         address = None
         if comm.Get_rank() == 0:
             address = f"tcp://{socket.gethostname()}:{_free_port()}"
@@ -80,6 +98,35 @@ class TorchGloo:
         self._dist.all_reduce(tensor, op=self._ops[op.primitive])
         if op is ReduceOp.MEAN:
             tensor.div_(participants)
+
+    # -- a batch of torch tensors (SUM, in place)
+
+    def tensors(self, shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[Any]:
+        """New torch tensors of these shapes and ``dtype``, uninitialised (the batch as a
+        torch training loop holds its gradients); ``.numpy()`` views fill and read them."""
+        torch_dtype = self._torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        return [self._torch.empty(shape, dtype=torch_dtype) for shape in shapes]
+
+    def all_reduce_each(self, tensors: Sequence[Any]) -> None:
+        """One ``all_reduce`` per tensor, in order."""
+        all_reduce, SUM = self._dist.all_reduce, self._dist.ReduceOp.SUM
+        for tensor in tensors:
+            all_reduce(tensor, op=SUM)
+
+    def all_reduce_coalesced(self, tensors: Sequence[Any]) -> None:
+        """One ``all_reduce_coalesced`` call for every tensor (torch 2.x warns it "will be
+        deprecated"; that warning is silenced here)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*all_reduce_coalesced")
+            self._dist.all_reduce_coalesced(list(tensors), op=self._dist.ReduceOp.SUM)
+
+    def all_reduce_flat(self, tensors: Sequence[Any], sizes: Sequence[int]) -> None:
+        """``torch.cat`` of the flattened tensors, one ``all_reduce``, and the pieces copied
+        back (``split``): what bucketing does by hand."""
+        flat = self._torch.cat([t.reshape(-1) for t in tensors])
+        self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM)
+        for tensor, piece in zip(tensors, flat.split(list(sizes))):
+            tensor.copy_(piece.view(tensor.shape))
 
     def close(self) -> None:
         self._dist.destroy_process_group()

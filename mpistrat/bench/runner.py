@@ -179,7 +179,7 @@ def prepare_sweep(config: BenchConfig, comm: Comm, outputs: Outputs | None = Non
         with abort_on_error(comm):  # a rank failing to join would leave the others waiting
             peer = TorchGloo(comm)
         notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
-                     f"group over the MPI world")
+                     f"group over the MPI world, {peer.threads} torch thread(s) per rank")
     return SweepPlan(comm, config, entries, sizes, layout, notes, peer)
 
 

@@ -16,9 +16,9 @@ __all__ = ["bench"]
 _BATCH_ONLY = ("num_packs", "agg_small_grads")
 _SWEEP_ONLY = ("algorithms", "shards", "minbytes", "maxbytes", "stepfactor", "stepbytes",
                "op", "time_per_point", "min_iters", "max_iters", "gpus_per_rank",
-               "ranks_per_node", "compare")
+               "ranks_per_node")
 _MEASURING = _BATCH_ONLY + tuple(n for n in _SWEEP_ONLY if n != "ranks_per_node") + (
-    "specs", "dtype", "warmup", "iters", "check", "local_replicas", "batch", "transport",
+    "compare", "specs", "dtype", "warmup", "iters", "check", "local_replicas", "batch", "transport",
     "mpi_env", "plugin", "np_", "mpiexec")
 
 
@@ -90,7 +90,7 @@ def _batch_config(p: dict[str, Any]) -> Any:
         local_replicas=p["local_replicas"],
         warmup=p["warmup"] if p["warmup"] is not None else 3,
         iters=p["iters"] if p["iters"] is not None else 20,
-        check_every=p["check"], quiet=p["quiet"])
+        check_every=p["check"], compare=tuple(p["compare"]), quiet=p["quiet"])
 
 
 def _outputs(p: dict[str, Any]) -> Any:
@@ -127,6 +127,7 @@ Examples:
   mpistrat bench --np 2 -b 4 -e 256M --recommend --save allreduce.spec --plot sweep.png
   mpistrat bench --np 2 --spec @allreduce.spec          measure a saved spec
   mpistrat bench --np 2 --batch resnet50 --num-packs 1,2,4 --agg-small-grads 64K:16
+  mpistrat bench --np 2 --batch resnet50 --compare torch   ... and torch.distributed (gloo)
   mpistrat bench --from-json sweep.json --model --predict-ranks 1024 --ranks-per-node 8
   mpistrat bench --from-json 2hosts.json --model-with 1host.json --model \
       --predict-ranks 1024 --predict-ranks-per-node 8     the two-level model
@@ -211,7 +212,9 @@ Examples:
               help="Use the cost model saved in this --json file instead of fitting; --model "
                    "prints its error on this run's points and --model-with's (validation).")
 @click.option("--compare", type=click.Choice(["torch"]), multiple=True,
-              help="Also measure torch.distributed (gloo), when PyTorch is installed.")
+              help="Also measure torch.distributed (gloo), when PyTorch is installed; with "
+                   "--batch: all_reduce per tensor, all_reduce_coalesced, and one flat "
+                   "tensor (torch.cat).")
 @click.option("--transport", type=click.Choice(["auto", "net"]), default="auto",
               show_default=True,
               help="net: turn the MPI library's shared-memory path off (inter-node-like).")
