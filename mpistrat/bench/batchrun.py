@@ -74,6 +74,9 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
                 peer = TorchGloo(comm)
             notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
                          f"group over the MPI world, {peer.threads} torch thread(s) per rank")
+            if not peer.coalesced:
+                notes.append("torch-gloo: torch.distributed.all_reduce_coalesced is missing "
+                             "on some rank; its row is left out")
         with abort_on_error(comm):
             methods = build_methods(config, spec, comm, peer)
             dtype = config.np_dtype
