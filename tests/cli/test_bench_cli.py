@@ -24,6 +24,13 @@ from mpistrat.cli import cli
 KiB, MiB = 1 << 10, 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _stay_in_this_process(monkeypatch):
+    """``bench`` restarts its process with malloc on huge pages before MPI starts; in
+    process that would replace pytest (its output then goes to pytest's capture file)."""
+    monkeypatch.setattr("mpistrat.launch.hugepages.restart_with_hugepages", lambda: None)
+
+
 def run(*args: str, env: dict[str, str] | None = None):
     return CliRunner().invoke(cli, ["bench", *args], prog_name="mpistrat", env=env)
 
@@ -49,6 +56,9 @@ def test_help_names_the_nccl_tests_options():
     (["--batch", "resnet50", "--algorithms", "xring"], "--batch does not use --algorithms"),
     (["--batch", "resnet50", "--spec", "xring", "--spec", "rechd"], "give --spec once"),
     (["--batch", "nosuch.json"], "'resnet50' or a JSON file"),
+    (["--batch", "resnet50", "--compare", "torch", "--local-replicas", "2"],
+     "--compare torch measures one buffer per rank"),
+    (["--batch", "resnet50", "--compare", "horovod"], "'horovod' is not 'torch'"),
     (["--from-json", "x.json", "-n", "5"], "leave out --iters"),
     (["--mpiexec", "/bin/true"], "--mpiexec only applies with --np"),
     (["--spec", "@/nonexistent/allreduce.spec"], "cannot read spec file"),

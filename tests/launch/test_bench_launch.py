@@ -204,10 +204,76 @@ def test_compare_torch_without_torch_says_how_to_install(bench):
     assert "pip install torch" in output
 
 
+NO_TORCH_ON_RANK_1 = textwrap.dedent('''
+    """Test only: PyTorch is not importable on rank 1 (find_spec sees None)."""
+    import os
+    import sys
+
+    if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+        sys.modules["torch"] = None
+''')
+
+
+@pytest.mark.parametrize("mode", [["-b", "4", "-e", "4"], ["--batch", "resnet50"]],
+                         ids=["sweep", "batch"])
+def test_compare_torch_missing_on_one_rank_is_one_error(bench, tmp_path, mode):
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH_ON_RANK_1)
+    result = bench(2, "--compare", "torch", *mode, *TINY, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert output.count("--compare torch needs PyTorch on every rank") == 1, output
+    assert "rank(s) [1]" in output and "pip install torch" in output
+
+
+TINY_BATCH = "[[16, 3, 3, 3], [16], [16], [64, 16], [64], [10]]"
+
+
+def test_batch_compare_torch_times_gloo_on_the_same_batch(bench, tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    shapes, out_json = tmp_path / "shapes.json", tmp_path / "bt.json"
+    shapes.write_text(TINY_BATCH)
+    result = bench(2, "--batch", str(shapes), "--num-packs", "1", "--compare", "torch", "-c",
+                   *TINY, "--json", str(out_json))
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = _json(out_json)
+    torch_rows = [("torch-gloo per-tensor", "torch-each", 6)]
+    if hasattr(dist, "all_reduce_coalesced"):
+        torch_rows.append(("torch-gloo all_reduce_coalesced", "torch-coalesced", 1))
+    torch_rows.append(("torch-gloo flat (cat, split)", "torch-flat", 1))
+    n = len(torch_rows)
+    assert [(r["label"], r["kind"]) for r in doc["results"][-n:]] == [
+        (label, f"batch-{kind}") for label, kind, _ in torch_rows]
+    assert [(m["label"], m["calls"]) for m in doc["methods"][-n:]] == [
+        (label, calls) for label, _, calls in torch_rows]
+    for r in doc["results"]:  # checked once, after warm-up and every round (-c)
+        assert r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 and len(r["samples"]) == 2
+    assert doc["inputs_modified"] == 0 and doc["meta"]["options"]["compare"] == ["torch"]
+    assert any(note.startswith("torch-gloo: torch.distributed ")
+               for note in doc["meta"]["notes"])
+    table = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    for label, _, _ in torch_rows:
+        assert sum(line.startswith(f" {label} ") for line in table) == 1, result.stdout
+
+    # a dtype gloo cannot reduce: one error, before anything is measured
+    result = bench(2, "--batch", str(shapes), "--compare", "torch", "-d", "int16", *TINY)
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert output.count("cannot reduce dtype int16") == 1, output
+
+
 FAKE_TORCH = {
     "torch/__init__.py": textwrap.dedent('''
         """Stand-in for PyTorch (test only): tensors are NumPy arrays."""
         __version__ = "0.0-stand-in"
+        _threads = [4]
+
+
+        def set_num_threads(n):
+            _threads[0] = n
+
+
+        def get_num_threads():
+            return _threads[0]
 
 
         class _Tensor:
@@ -271,6 +337,7 @@ def test_compare_torch_runs_the_peer_from_the_mpi_world(bench, tmp_path):
     addresses = {(tmp_path / f"init.{r}").read_text() for r in range(2)}
     assert len(addresses) == 1  # every rank joined the address rank 0 broadcast
     assert "torch.distributed 0.0-stand-in" in result.stdout
+    assert "torch thread(s) per rank" in result.stdout
     assert "torch" not in result.stdout.split("spec: ")[1]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from mpistrat.bench import launch
 from mpistrat.bench.config import (
+    BatchConfig,
     BenchConfig,
     parse_agg,
     parse_byte_count,
@@ -100,6 +101,21 @@ def test_config_sizes_round_to_whole_elements():
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compare": ("horovod",)}, "--compare knows 'torch'"),
+    ({"compare": ("torch",), "local_replicas": 2}, "got 2 replicas per rank"),
+    ({"shapes": ()}, "has no tensors"),
+])
+def test_batch_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BatchConfig(**{"shapes": ((4,), (2, 3)), **kwargs})
+
+
+def test_batch_config_takes_compare_torch():
+    config = BatchConfig(shapes=((4,),), compare=("torch",))
+    assert config.compare == ("torch",) and config.local_replicas == 1
 
 
 # ------------------------------------------------------------------ entries
