@@ -241,7 +241,7 @@ def _prepare(value: Any, op: Any, spec: Any, inplace: bool, out: Any,
         if out is not None:
             raise ValueError("inplace=True writes into the inputs: drop out, or inplace")
         for array, like in zip(arrays, likes):
-            if np.isscalar(like):  # a number has no memory to write into
+            if isinstance(like, (int, float, complex, np.generic)):  # no memory to write
                 raise ValueError(f"inplace=True needs arrays, got a {describe_type(like)}; "
                                  f"pass an array, or drop inplace=True")
             _check_writeable(array, like, "inplace=True")

@@ -31,6 +31,7 @@ from . import dispatch, engine
 from ._nest import flatten
 from .backends import get_backend
 from .backends.capabilities import probe_gpus
+from .backends.interop import is_native, restore, to_native
 from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
@@ -74,9 +75,31 @@ def _per_replica(value: Any) -> DistributedValues:
                 f"(np.stack(...)) to reduce it as one tensor"
             )
         value = np.asarray(value)
-    array = np.asarray(value) if np.isscalar(value) else value
-    get_backend(array)  # TypeError for things no backend handles
-    return PerReplica([array])
+    # (anything but an array is refused by _native, which every caller applies next)
+    return PerReplica([np.asarray(value) if np.isscalar(value) else value])
+
+
+def _native(value: DistributedValues) -> tuple[DistributedValues, Any]:
+    """``value`` with its components as NumPy/CuPy arrays sharing their memory (PyTorch,
+    JAX, DLPack, ... at the edge), and the component whose type the results take (None
+    when every component is NumPy or CuPy already: nothing to convert back)."""
+    components = value.values
+    if all(is_native(c) for c in components):
+        return value, None
+    converted = [c if is_native(c) else np.asarray(c) if np.isscalar(c)
+                 else to_native(c, "reduce") for c in components]
+    like = next(c for c in components if not is_native(c))
+    return type(value)._trusted(converted, value.device_set), like
+
+
+def _restored(result: Any, like: Any) -> Any:
+    """A reduction's result (an array or a DistributedValues) as ``like``'s array type."""
+    if like is None:
+        return result
+    if isinstance(result, DistributedValues):
+        return type(result)._trusted([restore(c, like) for c in result.values],
+                                     result.device_set)
+    return restore(result, like)
 
 
 def _destinations(destinations: Any) -> tuple[Device, ...]:
@@ -204,7 +227,8 @@ class CrossDeviceOps(abc.ABC):
         try:
             options = self._options(options)
             op = _reduce_op(reduce_op)
-            value = _per_replica(per_replica_value)
+            given = _per_replica(per_replica_value)
+            value, like = _native(given)
             dest = _destinations(destinations)
             signature = (f"{type(self).__name__}.reduce op={op.name} value={_describe(value)} "
                          f"match={_same_devices(value.device_set, dest, comm)} "
@@ -216,8 +240,8 @@ class CrossDeviceOps(abc.ABC):
         self._check_implementation(options)
         if comm.Get_size() == 1 and len(value) == 1 and \
                 _same_devices(value.device_set, dest, comm):
-            return value.values[0]  # TF's shortcut: no arithmetic
-        return single(self.reduce_implementation(op, value, dest, options))
+            return given.values[0]  # TF's shortcut: no arithmetic
+        return _restored(single(self.reduce_implementation(op, value, dest, options)), like)
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Any,
                      options: CommunicationOptions | None = None) -> list[Any]:
@@ -234,7 +258,7 @@ class CrossDeviceOps(abc.ABC):
         try:
             options = self._options(options)
             op = _reduce_op(reduce_op)
-            pairs = self._pairs(value_destination_pairs)
+            pairs, likes = self._pairs(value_destination_pairs)
             match = self._all_match(pairs, comm)
             signature = (f"{type(self).__name__}.batch_reduce op={op.name} match={match} "
                          f"options={options} " + _batch_signature([v for v, _ in pairs]))
@@ -244,9 +268,10 @@ class CrossDeviceOps(abc.ABC):
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
-            return [v.values[0] for v, _ in pairs]  # TF's shortcut
-        return [single(r) for r in self.batch_reduce_implementation(op, pairs, options,
-                                                                     match=match)]
+            return [_restored(v.values[0], like)  # TF's shortcut
+                    for (v, _), like in zip(pairs, likes)]
+        reduced = self.batch_reduce_implementation(op, pairs, options, match=match)
+        return [_restored(single(r), like) for r, like in zip(reduced, likes)]
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every destination device on every rank.
@@ -259,7 +284,7 @@ class CrossDeviceOps(abc.ABC):
         signature = error = None
         try:
             dest = _destinations(destinations)
-            array = np.asarray(tensor) if np.isscalar(tensor) else tensor
+            array = np.asarray(tensor) if np.isscalar(tensor) else to_native(tensor, "broadcast")
             backend = get_backend(array)
             signature = f"broadcast {tuple(array.shape)}:{array.dtype} to {len(dest)}"
         except (ValueError, TypeError) as exc:
@@ -270,9 +295,11 @@ class CrossDeviceOps(abc.ABC):
             backend.synchronize()
             comm.Bcast(backend.comm_view(buf), root=0)
         result = buf.reshape(array.shape)
+        like = None if is_native(tensor) else tensor
         if len(dest) == 1:
-            return result  # one destination: the tensor itself, as in TF
-        return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])
+            return _restored(result, like)  # one destination: the tensor itself, as in TF
+        return _restored(Mirrored([result] + [result.copy() for _ in dest[1:]],
+                                  [str(d) for d in dest]), like)
 
     # -- hooks for subclasses
 
@@ -317,7 +344,10 @@ class CrossDeviceOps(abc.ABC):
         return options
 
     @staticmethod
-    def _pairs(value_destination_pairs: Any) -> list[tuple[DistributedValues, Any]]:
+    def _pairs(value_destination_pairs: Any,
+               ) -> tuple[list[tuple[DistributedValues, Any]], list[Any]]:
+        """The pairs with their values as NumPy/CuPy arrays (:func:`_native`), and per
+        pair the component whose type its result takes (None: nothing to convert)."""
         if isinstance(value_destination_pairs, Iterator):
             value_destination_pairs = list(value_destination_pairs)  # a generator, as TF 2.21
         if not isinstance(value_destination_pairs, (list, tuple)):
@@ -328,7 +358,7 @@ class CrossDeviceOps(abc.ABC):
         if not value_destination_pairs:
             raise ValueError("`value_destination_pairs` is empty: give at least one "
                              "(value, destinations) pair")
-        pairs = []
+        pairs, likes = [], []
         for index, pair in enumerate(value_destination_pairs):
             if not isinstance(pair, tuple):
                 raise ValueError(f"Each element of `value_destination_pairs` should be a "
@@ -341,8 +371,10 @@ class CrossDeviceOps(abc.ABC):
                 value = _per_replica(value)
             if dest is not value:  # (a value is valid destinations for itself)
                 _destinations(dest)
-            pairs.append((value, dest))
-        return pairs
+            native, like = _native(value)
+            pairs.append((native, native if dest is value else dest))
+            likes.append(like)
+        return pairs, likes
 
     @staticmethod
     def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Comm) -> bool:

@@ -68,9 +68,9 @@ def to_native(value: Any, what: str = "reduce") -> Any:
         array = np.asarray(value)
         if array.dtype.kind not in "OUSV" or array.dtype.names is not None:
             return array
-    elif isinstance(value, (list, tuple)):
-        array = np.asarray(value) if _numbers(value) else None
-        if array is not None and array.dtype.kind not in "OUSV":
+    elif isinstance(value, (list, tuple)) and _numbers(value):
+        array = np.asarray(value)
+        if array.dtype.kind not in "OUSV":
             return array
     raise TypeError(f"cannot {what} a value of type {describe_type(value)}: expected {_ACCEPTED}")
 
@@ -119,7 +119,10 @@ def restore(result: Any, like: Any) -> Any:
         _NAMESPACES[kind] = namespace
     if namespace is False:
         return result
-    return namespace.from_dlpack(result)
+    try:
+        return namespace.from_dlpack(result)
+    except BufferError:  # a read-only result (e.g. JAX's own memory): hand back a copy
+        return namespace.from_dlpack(result.copy())
 
 
 def _namespace(like: Any) -> Any:

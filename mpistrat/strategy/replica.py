@@ -18,10 +18,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .._nest import flatten, pack_sequence_as
+from ..backends import get_backend
+from ..backends.interop import to_native
 from ..ops import ReduceOp
-from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
-                      select_replica)
+from ..runtime.agreement import agree
+from ..values import DistributedValues, Mirrored, PerReplica, components_of, regroup, select_replica
 from . import context
 from .variables import DistributedVariable, Variable
 
@@ -79,28 +83,45 @@ class ReplicaContext:
         with context._entered(self._strategy, None):
             return merge_fn(self._strategy, *args, **kwargs)
 
-    def all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
-        """All-reduce ``value`` (any nest of arrays) across every replica of every rank.
+    def all_reduce(self, reduce_op: Any, value: Any, options: Any = None, *,
+                   inplace: bool = False, out: Any = None) -> Any:
+        """All-reduce ``value`` (any nest of arrays of any library) across every replica of
+        every rank.
 
         Every replica must call it in the same order with the same structure, shapes and
         dtypes (checked across ranks before any data moves). Returns the same nest, each
-        leaf the reduced array (identical on every replica).
+        leaf the reduced array as the leaf's array type (identical on every replica).
+
+        Args:
+            inplace: write each result into this replica's input leaf (writeable arrays)
+                and return ``value`` itself.
+            out: a nest like ``value`` of arrays to write the results into, returned.
         """
         op = ReduceOp.parse(reduce_op)
         leaves = flatten(value)
         if not leaves:
             return value
         devices = self._strategy.extended.worker_devices
+        targets, problem = _targets(leaves, value, op, inplace, out)
 
-        def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+        def merge_fn(strategy: Any, problems: Any, *per_replica: Any) -> Any:
+            if inplace or out is not None:  # agreed, so a bad target is an error everywhere
+                error = next((ValueError(p) for p in components_of(problems) if p), None)
+                agree(strategy.comm, None if error else f"all_reduce into {len(per_replica)}",
+                      error, "ReplicaContext.all_reduce")
             values = [_contributions(v, devices) for v in per_replica]
             reduced = strategy.extended.batch_reduce_to(op, [(v, v) for v in values],
                                                         options=options)
             return tuple(PerReplica(m.values, m.devices) if isinstance(m, DistributedValues)
                          and len(m.values) > 1 else components_of(m)[0] for m in reduced)
 
-        reduced = self.merge_call(merge_fn, args=tuple(leaves))
-        return pack_sequence_as(value, list(reduced))
+        reduced = self.merge_call(merge_fn, args=(problem, *leaves))
+        if targets is None:
+            return pack_sequence_as(value, list(reduced))
+        for target, result in zip(targets, reduced):
+            native = to_native(target, "write the result into")
+            get_backend(native).copy(native, to_native(result))
+        return value if inplace else out
 
     def all_gather(self, value: Any, axis: int = 0, options: Any = None) -> Any:
         """Concatenate every replica's ``value`` (a nest of arrays) along ``axis``, in
@@ -121,6 +142,38 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica {self._replica_id} of {self.num_replicas_in_sync}, "
                 f"{type(self._strategy).__name__})")
+
+
+def _targets(leaves: list[Any], value: Any, op: ReduceOp, inplace: bool, out: Any,
+             ) -> tuple[list[Any] | None, str | None]:
+    """The arrays ``all_reduce`` writes into (None: new arrays), and what is wrong with
+    them on this replica (None: nothing), checked before any data moves."""
+    if not inplace and out is None:
+        return None, None
+    if inplace and out is not None:
+        return None, "inplace=True writes into the inputs: drop out, or inplace"
+    try:
+        targets = leaves if inplace else flatten(out)
+        if len(targets) != len(leaves):
+            return None, (f"out has {len(targets)} arrays, value {len(leaves)}: give out "
+                          f"the structure of value")
+        for index, (target, leaf) in enumerate(zip(targets, leaves)):
+            native, source = to_native(target, "write the result into"), to_native(leaf)
+            dtype = np.dtype(np.float64) if op is ReduceOp.MEAN and source.dtype.kind in "iu" \
+                else source.dtype
+            if tuple(native.shape) != tuple(source.shape) or native.dtype != dtype:
+                return None, (f"leaf {index}: the result has shape {tuple(source.shape)} and "
+                              f"dtype {dtype}, the array to write it into "
+                              f"{tuple(native.shape)} and {native.dtype}"
+                              + ("; MEAN of integers is float64: use out, or op='sum'"
+                                 if inplace else ""))
+            if not getattr(native, "flags", None) or not native.flags.writeable:
+                return None, (f"leaf {index} is read-only ({type(target).__name__}); write "
+                              f"into writeable arrays" + (" (JAX arrays are immutable)"
+                                                          if inplace else ""))
+    except TypeError as exc:
+        return None, str(exc)
+    return targets, None
 
 
 class ValueContext:
