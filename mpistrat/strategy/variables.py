@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.interop import to_native
 from ..ops import ReduceOp
 from ..runtime.agreement import agree
 from ..values import Mirrored, PerReplica, components_of, select_replica
@@ -203,7 +204,11 @@ class Variable(metaclass=_VariableMeta):
 def _as_array(value: Any) -> np.ndarray:
     if isinstance(value, Mirrored):  # e.g. a reduce_to result: every copy is the same
         value = value.primary
-    return np.asarray(value.numpy() if isinstance(value, Variable) else value)
+    if isinstance(value, Variable):
+        return value.numpy()
+    if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
+        return np.asarray(value)
+    return to_native(value, "use as a variable's value")  # other libraries' arrays
 
 
 def _initial(initial_value: Any, dtype: Any) -> np.ndarray:

@@ -240,4 +240,10 @@ def test_variables_take_other_libraries_values(world, lib):
         v = ms.Variable(lib.full((3,), 0.0))
     v.assign(lib.full((3,), 2.0))
     v.assign_add(lib.full((3,), 1.0))
-    _check(world, [v.numpy()], [np.full(3, 3.0)], "variable")
+    values = [v.numpy()]
+    if lib.name == "torch":  # a Parameter (requires grad) initialises a variable too
+        import torch
+
+        with strategy.scope():
+            values.append(ms.Variable(torch.nn.Parameter(torch.full((3,), 3.0))).numpy())
+    _check(world, values, [np.full(3, 3.0)] * len(values), "variable")
