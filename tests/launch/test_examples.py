@@ -62,3 +62,18 @@ def test_custom_loop_on_three_ranks_with_two_replicas():
     match = re.search(r"final mse (\S+); largest weight error (\S+) \(6 replicas\)", out)
     assert match, out
     assert float(match.group(1)) < 1e-3 and float(match.group(2)) < 1e-2
+
+
+def test_digits_torch_on_two_ranks_trains_the_one_process_model():
+    pytest.importorskip("torch", reason="the example trains a PyTorch CNN")
+    args = ("examples/digits_torch.py", "--epochs", "3")
+    runs = [_run(n, *args) for n in (1, 2)]
+    found = [re.search(r"final test accuracy (\S+)  parameter sum (\S+)", out) for out in runs]
+    assert all(found), runs
+    (acc_one, sum_one), (acc_two, sum_two) = [(float(m.group(1)), float(m.group(2)))
+                                              for m in found if m]
+    assert acc_two >= 0.8
+    assert abs(acc_one - acc_two) <= 1 / 360  # at most one of the 360 test images differs
+    # the same global batches and MEAN-reduced gradients: equal up to float rounding
+    assert sum_two == pytest.approx(sum_one, rel=1e-5, abs=1e-4)
+    assert "2 ranks" in runs[1] and "1 ranks" in runs[0]
