@@ -8,17 +8,29 @@ What happens on every rank, in order:
    or the buffer protocol) become NumPy or CuPy arrays sharing their memory; the op and
    the spec are parsed and each tensor's spec entry is chosen by its byte size;
 2. unless ``check=False``, the ranks agree that they all asked for the same thing (the
-   form, shapes, dtypes, op, spec, ``inplace``, ``out``) with one small ``Allreduce`` of
-   a hash; a rank whose arguments were invalid takes part too, so a mistake on one rank
-   raises the same error on every rank instead of leaving the others waiting;
+   form, shapes, dtypes, op, spec, ``inplace``, ``out``): every rank contributes a
+   fixed-size block (a header holding a hash of its call) to one allgather (the
+   *exchange* of :mod:`mpistrat.runtime.agreement`); a rank whose arguments were invalid
+   takes part too, so a mistake on one rank raises the same error on every rank instead
+   of leaving the others waiting;
 3. the chosen entries are checked against the job's layout (e.g. shards above the number
    of gather ranks) — identical on every rank, so it fails everywhere or nowhere;
-4. one tensor: its ``G`` local replicas are combined (in replica order), the algorithm
-   reduces the result across ranks (in place when it can), MEAN divides by ``W * G``;
-   a batch: the tensors go to their spec entries by size and are packed as
+4. one array of at most ``FUSED_BYTES`` (4 KiB) of host memory, on up to
+   ``FUSED_RANKS`` (16) ranks, is **small**: its data travels in the exchange's block
+   (with ``check=False``, in one allgather of the data alone), and every rank reduces the
+   ``W`` gathered arrays itself, in rank order (``((x0 + x1) + x2) + ...``), so one
+   collective does the whole call; the spec's algorithm does not run;
+5. otherwise, one tensor: its ``G`` local replicas are combined (in replica order), the
+   algorithm reduces the result across ranks (in place when it can), MEAN divides by
+   ``W * G``; a batch: the tensors go to their spec entries by size and are packed as
    ``MultiWorkerAllReduce.batch_reduce`` packs them (the algorithms read the packs
    straight from the tensors). Results are written into the inputs (``inplace=True``),
    into ``out``, or into new arrays, and come back as the caller's array type.
+
+Calls are planned once: what a call needs beyond its arrays (the parsed op and spec, the
+signature's hash, the views on the exchange's buffers) is kept per communicator, keyed by
+the array's shape and dtype and the arguments, so a loop of small calls costs one
+allgather and a few NumPy operations.
 
 Inputs are never modified unless ``inplace=True``. Results are bitwise identical on
 every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the dtype.
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,17 +49,29 @@ import numpy as np
 from . import algorithms, dispatch, engine
 from .backends import get_backend
 from .backends.interop import describe_type, restore, to_native
+from .backends.numpy_backend import UFUNCS
 from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
 from .runtime._commcache import comm_cache
 from .runtime._mpi import Comm, world
-from .runtime.agreement import agree
+from .runtime.agreement import (
+    FUSED_BYTES,
+    FUSED_RANKS,
+    HEADER_BYTES,
+    Exchange,
+    agree_exchange,
+    exchange,
+    signature_code,
+)
 from .runtime.topology import env_ranks_per_node
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
 from .values import PerReplica
 
-__all__ = ["all_reduce", "CollectiveMismatchError"]
+__all__ = ["all_reduce", "CollectiveMismatchError", "FUSED_BYTES", "FUSED_RANKS"]
+
+_WHAT = "all_reduce"
+_HINT = "the same form (one array, a batch, or replicas), shapes, dtypes, op and spec"
 
 
 @dataclass(frozen=True)
@@ -63,6 +88,8 @@ class _Call:
     entry: AllReduceSpecTuple
     inplace: bool
     ranks_per_node: int | None
+    replicas: bool            # given as a PerReplica (a list comes back)
+    small: bool               # reduced inside the exchange (see the module docstring)
 
     @property
     def signature(self) -> str:
@@ -70,7 +97,8 @@ class _Call:
         first = self.arrays[0]
         text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
                 f"op={self.op.name} spec={self.spec} inplace={self.inplace} "
-                f"out={self.outs is not None}")
+                f"out={self.outs is not None} form={'replicas' if self.replicas else 'one'} "
+                f"via={'exchange' if self.small else 'algorithm'}")
         if algorithms.get(self.entry.alg).hierarchical:
             text += _node_grouping(self.ranks_per_node)
         return text
@@ -213,7 +241,9 @@ def _warn_list_of_replicas(items: list[Any]) -> None:
 
 
 def _prepare(value: Any, op: Any, spec: Any, inplace: bool, out: Any,
-             ranks_per_node: int | None) -> _Call | _Batch:
+             ranks_per_node: int | None, size: int) -> _Call | _Batch:
+    """Parse and check one call's arguments on this rank (no communication); ``size``:
+    the communicator's."""
     reduce_op = ReduceOp.parse(op)
     _check_rpn(ranks_per_node)
     parsed = _spec(spec)
@@ -248,8 +278,11 @@ def _prepare(value: Any, op: Any, spec: Any, inplace: bool, out: Any,
     outs, out_likes = (None, []) if out is None else _outs(
         out, len(arrays), first.shape, _result_dtype(first.dtype, reduce_op),
         "replicas" if isinstance(value, PerReplica) else "one")
+    replicas = isinstance(value, PerReplica)
+    small = (not replicas and size <= FUSED_RANKS and first.nbytes <= FUSED_BYTES
+             and backend.name == "numpy")
     return _Call(arrays, likes, outs, out_likes, backend, reduce_op, parsed,
-                 parsed.route(first.nbytes), inplace, ranks_per_node)
+                 parsed.route(first.nbytes), inplace, ranks_per_node, replicas, small)
 
 
 def _is_numbers(value: Any) -> bool:
@@ -276,13 +309,29 @@ def _prepare_batch(items: list[Any], op: ReduceOp, spec: AllReduceSpec, inplace:
     return _Batch(arrays, items, outs, out_likes, op, spec, inplace, ranks_per_node)
 
 
-class _Counter:
-    """How many all-reduces ran on a communicator (rotates shuffle gather ranks)."""
+class _Door:
+    """What ``all_reduce`` keeps per communicator: its plans by call key, its exchange
+    and how many all-reduces ran an algorithm on it (rotates shuffle gather ranks)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("plans", "calls", "size")
 
-    def __init__(self) -> None:
-        self.value = 0
+    def __init__(self, comm: Comm) -> None:
+        self.plans: dict[tuple, Callable[..., Any]] = {}
+        self.calls = 0
+        self.size = comm.Get_size()
+
+
+_LAST: tuple[Any, Any] = (None, None)  # (communicator object, its _Door): the last one used
+
+
+def _door(comm: Comm) -> _Door:
+    global _LAST
+    cache = comm_cache(comm)
+    door = cache.get("all_reduce")
+    if door is None:
+        door = cache["all_reduce"] = _Door(comm)
+    _LAST = (comm, door)
+    return door
 
 
 def all_reduce(
@@ -314,15 +363,22 @@ def all_reduce(
             tensor uses the entry for its byte size.
         comm: an mpi4py intracommunicator (default ``COMM_WORLD``); a ``Dup`` or
             ``Split`` works.
-        check: agree across ranks that every rank passed the same call before
-            communicating (one small Allreduce). Turn it off only for calls whose
-            structure is known to match, e.g. a training loop after its first step.
+        check: agree across ranks that every rank passed the same call before any
+            algorithm runs (one allgather of a fixed-size block per call, which also
+            carries a small array's data: then it is the whole call). Turn it off only
+            for calls whose structure is known to match, e.g. a training loop after its
+            first step; every rank must pass the same ``check``.
         inplace: write the results into the input arrays (writeable ones; JAX arrays are
             immutable) instead of new ones.
         out: arrays to write the results into, shaped like the result: one array, a list
             (batch) or a list / ``PerReplica`` of ``G`` arrays (replicas).
         ranks_per_node: virtual node size for hierarchical algorithms (default
             ``MPISTRAT_RANKS_PER_NODE``, else physical nodes).
+
+    A small call (one array of at most 4 KiB of host memory, up to 16 ranks) gathers
+    every rank's array and reduces them on each rank in rank order, not through the
+    spec's algorithm (whose entry is still checked against the job): the same bits on
+    every rank, with or without ``check``.
 
     Returns:
         The reduced array, as the caller's array type (same shape; the same dtype except
@@ -334,25 +390,146 @@ def all_reduce(
         CollectiveMismatchError: ranks passed different calls (on every rank).
         TopologyError: the spec entry does not fit this job (on every rank).
     """
-    comm = world() if comm is None else comm
+    if comm is None:
+        comm = world()
+    last = _LAST
+    door = last[1] if last[0] is comm else _door(comm)
+    key = None
+    if type(value) is np.ndarray and out is None and ranks_per_node is None:
+        # the planned path: a NumPy array, keyed by everything a plan depends on (a
+        # ranks_per_node of True would find the plan of 1: those calls are not planned)
+        key = (value.shape, value.dtype, op, spec, inplace, check)
+        try:
+            plan = door.plans.get(key)
+        except TypeError:  # an unhashable spec (a list)
+            plan = key = None
+        if plan is not None:
+            result = plan(value)
+            if result is not None:
+                return result
+    return _unplanned(comm, door, key, value, op, spec, check, inplace, out, ranks_per_node)
+
+
+def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, spec: Any,
+               check: bool, inplace: bool, out: Any, ranks_per_node: int | None) -> Any:
+    """A call without a plan: parse and check it, agree (unless ``check=False``), run it;
+    small calls get a plan, kept under ``key`` where their arguments allow."""
     call: _Call | _Batch | None = None
     error = None
     try:
-        call = _prepare(value, op, spec, inplace, out, ranks_per_node)
+        call = _prepare(value, op, spec, inplace, out, ranks_per_node, door.size)
     except (ValueError, TypeError) as exc:
         if not check:
             raise
         error = exc
-    if check:
-        agree(comm, call.signature if call is not None else None, error, "all_reduce",
-              "the same form (one array, a batch, or replicas), shapes, dtypes, op and "
-              "spec")
+    if call is None:
+        agree_exchange(comm, None, error, _WHAT, _HINT)  # raises, on every rank
     assert call is not None
+    if isinstance(call, _Call) and call.small:
+        plan = _small_plan(comm, door, call, check)
+        if key is not None and type(op) in (str, ReduceOp) \
+                and type(spec) in (str, AllReduceSpec):
+            door.plans[key] = plan  # (a tuple spec ("xring", True) would find ("xring", 1))
+        first = call.arrays[0]
+        result = plan(first, call.outs[0] if call.outs is not None else None)
+        if inplace or call.outs is not None:
+            return call.likes[0] if inplace else call.out_likes[0]
+        return restore(result, call.likes[0])
+    if check:
+        agree_exchange(comm, call.signature, None, _WHAT, _HINT)
     if isinstance(call, _Batch):
         return _reduce_batch(comm, call)
+    return _reduce_one(comm, door, call)
+
+
+def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[..., Any]:
+    """The plan of a small call (see the module docstring): ``plan(array, into=None)``
+    reduces ``array`` (shaped and typed as planned, any layout) across the ranks through
+    one allgather, into ``into`` (``out``), into ``array`` itself (``inplace``) or into a
+    new array, and returns the result — or None, without communicating, when the plan no
+    longer applies (the node grouping it agreed on has changed)."""
+    first = call.arrays[0]
+    shape, dtype, op, inplace = first.shape, first.dtype, call.op, call.inplace
+    size = door.size
+    ex = exchange(comm)
+    assert ex is not None  # (small calls run on up to FUSED_RANKS ranks)
+    if check:
+        send, rows = ex.views(shape, dtype)
+    else:  # the data alone, packed: rank r's at r * nbytes
+        send, rows = _packed_views(ex, shape, dtype)
+    head, rest = rows[0], rows[1:]
+    combine = UFUNCS[op.primitive]
+    divisor = size if op is ReduceOp.MEAN else 0
+    integer_mean = divisor and dtype.kind in "iu"
+    scale = None if not divisor or integer_mean else dtype.type(divisor)
+    result_dtype = np.dtype(np.float64) if integer_mean else dtype
+    info = algorithms.get(call.entry.alg)
+    # the node grouping is part of what hierarchical calls agree on, and shared-memory
+    # entries fit only one node: a change of MPISTRAT_RANKS_PER_NODE retires the plan
+    grouping = info.hierarchical or info.single_node
+    agreed_env = env_ranks_per_node() if grouping else None
+    signature = call.signature if check else ""
+    code = signature_code(signature) if check else 0
+    expected = ex.expected(code)
+    fitted = [False]
+    entry, ranks_per_node = call.entry, call.ranks_per_node
+    data = (ex.send[HEADER_BYTES:HEADER_BYTES + first.nbytes],
+            ex.recv[:size * first.nbytes])
+
+    def plan(array: Any, into: Any = None) -> Any:
+        if grouping and env_ranks_per_node() != agreed_env:
+            return None
+        send[...] = array
+        if check:
+            if ex.run(comm, code, _WHAT) != expected:
+                ex.disagree(comm, signature, None, _WHAT, _HINT)
+        else:
+            comm.Allgather(data[0], data[1])
+        if not fitted[0]:  # after the agreement: every rank checks the same entry
+            dispatch.fit(entry.alg, comm, entry.shards, ranks_per_node=ranks_per_node)
+            fitted[0] = True
+        if inplace:
+            into = array
+        if into is None:  # (a ufunc's own result would be a scalar for shape ())
+            into = np.empty(shape, result_dtype)
+        if integer_mean:
+            total = head.copy()
+            for row in rest:
+                combine(total, row, out=total)
+            np.true_divide(total, divisor, out=into)
+            return into
+        if rest:
+            combine(head, rest[0], out=into)
+            for row in rest[1:]:
+                combine(into, row, out=into)
+        else:
+            into[...] = head
+        if scale is not None:
+            np.true_divide(into, scale, out=into)
+        return into
+
+    return plan
+
+
+def _packed_views(ex: Exchange, shape: tuple, dtype: Any) -> tuple[Any, list[Any]]:
+    """Views for ``check=False``: this rank's data in its exchange block's payload area,
+    every rank's packed back to back from the start of the gather buffer."""
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * dtype.itemsize
+    send = ex.send[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).reshape(shape)
+    rows = [ex.recv[r * nbytes:(r + 1) * nbytes].view(dtype).reshape(shape)
+            for r in range(ex.size)]
+    return send, rows
+
+
+def _reduce_one(comm: Comm, door: _Door, call: _Call) -> Any:
+    """One tensor (or its replicas) through the spec's algorithm."""
     arrays, backend, reduce_op = call.arrays, call.backend, call.op
     replicas = len(arrays)
-    workers = comm.Get_size()
+    workers = door.size
+    inplace, ranks_per_node = call.inplace, call.ranks_per_node
     dispatch.fit(call.entry.alg, comm, call.entry.shards, ranks_per_node=ranks_per_node,
                  devices_per_worker=replicas)
 
@@ -367,12 +544,11 @@ def all_reduce(
             backend.copy(targets[0], first)
     sources = [] if into is not None else \
         [algorithms.Source.of(engine.flat(array, backend)) for array in arrays]
-    counter = comm_cache(comm).setdefault("all_reduce_calls", _Counter())
     buf = engine.reduce_sources(comm, reduce_op, call.entry.alg, call.entry.shards, sources,
-                                counter.value, checked=True, ranks_per_node=ranks_per_node,
+                                door.calls, checked=True, ranks_per_node=ranks_per_node,
                                 into=into, backend=backend)
     if workers > 1 and buf.size:
-        counter.value += 1
+        door.calls += 1
     buf = engine.mean(buf, reduce_op, workers * replicas)
     result = buf.reshape(first.shape)
     if targets is not None:
@@ -383,7 +559,7 @@ def all_reduce(
     else:
         outputs = [result] + [result.copy() for _ in arrays[1:]]
         handed = [restore(o, like) for o, like in zip(outputs, call.likes)]
-    if isinstance(value, PerReplica):
+    if call.replicas:
         return list(handed)
     return handed[0]
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from . import stall
+from ._commcache import comm_cache
 from ._mpi import Comm, mpi
 
-__all__ = ["agree"]
+__all__ = ["agree", "agree_exchange", "exchange", "Exchange", "signature_code", "FAILED",
+           "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES"]
 
 
 def agree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
@@ -64,6 +66,15 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
         if notes is not None:  # every rank agreed on this timeout, so every rank sent one
             notes.finish(range(comm.Get_size()))
         return
+    _disagree(comm, signature, error, what, hint, timeout, notes)
+
+
+def _disagree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
+              hint: str, timeout: float | None = None, notes: _Notes | None = None,
+              ) -> NoReturn:
+    """The ranks did not agree: exchange descriptions (one ``allgather``) and raise on
+    every rank: this rank's own error if its arguments failed, else a
+    :class:`CollectiveMismatchError` naming every rank's call."""
     mine = f"{type(error).__name__}: {error}" if error is not None else signature
     everyone = comm.allgather((error is not None, mine, timeout is not None))
     timed = [rank for rank, (_, _, has_timeout) in enumerate(everyone) if has_timeout]
@@ -75,8 +86,8 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
     detail = "; ".join(f"rank {rank}: {text}" for rank, (_, text, _) in enumerate(everyone))
     if error is not None:
         raise error
-    if failed:
-        bad = [rank for rank, (erred, _, _) in enumerate(everyone) if erred]
+    bad = [rank for rank, (erred, _, _) in enumerate(everyone) if erred]
+    if bad:
         raise CollectiveMismatchError(
             f"{what} failed on rank(s) {bad} before communicating ({detail}); fix the "
             f"arguments there: every rank must pass a valid, identical call"
@@ -144,3 +155,129 @@ def _allreduce_within(comm: Comm, flags: np.ndarray, timeout: float, what: str) 
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
     return notes
+
+
+# -- the exchange: an agreement that carries a small payload ---------------------------------
+
+FUSED_RANKS = 16
+"""Up to this many ranks, a communicator's :class:`Exchange` is an allgather of fixed-size
+blocks (header and payload); above it the exchange carries no payload and is
+:func:`agree`'s 24-byte ``Iallreduce`` (a gather grows with the ranks)."""
+
+FUSED_BYTES = 4096
+"""The payload a block carries: ``all_reduce`` of one array of up to this many bytes
+travels inside its agreement."""
+
+HEADER_BYTES = 64
+"""A block's header: the signature code (int64) in its first word, zeros after (the
+payload starts 64-byte aligned)."""
+
+FAILED = -1
+"""The code of a rank whose arguments failed (a signature's code is never negative)."""
+
+
+def signature_code(text: str) -> int:
+    """A call's signature as a non-negative int64 (a 62-bit hash of the text)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
+                          "little") >> 2
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` zeroed bytes starting on a 64-byte boundary."""
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes]
+
+
+class Exchange:
+    """The first collective of a checked ``all_reduce`` on one communicator of ``size``
+    ranks (at most :data:`FUSED_RANKS`): every rank contributes one block of
+    ``HEADER_BYTES + FUSED_BYTES`` bytes to an allgather — the same count and datatype on
+    every rank whatever it was asked to do, so the call is well defined even when the
+    ranks disagree. A block's header holds the code of the rank's signature
+    (:data:`FAILED` when its arguments failed); its payload area holds the rank's data
+    when the call is small enough, else nothing. After the allgather every rank has every
+    rank's header (the call agreed if they are all its own code) and, for small calls,
+    every rank's data, reduced locally in rank order (bitwise the same on every rank).
+
+    The buffers live as long as the communicator (:func:`exchange`): calls on one
+    communicator are sequential (an MPI rule for collectives), so one set serves them all.
+    """
+
+    __slots__ = ("size", "block", "send", "recv", "code", "codes", "blocking")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.block = HEADER_BYTES + FUSED_BYTES
+        self.send = _aligned(self.block)
+        self.recv = _aligned(size * self.block)
+        self.code = self.send[:8].view(np.int64)  # this rank's header word
+        self.codes = self.recv.view(np.int64)[::self.block // 8]  # every rank's
+
+    def views(self, shape: tuple, dtype: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Views of ``shape`` and ``dtype`` (at most :data:`FUSED_BYTES`) on this rank's
+        payload area and on every rank's, in rank order."""
+        dtype = np.dtype(dtype)
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * dtype.itemsize
+        if nbytes > FUSED_BYTES:
+            raise ValueError(f"{nbytes} bytes do not fit an exchange block")
+
+        def at(buffer: np.ndarray, offset: int) -> np.ndarray:
+            return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+
+        return (at(self.send, HEADER_BYTES),
+                [at(self.recv, rank * self.block + HEADER_BYTES) for rank in range(self.size)])
+
+    def expected(self, code: int) -> bytes:
+        """What :attr:`codes` holds, as bytes, when every rank sent ``code``."""
+        return code.to_bytes(8, "little", signed=True) * self.size
+
+    def run(self, comm: Comm, code: int, what: str) -> bytes:
+        """Send ``code`` with whatever the payload area holds, gather every rank's
+        block; return every rank's code as bytes (compare with :meth:`expected`).
+
+        Watched (:func:`mpistrat.runtime.stall.watch`): a non-blocking allgather polled
+        like :func:`agree`'s; else a blocking one (the watch is process-wide and set up
+        collectively, so every rank makes the same choice)."""
+        self.code[0] = code
+        watch = stall.current()
+        if watch is None:
+            comm.Allgather(self.send, self.recv)
+        else:
+            watch.wait(comm, comm.Iallgather(self.send, self.recv), what)
+        return self.codes.tobytes()
+
+    def disagree(self, comm: Comm, signature: str | None, error: BaseException | None,
+                 what: str, hint: str) -> NoReturn:
+        """Raise on every rank after an exchange that did not agree (as :func:`agree`
+        does: this rank's own error, or a :class:`CollectiveMismatchError`)."""
+        _disagree(comm, signature, error, what, hint)
+
+
+def exchange(comm: Comm) -> Exchange | None:
+    """``comm``'s :class:`Exchange` (made on first use), or None for a communicator of
+    more than :data:`FUSED_RANKS` ranks (use :func:`agree`)."""
+    cache = comm_cache(comm)
+    found = cache.get("exchange", False)
+    if found is False:
+        size = comm.Get_size()
+        found = cache["exchange"] = Exchange(size) if size <= FUSED_RANKS else None
+    return found
+
+
+def agree_exchange(comm: Comm, signature: str | None, error: BaseException | None,
+                   what: str, hint: str = "the same call") -> Exchange | None:
+    """:func:`agree` for a call that starts with an :class:`Exchange` but has no payload
+    in it: the exchange with an empty payload area (or, above :data:`FUSED_RANKS` ranks,
+    :func:`agree`). Returns the exchange (None above :data:`FUSED_RANKS`)."""
+    found = exchange(comm)
+    if found is None:
+        agree(comm, signature, error, what, hint)
+        return None
+    code = FAILED if signature is None else signature_code(signature)
+    if found.run(comm, code, what) != found.expected(code) or error is not None:
+        found.disagree(comm, signature, error, what, hint)
+    return found

@@ -149,14 +149,22 @@ class Watch:
     def allreduce(self, comm: Comm, flags: Any, what: str) -> None:
         """``comm.Iallreduce(IN_PLACE, flags, MAX)``, watched."""
         MPI = mpi()
+        self.wait(comm, comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX), what,
+                  sys._getframe(1))
+
+    def wait(self, comm: Comm, request: Any, what: str, frame: Any = None) -> None:
+        """Wait for ``request``, the first collective of an agreement on ``comm`` (every
+        rank's agreement must start with the same collective), watched like
+        :meth:`allreduce`. ``frame``: where the collective was called (default: the
+        caller's frame)."""
         channel = self._channel(comm)
-        request = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         if channel is None:
             request.Wait()
             return
         channel.seq += 1
         now = time.monotonic()
-        entry = [what, channel, channel.seq, now, None, _outermost(sys._getframe(1)), 0.0, now]
+        entry = [what, channel, channel.seq, now, None,
+                 _outermost(frame if frame is not None else sys._getframe(1)), 0.0, now]
         self.active[threading.get_ident()] = entry
         self._drain()
         if not request.Test():
