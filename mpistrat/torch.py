@@ -45,12 +45,14 @@ except ImportError as _missing:  # torch is an optional extra
         "pip install 'mpistrat[torch]' (the CPU build is enough)"
     ) from _missing
 
-from .allreduce import all_reduce
+from . import dispatch
+from .backends import get_backend
 from .ops import ReduceOp
 from .runtime._mpi import Comm, world
 from .runtime.agreement import agree
 from .runtime.shared import shared_empty
 from .runtime.topology import get_topology
+from .spec import parse_spec
 
 __all__ = ["DistributedDataParallel", "broadcast_parameters", "broadcast_optimizer_state",
            "DEFAULT_BUCKET_BYTES"]
@@ -233,8 +235,8 @@ class DistributedDataParallel(torch.nn.Module):
                 _numpy_dtype(p.dtype)
             if spec is None:
                 spec = "shm" if get_topology(self.comm).num_nodes == 1 else "shm/rechd"
-            self.spec = spec
-            signature = (f"op={self.op.name} spec={spec!r} bucket_bytes={bucket_bytes} "
+            self.spec = parse_spec(spec)
+            signature = (f"op={self.op.name} spec={self.spec} bucket_bytes={bucket_bytes} "
                          f"root={root} broadcast={broadcast} params="
                          + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params))
         except (TypeError, ValueError) as exc:
@@ -247,6 +249,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._size = self.comm.Get_size()
         self._buckets, self._bucket_of, self._views, self._counts = \
             self._make_buckets(bucket_bytes)
+        # the spec entry of every bucket, checked once against the job's layout (on every
+        # rank alike); each step then runs the algorithms without re-checking
+        self._routes = [self.spec.route(b.array.nbytes) for b in self._buckets]
+        for entry in set(self._routes):
+            dispatch.fit(entry.alg, self.comm, entry.shards)
+        self._backend = get_backend(self._counts)
+        self._calls = 0  # all-reduces run (rotates pscpu's gather ranks)
         self._sync = True
         self._task: int | None = None  # the backward pass being reduced
         self._next = 0  # the next bucket to reduce, in order
@@ -366,7 +375,7 @@ class DistributedDataParallel(torch.nn.Module):
         bucket = self._buckets[self._bucket_of[index]]
         bucket.pending -= 1
         while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-            self._reduce(self._buckets[self._next])
+            self._reduce(self._next)
             self._next += 1
 
     def _fill(self, index: int, param: torch.Tensor) -> None:
@@ -387,11 +396,17 @@ class DistributedDataParallel(torch.nn.Module):
         self._filled[index] = True
         self._had[index] = True
 
-    def _reduce(self, bucket: _Bucket) -> None:
-        if bucket is self._buckets[-1]:
+    def _reduce(self, index: int) -> None:
+        """All-reduce bucket ``index`` in place (SUM: MEAN's division came with the copy)."""
+        bucket = self._buckets[index]
+        if index == len(self._buckets) - 1:
             self._counts[:] = self._had
         if self._size > 1:
-            all_reduce(bucket.array, "sum", self.spec, self.comm, check=False, inplace=True)
+            entry = self._routes[index]
+            dispatch.run(entry.alg, self.comm, bucket.array, op=ReduceOp.SUM,
+                         shards=entry.shards, backend=self._backend, rotation=self._calls,
+                         checked=True)
+            self._calls += 1
 
     def _finish(self) -> None:
         """End of backward: zeros for the parameters this rank has no gradient for, the
@@ -405,8 +420,8 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 self._views[index].zero_()
                 self._filled[index] = True
-        for bucket in self._buckets[self._next:]:
-            self._reduce(bucket)
+        for index in range(self._next, len(self._buckets)):
+            self._reduce(index)
         self._next = len(self._buckets)
         if not self._had.all() or self._counts.min() == 0:
             for index, param in enumerate(self._params):
