@@ -53,13 +53,12 @@ from .backends.numpy_backend import UFUNCS
 from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
+from .runtime import stall
 from .runtime._commcache import comm_cache
 from .runtime._mpi import Comm, world
 from .runtime.agreement import (
     FUSED_BYTES,
     FUSED_RANKS,
-    HEADER_BYTES,
-    Exchange,
     agree_exchange,
     exchange,
     signature_code,
@@ -313,15 +312,24 @@ class _Door:
     """What ``all_reduce`` keeps per communicator: its plans by call key, its exchange
     and how many all-reduces ran an algorithm on it (rotates shuffle gather ranks)."""
 
-    __slots__ = ("plans", "calls", "size")
+    __slots__ = ("plans", "last", "calls", "size")
 
     def __init__(self, comm: Comm) -> None:
         self.plans: dict[tuple, Callable[..., Any]] = {}
+        self.last: tuple = (None,) * 7  # the last plan used: its key, then the plan
         self.calls = 0
         self.size = comm.Get_size()
 
 
 _LAST: tuple[Any, Any] = (None, None)  # (communicator object, its _Door): the last one used
+
+
+_WORLD: list[Comm] = []
+
+
+def _world() -> Comm:
+    _WORLD.append(world())
+    return _WORLD[0]
 
 
 def _door(comm: Comm) -> _Door:
@@ -391,18 +399,26 @@ def all_reduce(
         TopologyError: the spec entry does not fit this job (on every rank).
     """
     if comm is None:
-        comm = world()
+        comm = _WORLD[0] if _WORLD else _world()
     last = _LAST
     door = last[1] if last[0] is comm else _door(comm)
-    key = None
+    key: tuple | None = None
     if type(value) is np.ndarray and out is None and ranks_per_node is None:
         # the planned path: a NumPy array, keyed by everything a plan depends on (a
-        # ranks_per_node of True would find the plan of 1: those calls are not planned)
-        key = (value.shape, value.dtype, op, spec, inplace, check)
-        try:
-            plan = door.plans.get(key)
-        except TypeError:  # an unhashable spec (a list)
-            plan = key = None
+        # ranks_per_node of True would find the plan of 1: those calls are not planned);
+        # the same arguments as the last call: found by identity, cheaper than hashing
+        hit = door.last
+        if value.dtype is hit[1] and op is hit[2] and spec is hit[3] \
+                and inplace is hit[4] and check is hit[5] and value.shape == hit[0]:
+            plan = hit[6]
+        else:
+            key = (value.shape, value.dtype, op, spec, inplace, check)
+            try:
+                plan = door.plans.get(key)
+            except TypeError:  # an unhashable spec (a list)
+                plan = key = None
+            if plan is not None:
+                door.last = (*key, plan)  # type: ignore[misc]
         if plan is not None:
             result = plan(value)
             if result is not None:
@@ -430,6 +446,7 @@ def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, 
         if key is not None and type(op) in (str, ReduceOp) \
                 and type(spec) in (str, AllReduceSpec):
             door.plans[key] = plan  # (a tuple spec ("xring", True) would find ("xring", 1))
+            door.last = (*key, plan)
         first = call.arrays[0]
         result = plan(first, call.outs[0] if call.outs is not None else None)
         if inplace or call.outs is not None:
@@ -444,25 +461,28 @@ def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, 
 
 def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[..., Any]:
     """The plan of a small call (see the module docstring): ``plan(array, into=None)``
-    reduces ``array`` (shaped and typed as planned, any layout) across the ranks through
-    one allgather, into ``into`` (``out``), into ``array`` itself (``inplace``) or into a
-    new array, and returns the result — or None, without communicating, when the plan no
-    longer applies (the node grouping it agreed on has changed)."""
+    reduces ``array`` (shaped and typed as planned, any layout) across the ranks, into
+    ``into`` (``out``), into ``array`` itself (``inplace``) or into a new array, and
+    returns the result — or None, without communicating, when the plan no longer applies
+    (the node grouping it agreed on has changed).
+
+    Checked, the data rides in the exchange's blocks when they have room for it; when
+    not (the first small call of this size on the communicator), the agreement goes
+    first and the data follows in a second allgather, after which the blocks have room.
+    Unchecked, one allgather of the data alone."""
     first = call.arrays[0]
-    shape, dtype, op, inplace = first.shape, first.dtype, call.op, call.inplace
+    shape, dtype, op, inplace, nbytes = first.shape, first.dtype, call.op, call.inplace, \
+        first.nbytes
     size = door.size
     ex = exchange(comm)
     assert ex is not None  # (small calls run on up to FUSED_RANKS ranks)
-    if check:
-        send, rows = ex.views(shape, dtype)
-    else:  # the data alone, packed: rank r's at r * nbytes
-        send, rows = _packed_views(ex, shape, dtype)
-    head, rest = rows[0], rows[1:]
+    send = ex.payload(shape, dtype)
+    packed = ex.packed(nbytes)
+    packed_rows = ex.rows(shape, dtype, packed=True)
     combine = UFUNCS[op.primitive]
     divisor = size if op is ReduceOp.MEAN else 0
-    integer_mean = divisor and dtype.kind in "iu"
+    integer_mean = bool(divisor) and dtype.kind in "iu"
     scale = None if not divisor or integer_mean else dtype.type(divisor)
-    result_dtype = np.dtype(np.float64) if integer_mean else dtype
     info = algorithms.get(call.entry.alg)
     # the node grouping is part of what hierarchical calls agree on, and shared-memory
     # entries fit only one node: a change of MPISTRAT_RANKS_PER_NODE retires the plan
@@ -473,55 +493,77 @@ def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
     expected = ex.expected(code)
     fitted = [False]
     entry, ranks_per_node = call.entry, call.ranks_per_node
-    data = (ex.send[HEADER_BYTES:HEADER_BYTES + first.nbytes],
-            ex.recv[:size * first.nbytes])
+    zero_d = shape == ()
+    current = stall.current
+    code_word, words = ex.code, ex.words
+    layout: list[Any] = [0, packed_rows[0], None, ()]  # [block size of the rows (0: packed), r0, r1, rest]
+
+    def read(source: list[Any], block: int) -> None:
+        layout[:] = [block, source[0], source[1] if size > 1 else None, tuple(source[2:])]
+
+    read(packed_rows, 0)
 
     def plan(array: Any, into: Any = None) -> Any:
         if grouping and env_ranks_per_node() != agreed_env:
             return None
         send[...] = array
-        if check:
-            if ex.run(comm, code, _WHAT) != expected:
-                ex.disagree(comm, signature, None, _WHAT, _HINT)
+        if not check:
+            comm.Allgather(*packed)
+            if layout[0]:
+                read(packed_rows, 0)
         else:
-            comm.Allgather(data[0], data[1])
+            # the exchange (Exchange.run, inlined: this is the whole call when it fits)
+            fits = nbytes <= ex.capacity
+            code_word[0] = code
+            watch = current()
+            if watch is None:
+                comm.Allgather(*ex.message)
+            else:
+                watch.wait(comm, comm.Iallgather(*ex.message), _WHAT)
+            if (words[0] != code or words[ex.block >> 3] != code) if size == 2 \
+                    else ex.codes.tobytes() != expected:
+                ex.disagree(comm, signature, None, _WHAT, _HINT)
+            if not fits:  # no room in the blocks yet: the data follows, alone
+                comm.Allgather(*packed)
+                ex.grow(nbytes)  # (every rank agreed on this call: they all grow alike)
+                if layout[0]:
+                    read(packed_rows, 0)
+            elif layout[0] != ex.block:
+                read(ex.rows(shape, dtype), ex.block)
         if not fitted[0]:  # after the agreement: every rank checks the same entry
             dispatch.fit(entry.alg, comm, entry.shards, ranks_per_node=ranks_per_node)
             fitted[0] = True
+        _, r0, r1, others = layout
         if inplace:
             into = array
-        if into is None:  # (a ufunc's own result would be a scalar for shape ())
-            into = np.empty(shape, result_dtype)
         if integer_mean:
-            total = head.copy()
-            for row in rest:
+            total = r0.copy()
+            if r1 is not None:
+                combine(total, r1, out=total)
+            for row in others:
                 combine(total, row, out=total)
+            if into is None:
+                into = np.empty(shape, np.float64)
             np.true_divide(total, divisor, out=into)
             return into
-        if rest:
-            combine(head, rest[0], out=into)
-            for row in rest[1:]:
-                combine(into, row, out=into)
-        else:
-            into[...] = head
+        if r1 is None:  # one rank
+            if into is None:
+                into = np.empty(shape, dtype)
+            into[...] = r0
+        elif into is not None:
+            combine(r0, r1, out=into)
+        elif zero_d:  # (a ufunc would give a scalar)
+            into = np.empty(shape, dtype)
+            combine(r0, r1, out=into)
+        else:  # a new array, allocated by the ufunc
+            into = combine(r0, r1)
+        for row in others:
+            combine(into, row, out=into)
         if scale is not None:
             np.true_divide(into, scale, out=into)
         return into
 
     return plan
-
-
-def _packed_views(ex: Exchange, shape: tuple, dtype: Any) -> tuple[Any, list[Any]]:
-    """Views for ``check=False``: this rank's data in its exchange block's payload area,
-    every rank's packed back to back from the start of the gather buffer."""
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = count * dtype.itemsize
-    send = ex.send[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).reshape(shape)
-    rows = [ex.recv[r * nbytes:(r + 1) * nbytes].view(dtype).reshape(shape)
-            for r in range(ex.size)]
-    return send, rows
 
 
 def _reduce_one(comm: Comm, door: _Door, call: _Call) -> Any:

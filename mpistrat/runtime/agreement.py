@@ -192,52 +192,89 @@ def _aligned(nbytes: int) -> np.ndarray:
 class Exchange:
     """The first collective of a checked ``all_reduce`` on one communicator of ``size``
     ranks (at most :data:`FUSED_RANKS`): every rank contributes one block of
-    ``HEADER_BYTES + FUSED_BYTES`` bytes to an allgather — the same count and datatype on
+    ``HEADER_BYTES + capacity`` bytes to an allgather — the same count and datatype on
     every rank whatever it was asked to do, so the call is well defined even when the
     ranks disagree. A block's header holds the code of the rank's signature
     (:data:`FAILED` when its arguments failed); its payload area holds the rank's data
-    when the call is small enough, else nothing. After the allgather every rank has every
-    rank's header (the call agreed if they are all its own code) and, for small calls,
-    every rank's data, reduced locally in rank order (bitwise the same on every rank).
+    when the call is small and fits, else nothing. After the allgather every rank has
+    every rank's header (the call agreed if they are all its own code) and, for small
+    calls that fit, every rank's data, reduced locally in rank order (bitwise the same
+    on every rank).
+
+    ``capacity`` starts at 0 and grows (:meth:`grow`, to at most :data:`FUSED_BYTES`)
+    after an *agreed* small call that did not fit — that call's data then follows in a
+    second allgather — so a loop of small calls sends blocks just large enough, and a
+    job of large calls headers only. It changes only on calls every rank agreed on,
+    identically everywhere, so every rank's next block has the same size.
 
     The buffers live as long as the communicator (:func:`exchange`): calls on one
     communicator are sequential (an MPI rule for collectives), so one set serves them all.
     """
 
-    __slots__ = ("size", "block", "send", "recv", "code", "codes", "blocking")
+    __slots__ = ("size", "capacity", "block", "send", "recv", "code", "codes", "words",
+                 "message")
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.block = HEADER_BYTES + FUSED_BYTES
-        self.send = _aligned(self.block)
-        self.recv = _aligned(size * self.block)
-        self.code = self.send[:8].view(np.int64)  # this rank's header word
-        self.codes = self.recv.view(np.int64)[::self.block // 8]  # every rank's
+        self.send = _aligned(HEADER_BYTES + FUSED_BYTES)
+        self.recv = _aligned(size * (HEADER_BYTES + FUSED_BYTES))
+        # this rank's header word, and the gather buffer as int64 words (rank r's code is
+        # word r * block // 8): memoryviews, whose items cost less to reach than NumPy's
+        self.code = self.send[:8].data.cast("q")
+        self.words = self.recv.data.cast("q")
+        self._resize(0)
 
-    def views(self, shape: tuple, dtype: Any) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Views of ``shape`` and ``dtype`` (at most :data:`FUSED_BYTES`) on this rank's
-        payload area and on every rank's, in rank order."""
+    def _resize(self, capacity: int) -> None:
+        MPI = mpi()
+        self.capacity = capacity
+        self.block = block = HEADER_BYTES + capacity
+        self.codes = self.recv.view(np.int64)[:self.size * block // 8:block // 8]
+        # the allgather's arguments, made once (mpi4py then skips NumPy's buffer export)
+        self.message = ([MPI.buffer(self.send[:block]), MPI.BYTE],
+                        [MPI.buffer(self.recv[:self.size * block]), MPI.BYTE])
+
+    def grow(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` of payload (at most :data:`FUSED_BYTES`) from the next
+        exchange on. Call it on every rank alike: after an agreed call."""
+        if self.capacity < nbytes <= FUSED_BYTES:
+            self._resize(min(FUSED_BYTES, -(-nbytes // 64) * 64))
+
+    def payload(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """A view of ``shape`` and ``dtype`` (at most :data:`FUSED_BYTES`) on this rank's
+        payload area (what it sends, in a block or packed)."""
         dtype = np.dtype(dtype)
-        count = 1
-        for n in shape:
-            count *= n
-        nbytes = count * dtype.itemsize
-        if nbytes > FUSED_BYTES:
-            raise ValueError(f"{nbytes} bytes do not fit an exchange block")
+        nbytes = _nbytes(shape, dtype)
+        return self.send[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).reshape(shape)
 
-        def at(buffer: np.ndarray, offset: int) -> np.ndarray:
-            return buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+    def rows(self, shape: tuple, dtype: Any, packed: bool = False) -> list[np.ndarray]:
+        """Views of ``shape`` and ``dtype`` on every rank's data in the gather buffer, in
+        rank order: in the blocks as they are now (``capacity`` must hold them), or
+        ``packed`` back to back as :meth:`packed` gathers them."""
+        dtype = np.dtype(dtype)
+        nbytes = _nbytes(shape, dtype)
+        stride, start = (nbytes, 0) if packed else (self.block, HEADER_BYTES)
+        if not packed and nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit blocks of {self.capacity}")
+        return [self.recv[r * stride + start:r * stride + start + nbytes].view(dtype)
+                .reshape(shape) for r in range(self.size)]
 
-        return (at(self.send, HEADER_BYTES),
-                [at(self.recv, rank * self.block + HEADER_BYTES) for rank in range(self.size)])
+    def packed(self, nbytes: int) -> tuple[list, list]:
+        """The arguments of an allgather of ``nbytes`` per rank without headers: from this
+        rank's payload area into the start of the gather buffer, rank ``r``'s bytes at
+        ``r * nbytes``. For calls whose structure every rank knows to match (they agreed,
+        or skip the check)."""
+        MPI = mpi()
+        return ([MPI.buffer(self.send[HEADER_BYTES:HEADER_BYTES + nbytes]), MPI.BYTE],
+                [MPI.buffer(self.recv[:self.size * nbytes]), MPI.BYTE])
 
     def expected(self, code: int) -> bytes:
-        """What :attr:`codes` holds, as bytes, when every rank sent ``code``."""
+        """What :meth:`run` returns when every rank sent ``code``."""
         return code.to_bytes(8, "little", signed=True) * self.size
 
     def run(self, comm: Comm, code: int, what: str) -> bytes:
-        """Send ``code`` with whatever the payload area holds, gather every rank's
-        block; return every rank's code as bytes (compare with :meth:`expected`).
+        """Send ``code`` with whatever the payload area holds (``capacity`` bytes of it),
+        gather every rank's block; return every rank's code as bytes (compare with
+        :meth:`expected`).
 
         Watched (:func:`mpistrat.runtime.stall.watch`): a non-blocking allgather polled
         like :func:`agree`'s; else a blocking one (the watch is process-wide and set up
@@ -245,9 +282,9 @@ class Exchange:
         self.code[0] = code
         watch = stall.current()
         if watch is None:
-            comm.Allgather(self.send, self.recv)
+            comm.Allgather(*self.message)
         else:
-            watch.wait(comm, comm.Iallgather(self.send, self.recv), what)
+            watch.wait(comm, comm.Iallgather(*self.message), what)
         return self.codes.tobytes()
 
     def disagree(self, comm: Comm, signature: str | None, error: BaseException | None,
@@ -255,6 +292,13 @@ class Exchange:
         """Raise on every rank after an exchange that did not agree (as :func:`agree`
         does: this rank's own error, or a :class:`CollectiveMismatchError`)."""
         _disagree(comm, signature, error, what, hint)
+
+
+def _nbytes(shape: tuple, dtype: np.dtype) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
 
 
 def exchange(comm: Comm) -> Exchange | None:

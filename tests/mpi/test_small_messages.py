@@ -274,8 +274,37 @@ def test_planned_calls_still_check(comm):
         all_reduce(y, comm=comm)
 
 
+def test_the_exchange_grows_only_on_agreed_calls(world):
+    """The blocks start with no payload area and grow, identically on every rank, after
+    an agreed small call that did not fit (its data then followed in a second
+    allgather); a mismatch leaves them as they were; larger calls never grow them."""
+    fresh = world.Dup()
+    try:
+        def capacity() -> int:
+            found = agreement.exchange(fresh)
+            assert found is not None
+            return found.capacity
+
+        assert capacity() == 0
+        assert np.all(all_reduce(np.ones(FUSED + 8, np.uint8), comm=fresh) == world.size)
+        assert capacity() == 0  # (a large call: headers only)
+        assert np.all(all_reduce(np.ones(3), comm=fresh) == world.size)  # 24 bytes
+        assert capacity() == 64
+        if world.size > 1:  # rank 0's 800 bytes do not fit, the others' 24 do
+            n = 100 if world.rank == 0 else 3
+            with pytest.raises(CollectiveMismatchError, match="different arguments"):
+                all_reduce(np.ones(n), comm=fresh)
+            assert capacity() == 64
+        for n in (3, FUSED // 8, 3, 1):
+            assert np.all(all_reduce(np.full(n, 2.0), comm=fresh) == 2.0 * world.size)
+        assert capacity() == FUSED
+        assert world.allgather(capacity()) == [FUSED] * world.size
+    finally:
+        fresh.Free()
+
+
 def test_above_fused_ranks_the_agreement_is_an_allreduce(world, monkeypatch):
-    """On a communicator of more ranks than FUSED_RANKS (here: set to 1 on a fresh Dup)
+    """On a communicator of more ranks than FUSED_RANKS (here: set to 0 on a fresh Dup)
     the exchange carries no data, small calls run the spec, and mismatches still raise
     on every rank."""
     monkeypatch.setattr(agreement, "FUSED_RANKS", 0)
@@ -363,15 +392,16 @@ def _finish_pending(tb) -> None:
 def test_a_missing_rank_times_out_a_small_call_everywhere():
     """With a 0.6 s timeout and the last rank asleep for 2 s, every other rank raises
     CollectiveTimeoutError naming it; the late rank's own call then completes the
-    exchange the others left in flight (the same collective)."""
+    exchange the others left in flight (the same collective, which carries the data)."""
     world = MPI.COMM_WORLD
     if world.size == 1:
         pytest.skip("one rank cannot stall")
     dup = world.Dup()
+    x = np.ones(16, np.float32)
+    all_reduce(x, comm=dup)  # (the exchange's blocks now have room for x: one collective)
     stall.watch(None, 0.6, report=lambda text: None)
     late = world.size - 1
     error = None
-    x = np.ones(16, np.float32)
     try:
         if world.rank == late:
             time.sleep(2.0)
