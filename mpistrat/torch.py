@@ -257,6 +257,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._backend = get_backend(self._counts)
         self._calls = 0  # all-reduces run (rotates pscpu's gather ranks)
         self._sync = True
+        self._divide = self.op is ReduceOp.MEAN and self._size > 1
         self._task: int | None = None  # the backward pass being reduced
         self._next = 0  # the next bucket to reduce, in order
         self._filled = [False] * len(params)
@@ -351,9 +352,23 @@ class DistributedDataParallel(torch.nn.Module):
     # --- one backward pass ---------------------------------------------------------------
 
     def _hook(self, index: int) -> Any:
+        bucket = self._buckets[self._bucket_of[index]]
+        task_id = torch._C._current_graph_task_id
+
         def hook(param: torch.Tensor) -> None:
-            if self._sync:
-                self._ready(index, param)
+            if not self._sync:
+                return
+            if self._task != task_id():
+                self._begin()
+            if self._filled[index]:
+                return
+            self._fill(index, param)
+            bucket.pending -= 1
+            if not bucket.pending:
+                buckets, count = self._buckets, len(self._buckets)
+                while self._next < count and not buckets[self._next].pending:
+                    self._reduce(self._next)
+                    self._next += 1
         return hook
 
     def _begin(self) -> None:
@@ -366,33 +381,20 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.pending = len(bucket.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _ready(self, index: int, param: torch.Tensor) -> None:
-        if self._task != torch._C._current_graph_task_id():
-            self._begin()
-        if self._filled[index]:
-            return
-        self._fill(index, param)
-        bucket = self._buckets[self._bucket_of[index]]
-        bucket.pending -= 1
-        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-            self._reduce(self._next)
-            self._next += 1
-
     def _fill(self, index: int, param: torch.Tensor) -> None:
         """Write this rank's share of the gradient into the parameter's bucket slice."""
         view, grad = self._views[index], param.grad
         assert grad is not None
-        same = grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()
-        with torch.no_grad():
-            if self.op is ReduceOp.MEAN and self._size > 1:
-                if same:
-                    view.div_(self._size)
-                else:
-                    torch.div(grad, self._size, out=view)
-            elif not same:
+        if grad.requires_grad:  # (backward with create_graph=True)
+            grad = grad.detach()
+        if grad.data_ptr() != view.data_ptr():  # a fresh gradient: into the slice
+            if self._divide:
+                torch.div(grad, self._size, out=view)
+            else:
                 view.copy_(grad)
-        if not same:
             param.grad = view
+        elif self._divide:  # accumulated in the slice already
+            view.div_(self._size)
         self._filled[index] = True
         self._had[index] = True
 
