@@ -38,6 +38,7 @@ from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ..runtime._mpi import Comm, mpi
 from ..runtime.shared import free_shared, shared_empty
+from ..values import PerReplica
 from .check import count_wrong, fill_pattern, reference
 from .config import BenchConfig
 from .entries import Entry
@@ -96,8 +97,10 @@ class Sweep:
         if len(work) > 1:
             spec = entry.spec if entry.kind == "spec" else (alg, shards, -1)
 
+            replicas = PerReplica(work)  # a plain list is a batch of tensors of their own
+
             def replicas_call(rotation: int) -> Sequence[np.ndarray]:
-                return all_reduce(work, op, spec, comm, check=False, inplace=True,
+                return all_reduce(replicas, op, spec, comm, check=False, inplace=True,
                                   ranks_per_node=rpn)
 
             return replicas_call
