@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Training-step time of PyTorch data-parallel recipes over MPI on the CPU, interleaved.
 
-    mpiexec -n 2 python benchmarks/torch_train.py [--model resnet50,digits] [--rounds 7]
-        [--steps 5] [--batch 4] [--variants local,mpi4py,ddp,mpistrat]
+    mpiexec -n 2 python benchmarks/torch_train.py [--model resnet50,digits] [--rounds 15]
+        [--steps N] [--batch N] [--variants local,mpi4py,ddp,mpistrat]
         [--bucket-bytes 8M[,25M...]] [--spec SPEC] [--json FILE]
 
 Variants, each on its own copy of the same model with SGD (momentum 0.9):
@@ -218,8 +218,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet50,digits")
     parser.add_argument("--variants", default="local,mpi4py,ddp,mpistrat")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="per variant per round")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="per variant per round (default: 2 for resnet50, 20 for digits)")
     parser.add_argument("--batch", type=int, default=0,
                         help="per rank (default: 4 for resnet50, 32 for digits)")
     parser.add_argument("--bucket-bytes", default=str(mt.DEFAULT_BUCKET_BYTES),
@@ -239,9 +240,10 @@ def main() -> None:
     if comm.Get_size() == 1 and "ddp" in args.variants:
         args.variants.remove("ddp")
     results = []
-    explicit_batch = args.batch
+    explicit_batch, explicit_steps = args.batch, args.steps
     for name in args.model.split(","):
         args.batch = explicit_batch or (4 if name == "resnet50" else 32)
+        args.steps = explicit_steps or (2 if name == "resnet50" else 20)
         result = measure(name, args, comm)
         results.append(result)
         if comm.Get_rank() == 0:
