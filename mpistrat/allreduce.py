@@ -39,6 +39,7 @@ every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from .backends import get_backend
 from .backends.interop import describe_type, restore, to_native
 from .backends.numpy_backend import UFUNCS
 from .backends.protocol import ArrayBackend
+from .config import RANKS_PER_NODE
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
 from .runtime import stall
@@ -478,85 +480,93 @@ def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
     assert ex is not None  # (small calls run on up to FUSED_RANKS ranks)
     send = ex.payload(shape, dtype)
     packed = ex.packed(nbytes)
-    packed_rows = ex.rows(shape, dtype, packed=True)
     combine = UFUNCS[op.primitive]
     divisor = size if op is ReduceOp.MEAN else 0
     integer_mean = bool(divisor) and dtype.kind in "iu"
     scale = None if not divisor or integer_mean else dtype.type(divisor)
+    # a new result straight from the ufunc (for shape (), a ufunc would give a scalar)
+    plain = not divisor and size > 1 and shape != ()
     info = algorithms.get(call.entry.alg)
     # the node grouping is part of what hierarchical calls agree on, and shared-memory
     # entries fit only one node: a change of MPISTRAT_RANKS_PER_NODE retires the plan
     grouping = info.hierarchical or info.single_node
-    agreed_env = env_ranks_per_node() if grouping else None
+    agreed_env = _grouping_env() if grouping else None
     signature = call.signature if check else ""
     code = signature_code(signature) if check else 0
     expected = ex.expected(code)
-    fitted = [False]
     entry, ranks_per_node = call.entry, call.ranks_per_node
-    zero_d = shape == ()
     current = stall.current
     code_word, words = ex.code, ex.words
-    layout: list[Any] = [0, packed_rows[0], None, ()]  # [block size of the rows (0: packed), r0, r1, rest]
+    # [the block size the rows were read for (0: packed, -1: not yet steady), rank 0's
+    # data, rank 1's (None with one rank), the others']. Steady: the entry has been
+    # fitted, the data fits the blocks, the rows are views of the blocks as they are.
+    state: list[Any] = [-1, None, None, ()]
 
     def read(source: list[Any], block: int) -> None:
-        layout[:] = [block, source[0], source[1] if size > 1 else None, tuple(source[2:])]
+        state[:] = [block, source[0], source[1] if size > 1 else None, tuple(source[2:])]
 
-    read(packed_rows, 0)
+    def unsteady() -> None:
+        """A checked call that is not steady yet: exchange (then the data alone if the
+        blocks have no room), grow the blocks, fit the entry, read the rows."""
+        fits = nbytes <= ex.capacity
+        agreed = ex.run(comm, code, _WHAT) == expected
+        if not agreed:
+            ex.disagree(comm, signature, None, _WHAT, _HINT)
+        if not fits:
+            comm.Allgather(*packed)
+            ex.grow(nbytes)  # (every rank agreed on this call: they all grow alike)
+        fit()
+        if fits:
+            read(ex.rows(shape, dtype), ex.block)
+        else:
+            read(ex.rows(shape, dtype, packed=True), -1)
+
+    def fit() -> None:  # after the agreement: every rank checks the same entry
+        dispatch.fit(entry.alg, comm, entry.shards, ranks_per_node=ranks_per_node)
 
     def plan(array: Any, into: Any = None) -> Any:
-        if grouping and env_ranks_per_node() != agreed_env:
+        if grouping and _grouping_env() != agreed_env:
             return None
         send[...] = array
         if not check:
             comm.Allgather(*packed)
-            if layout[0]:
-                read(packed_rows, 0)
-        else:
-            # the exchange (Exchange.run, inlined: this is the whole call when it fits)
-            fits = nbytes <= ex.capacity
+            if state[0]:
+                fit()
+                read(ex.rows(shape, dtype, packed=True), 0)
+        elif state[0] == ex.block:  # steady: the exchange is the whole call
             code_word[0] = code
             watch = current()
             if watch is None:
                 comm.Allgather(*ex.message)
             else:
                 watch.wait(comm, comm.Iallgather(*ex.message), _WHAT)
-            if (words[0] != code or words[ex.block >> 3] != code) if size == 2 \
+            if (words[0] != code or words[state[0] >> 3] != code) if size == 2 \
                     else ex.codes.tobytes() != expected:
                 ex.disagree(comm, signature, None, _WHAT, _HINT)
-            if not fits:  # no room in the blocks yet: the data follows, alone
-                comm.Allgather(*packed)
-                ex.grow(nbytes)  # (every rank agreed on this call: they all grow alike)
-                if layout[0]:
-                    read(packed_rows, 0)
-            elif layout[0] != ex.block:
-                read(ex.rows(shape, dtype), ex.block)
-        if not fitted[0]:  # after the agreement: every rank checks the same entry
-            dispatch.fit(entry.alg, comm, entry.shards, ranks_per_node=ranks_per_node)
-            fitted[0] = True
-        _, r0, r1, others = layout
+        else:
+            unsteady()
+        _, r0, r1, others = state
         if inplace:
             into = array
+        elif into is None and plain:
+            into = combine(r0, r1)
+            for row in others:
+                combine(into, row, out=into)
+            return into
+        if into is None:
+            into = np.empty(shape, np.float64 if integer_mean else dtype)
         if integer_mean:
             total = r0.copy()
             if r1 is not None:
                 combine(total, r1, out=total)
             for row in others:
                 combine(total, row, out=total)
-            if into is None:
-                into = np.empty(shape, np.float64)
             np.true_divide(total, divisor, out=into)
             return into
         if r1 is None:  # one rank
-            if into is None:
-                into = np.empty(shape, dtype)
             into[...] = r0
-        elif into is not None:
+        else:
             combine(r0, r1, out=into)
-        elif zero_d:  # (a ufunc would give a scalar)
-            into = np.empty(shape, dtype)
-            combine(r0, r1, out=into)
-        else:  # a new array, allocated by the ufunc
-            into = combine(r0, r1)
         for row in others:
             combine(into, row, out=into)
         if scale is not None:
@@ -564,6 +574,24 @@ def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
         return into
 
     return plan
+
+
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY: Any = RANKS_PER_NODE
+if _ENV_DATA is not None:
+    try:
+        _ENV_KEY = os.environ.encodekey(RANKS_PER_NODE)  # type: ignore[attr-defined]
+    except AttributeError:
+        _ENV_DATA = None
+
+
+def _grouping_env() -> Any:
+    """``MPISTRAT_RANKS_PER_NODE`` as the environment holds it (compared, not parsed): read
+    from ``os.environ``'s own store where CPython has one (``os.environ.get`` and the
+    parse cost 1.5 µs per call, as much as the rest of a small call)."""
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(_ENV_KEY)
+    return os.environ.get(RANKS_PER_NODE)
 
 
 def _reduce_one(comm: Comm, door: _Door, call: _Call) -> Any:
