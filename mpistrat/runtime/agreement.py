@@ -6,6 +6,12 @@ the ranks exchange descriptions (error path only) and every rank raises: the ran
 arguments were bad raises its own error, the others a :class:`CollectiveMismatchError`
 naming each rank's call. So a mistake on one rank is an error everywhere, never a hang.
 
+``all_reduce`` agrees through an :class:`Exchange` instead (up to :data:`FUSED_RANKS`
+ranks): one allgather of fixed-size blocks, a header with the call's code and a payload
+area that carries a small call's data, so that agreement and data travel in one
+collective (:func:`agree_exchange` when there is no data to carry). Its errors are
+:func:`agree`'s, raised the same way.
+
 A rank that never arrives is caught by the stall check of :mod:`mpistrat.runtime.stall` (when
 one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
 """

@@ -2,9 +2,9 @@
 up after a timeout.
 
 Every mpistrat collective starts with the agreement of :mod:`mpistrat.runtime.agreement` (one
-small ``Iallreduce``). Once :func:`watch` has been called (``mpistrat run`` calls it for
-``--stall-check`` and ``--timeout``), that ``Iallreduce`` is polled against deadlines
-instead of waited on. While the ranks arrive together nothing else happens: no message,
+small ``Iallreduce``; for ``all_reduce``, an ``Iallgather`` of fixed-size blocks). Once
+:func:`watch` has been called (``mpistrat run`` calls it for ``--stall-check`` and
+``--timeout``), that collective is polled against deadlines instead of waited on. While the ranks arrive together nothing else happens: no message,
 one ``improbe`` per call.
 
 Only a rank that has waited ``grace`` seconds speaks: it sends one arrival note to the two
