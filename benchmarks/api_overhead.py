@@ -10,7 +10,8 @@ Each row is the median over ``--repeats`` rounds of the mean time of a loop of c
 ``comm.Allreduce`` of the same size in the same sitting; the rounds interleave the cases,
 so a burst of load on the machine hits every case alike. "new result" is
 ``y = all_reduce(x)`` in a loop: the previous result is still referenced while the next
-call runs, as in a training loop. Rank 0 prints the table (with the load average, which
+call runs, as in a training loop; "faults" is rank 0's minor page faults per call (fresh
+memory touched by the call). Rank 0 prints the table (with the load average, which
 is worth reading before the numbers); ``--json`` keeps the rows. Compare two trees by
 running it with ``PYTHONPATH`` set to each, interleaved, in one sitting.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -30,8 +32,9 @@ import mpistrat
 from mpistrat.spec import parse_bytes
 
 
-def _loop_time(call, seconds: float, comm) -> float:
-    """Mean seconds per call over a loop that lasts about ``seconds`` (rank 0 decides)."""
+def _loop_time(call, seconds: float, comm) -> tuple[float, float]:
+    """Mean seconds per call over a loop that lasts about ``seconds`` (rank 0 decides),
+    and this rank's minor page faults per call in that loop."""
     call()
     comm.Barrier()
     start = time.perf_counter()
@@ -39,11 +42,13 @@ def _loop_time(call, seconds: float, comm) -> float:
     once = comm.bcast(time.perf_counter() - start)
     n = max(3, min(20000, int(seconds / max(once, 1e-7))))
     comm.Barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(n):
         call()
     elapsed = time.perf_counter() - start
-    return comm.allreduce(elapsed, op=MPI.MAX) / n
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return comm.allreduce(elapsed, op=MPI.MAX) / n, faults / n
 
 
 def main() -> None:
@@ -74,24 +79,29 @@ def main() -> None:
                 cases[f"all_reduce {tag}, new result"] = (
                     lambda s=spec, c=check: new_result(s, c))
         times: dict[str, list[float]] = {name: [] for name in cases}
+        faults: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.repeats):  # rounds interleave the cases
             for name, call in cases.items():
-                times[name].append(_loop_time(call, args.seconds, comm))
+                seconds, faulted = _loop_time(call, args.seconds, comm)
+                times[name].append(seconds)
+                faults[name].append(faulted)
         held[0] = None
         raw = statistics.median(times["comm.Allreduce in place"])
         for name, samples in times.items():
             rows.append({"bytes": count * 4, "case": name,
                          "median_us": statistics.median(samples) * 1e6,
                          "min_us": min(samples) * 1e6,
-                         "x_raw": statistics.median(samples) / raw})
+                         "x_raw": statistics.median(samples) / raw,
+                         "faults_per_call": statistics.median(faults[name])})
     if comm.rank == 0:
         load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
         print(f"# {comm.size} ranks, mpistrat {mpistrat.__version__} from "
               f"{mpistrat.__file__.rsplit('/', 2)[0]}; load average {load}")
-        print(f"# {'bytes':>10}  {'median (us)':>12}  {'min (us)':>10}  {'x raw':>6}  case")
+        print(f"# {'bytes':>10}  {'median (us)':>12}  {'min (us)':>10}  {'x raw':>6}  "
+              f"{'faults':>7}  case")
         for row in rows:
             print(f"  {row['bytes']:>10}  {row['median_us']:>12.2f}  {row['min_us']:>10.2f}  "
-                  f"{row['x_raw']:>6.2f}  {row['case']}")
+                  f"{row['x_raw']:>6.2f}  {row['faults_per_call']:>7.0f}  {row['case']}")
         if args.json:
             with open(args.json, "w") as file:
                 json.dump(rows, file, indent=1)
