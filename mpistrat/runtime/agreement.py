@@ -171,8 +171,8 @@ blocks (header and payload); above it the exchange carries no payload and is
 :func:`agree`'s 24-byte ``Iallreduce`` (a gather grows with the ranks)."""
 
 FUSED_BYTES = 4096
-"""The payload a block carries: ``all_reduce`` of one array of up to this many bytes
-travels inside its agreement."""
+"""The most payload a block carries: ``all_reduce`` of one array of up to this many bytes
+travels inside its agreement (:meth:`Exchange.grow`)."""
 
 HEADER_BYTES = 64
 """A block's header: the signature code (int64) in its first word, zeros after (the
@@ -320,9 +320,10 @@ def exchange(comm: Comm) -> Exchange | None:
 
 def agree_exchange(comm: Comm, signature: str | None, error: BaseException | None,
                    what: str, hint: str = "the same call") -> Exchange | None:
-    """:func:`agree` for a call that starts with an :class:`Exchange` but has no payload
-    in it: the exchange with an empty payload area (or, above :data:`FUSED_RANKS` ranks,
-    :func:`agree`). Returns the exchange (None above :data:`FUSED_RANKS`)."""
+    """:func:`agree` for a call that starts with an :class:`Exchange` but has no data to
+    carry in it: the exchange, its payload area (if the blocks have one) unread — or,
+    above :data:`FUSED_RANKS` ranks, :func:`agree`. Returns the exchange (None above
+    :data:`FUSED_RANKS`)."""
     found = exchange(comm)
     if found is None:
         agree(comm, signature, error, what, hint)
