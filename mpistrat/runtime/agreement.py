@@ -6,11 +6,14 @@ the ranks exchange descriptions (error path only) and every rank raises: the ran
 arguments were bad raises its own error, the others a :class:`CollectiveMismatchError`
 naming each rank's call. So a mistake on one rank is an error everywhere, never a hang.
 
-``all_reduce`` agrees through an :class:`Exchange` instead (up to :data:`FUSED_RANKS`
-ranks): one allgather of fixed-size blocks, a header with the call's code and a payload
-area that carries a small call's data, so that agreement and data travel in one
-collective (:func:`agree_exchange` when there is no data to carry). Its errors are
-:func:`agree`'s, raised the same way.
+Up to :data:`FUSED_RANKS` ranks every agreement on a communicator — :func:`agree`'s,
+timed or not, and ``all_reduce``'s — goes through the communicator's :class:`Exchange`
+instead: one non-blocking allgather of fixed-size blocks, a header with the call's code
+and a payload area that carries a small ``all_reduce``'s data, so that agreement and data
+travel in one collective. Because every entry point starts with the same collective, a
+rank in one entry point and a rank in another meet and raise, instead of posting two
+collectives that never match. Above :data:`FUSED_RANKS` it is the 24-byte ``Iallreduce``
+above, for every entry point alike.
 
 A rank that never arrives is caught by the stall check of :mod:`mpistrat.runtime.stall` (when
 one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
@@ -49,6 +52,14 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
             None: the process-wide stall check and timeout of :func:`mpistrat.runtime.stall.watch`
             apply, if any.
     """
+    found = exchange(comm)
+    if found is not None:
+        # every agreement on a communicator starts with its exchange, all_reduce's as
+        # well as the others': a rank in one entry point and a rank in another then meet
+        # in the same collective and see different codes, instead of two collectives
+        # that never match
+        _agree_through(found, comm, signature, error, what, hint, timeout)
+        return
     MPI = mpi()
     code = 0
     if signature is not None:
@@ -69,6 +80,25 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
         notes = _allreduce_within(comm, flags, timeout, what)
     failed, high, negated_low = (int(x) for x in flags)
     if not failed and high == -negated_low:
+        if notes is not None:  # every rank agreed on this timeout, so every rank sent one
+            notes.finish(range(comm.Get_size()))
+        return
+    _disagree(comm, signature, error, what, hint, timeout, notes)
+
+
+def _agree_through(found: Exchange, comm: Comm, signature: str | None,
+                   error: BaseException | None, what: str, hint: str,
+                   timeout: float | None) -> None:
+    """:func:`agree` through the communicator's :class:`Exchange` (its payload unread)."""
+    code = FAILED if signature is None else signature_code(f"{signature} timeout={timeout}")
+    notes = None
+    if timeout is None:
+        codes = found.run(comm, code, what)
+    else:
+        found.code[0] = code
+        notes = _within(comm, comm.Iallgather(*found.message), timeout, what)
+        codes = found.codes.tobytes()
+    if codes == found.expected(code) and error is None:
         if notes is not None:  # every rank agreed on this timeout, so every rank sent one
             notes.finish(range(comm.Get_size()))
         return
@@ -143,9 +173,19 @@ def _allreduce_within(comm: Comm, flags: np.ndarray, timeout: float, what: str) 
     job (``mpistrat run`` aborts it) or create a new communicator.
     """
     MPI = mpi()
-    rank, size = comm.Get_rank(), comm.Get_size()
     notes = _Notes(comm)
-    request = comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    return _within(comm, comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX), timeout, what,
+                   notes)
+
+
+def _within(comm: Comm, request: Any, timeout: float, what: str,
+            notes: _Notes | None = None) -> _Notes:
+    """Wait for ``request``, an agreement's first collective, at most ``timeout`` seconds,
+    with arrival notes (made here unless given, before ``request`` on every rank) to
+    name the ranks that never came."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if notes is None:
+        notes = _Notes(comm)
     deadline = time.monotonic() + timeout
     pause = 1e-5
     while not request.Test():
@@ -286,11 +326,12 @@ class Exchange:
         like :func:`agree`'s; else a blocking one (the watch is process-wide and set up
         collectively, so every rank makes the same choice)."""
         self.code[0] = code
+        request = comm.Iallgather(*self.message)  # (non-blocking always: see agree)
         watch = stall.current()
         if watch is None:
-            comm.Allgather(*self.message)
+            request.Wait()
         else:
-            watch.wait(comm, comm.Iallgather(*self.message), what)
+            watch.wait(comm, request, what)
         return self.codes.tobytes()
 
     def disagree(self, comm: Comm, signature: str | None, error: BaseException | None,

@@ -40,7 +40,7 @@ from mpistrat import (
     TopologyError,
 )
 from mpistrat.bench.shapes import resnet50_gradient_shapes
-from mpistrat.runtime.agreement import _ARRIVAL_TAG
+from mpistrat.runtime.agreement import _ARRIVAL_TAG, exchange
 from mpistrat.values import default_devices, parse_device
 
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -932,8 +932,8 @@ def test_timeout_on_some_ranks_never_hangs(world, kind):
 def test_timeout_names_the_ranks_that_did_not_arrive(world):
     """Rank 0 reduces with timeout_seconds=0.5 while the other ranks are elsewhere (asleep
     for 1.5 s): rank 0 raises CollectiveTimeoutError within about 0.5 s, naming every other
-    rank. Then the others complete what rank 0 left pending on the duplicate (its agreement
-    Iallreduce and the arrival notes), so no request is left in flight."""
+    rank. Then the others complete what rank 0 left pending on the duplicate (its agreement's
+    exchange and the arrival notes), so no request is left in flight."""
     timeout = 0.5
     dup = world.Dup()
     rank, n = world.Get_rank(), world.Get_size()
@@ -948,9 +948,9 @@ def test_timeout_names_the_ranks_that_did_not_arrive(world):
             _complete_pending_requests(exc.__traceback__)
     else:
         time.sleep(3 * timeout)
-        # what rank 0's agreement started: an Iallreduce of 3 int64 with MAX (zeros change
-        # nothing) and an arrival note to every rank; send ours back to it
-        dup.Iallreduce(MPI.IN_PLACE, np.zeros(3, np.int64), op=MPI.MAX).Wait()
+        # what rank 0's agreement started: the communicator's exchange (an Iallgather of
+        # one block per rank) and an arrival note to every rank; send ours back to it
+        dup.Iallgather(*exchange(dup).message).Wait()
         dup.Recv(np.zeros(1, np.int64), source=0, tag=_ARRIVAL_TAG)
         dup.Send(np.zeros(1, np.int64), dest=0, tag=_ARRIVAL_TAG)
     world.Barrier()
@@ -964,7 +964,7 @@ def test_timeout_names_the_ranks_that_did_not_arrive(world):
 
 
 def _complete_pending_requests(tb) -> None:
-    """Wait for the requests rank 0's timed-out agreement left in flight (its Iallreduce,
+    """Wait for the requests rank 0's timed-out agreement left in flight (its exchange,
     arrival notes), found in the traceback's frames, so that none is freed while active."""
     while tb is not None:
         names = tb.tb_frame.f_locals

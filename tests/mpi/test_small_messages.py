@@ -295,6 +295,34 @@ def test_planned_calls_still_check(comm):
         all_reduce(y, comm=comm)
 
 
+@pytest.mark.parametrize("steady", [False, True], ids=["first call", "planned"])
+@pytest.mark.parametrize("other", ["CrossDeviceOps.reduce", "Strategy.reduce",
+                                   "timed CrossDeviceOps.reduce"])
+def test_a_rank_in_another_entry_point_is_a_mismatch_not_a_hang(comm, other, steady):
+    """Every agreement on a communicator starts with the same exchange, so rank 0 in a
+    small all_reduce (its first, or a planned one) and the others in another entry point's
+    agreement (timed or not) meet in one collective and all raise."""
+    if comm.size < 2:
+        pytest.skip("one rank cannot disagree with another")
+    x = np.ones(3, np.float32)
+    strategy = mpistrat.MultiWorkerMirroredStrategy(comm=comm)  # (collective: every rank)
+    if steady:
+        for _ in range(3):
+            all_reduce(x, comm=comm)
+    if comm.rank == 0:
+        call = lambda: all_reduce(x, comm=comm)  # noqa: E731
+    elif other == "Strategy.reduce":
+        call = lambda: strategy.reduce("sum", x, axis=None)  # noqa: E731
+    else:
+        options = mpistrat.CommunicationOptions(timeout_seconds=20) \
+            if other.startswith("timed") else None
+        ops = mpistrat.MultiWorkerAllReduce(all_reduce_spec="xring", comm=comm)
+        call = lambda: ops.reduce("sum", x, "/cpu:0", options=options)  # noqa: E731
+    with pytest.raises(CollectiveMismatchError, match="different arguments"):
+        call()
+    all_reduce(x, comm=comm)  # the communicator still works
+
+
 def test_the_exchange_grows_only_on_agreed_calls(world):
     """The blocks start with no payload area and grow, identically on every rank, after
     an agreed small call that did not fit (its data then followed in a second
