@@ -535,14 +535,13 @@ def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
                 read(ex.rows(shape, dtype, packed=True), 0)
         elif state[0] == ex.block:  # steady: the exchange is the whole call
             code_word[0] = code
-            # non-blocking, as every agreement's exchange: blocking and non-blocking
-            # collectives never match, and another rank may be in a timed agreement
-            request = comm.Iallgather(*ex.message)
+            # the same kind of collective as every agreement's exchange (blocking and
+            # non-blocking collectives never match): non-blocking only under a watch
             watch = current()
             if watch is None:
-                request.Wait()
+                comm.Allgather(*ex.message)
             else:
-                watch.wait(comm, request, _WHAT)
+                watch.wait(comm, comm.Iallgather(*ex.message), _WHAT)
             if (words[0] != code or words[state[0] >> 3] != code) if size == 2 \
                     else ex.codes.tobytes() != expected:
                 ex.disagree(comm, signature, None, _WHAT, _HINT)

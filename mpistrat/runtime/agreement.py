@@ -8,12 +8,16 @@ naming each rank's call. So a mistake on one rank is an error everywhere, never 
 
 Up to :data:`FUSED_RANKS` ranks every agreement on a communicator — :func:`agree`'s,
 timed or not, and ``all_reduce``'s — goes through the communicator's :class:`Exchange`
-instead: one non-blocking allgather of fixed-size blocks, a header with the call's code
+instead: one allgather of fixed-size blocks, a header with the call's code
 and a payload area that carries a small ``all_reduce``'s data, so that agreement and data
 travel in one collective. Because every entry point starts with the same collective, a
 rank in one entry point and a rank in another meet and raise, instead of posting two
 collectives that never match. Above :data:`FUSED_RANKS` it is the 24-byte ``Iallreduce``
-above, for every entry point alike.
+above, for every entry point alike. Every agreement's collective is of one kind, since
+blocking and non-blocking collectives never match: a blocking ``Allgather``, or under a
+stall watch (set up collectively) an ``Iallgather`` that is polled; a timed agreement
+without a watch runs the blocking ``Allgather`` in a thread that it stops waiting for at
+its deadline.
 
 A rank that never arrives is caught by the stall check of :mod:`mpistrat.runtime.stall` (when
 one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
@@ -22,6 +26,7 @@ one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -95,14 +100,50 @@ def _agree_through(found: Exchange, comm: Comm, signature: str | None,
     if timeout is None:
         codes = found.run(comm, code, what)
     else:
+        # the same kind of collective as an untimed agreement's (blocking and non-blocking
+        # collectives never match): non-blocking under a stall watch, else blocking, in a
+        # thread this one stops waiting for at the deadline
         found.code[0] = code
-        notes = _within(comm, comm.Iallgather(*found.message), timeout, what)
+        notes = _Notes(comm)
+        if stall.current() is not None:
+            _within(comm, comm.Iallgather(*found.message), timeout, what, notes)
+        else:
+            _within(comm, _Blocking(comm.Allgather, found.message), timeout, what, notes)
         codes = found.codes.tobytes()
     if codes == found.expected(code) and error is None:
         if notes is not None:  # every rank agreed on this timeout, so every rank sent one
             notes.finish(range(comm.Get_size()))
         return
     _disagree(comm, signature, error, what, hint, timeout, notes)
+
+
+class _Blocking:
+    """A blocking collective run in a thread of its own, seen as a request (``Test``): a
+    timed agreement can stop waiting for it. Past the deadline the thread stays in the
+    collective until the missing ranks come (the communicator is unusable after a
+    timeout); it is a daemon thread, so it never keeps the process alive."""
+
+    def __init__(self, call: Any, args: Any) -> None:
+        self.error: BaseException | None = None
+        self.gather = threading.Thread(target=self._run, args=(call, args), daemon=True,
+                                       name="mpistrat-agreement")
+        self.gather.start()
+
+    def _run(self, call: Any, args: Any) -> None:
+        try:
+            call(*args)
+        except BaseException as exc:  # handed to the waiting thread by Test
+            self.error = exc
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's name)
+        """True once the collective has returned (its error, if any, raised here)."""
+        if self.gather.is_alive():
+            self.gather.join(1e-4)
+            if self.gather.is_alive():
+                return False
+        if self.error is not None:
+            raise self.error
+        return True
 
 
 def _disagree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
@@ -326,12 +367,11 @@ class Exchange:
         like :func:`agree`'s; else a blocking one (the watch is process-wide and set up
         collectively, so every rank makes the same choice)."""
         self.code[0] = code
-        request = comm.Iallgather(*self.message)  # (non-blocking always: see agree)
         watch = stall.current()
         if watch is None:
-            request.Wait()
+            comm.Allgather(*self.message)
         else:
-            watch.wait(comm, request, what)
+            watch.wait(comm, comm.Iallgather(*self.message), what)
         return self.codes.tobytes()
 
     def disagree(self, comm: Comm, signature: str | None, error: BaseException | None,

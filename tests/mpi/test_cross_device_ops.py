@@ -948,9 +948,10 @@ def test_timeout_names_the_ranks_that_did_not_arrive(world):
             _complete_pending_requests(exc.__traceback__)
     else:
         time.sleep(3 * timeout)
-        # what rank 0's agreement started: the communicator's exchange (an Iallgather of
-        # one block per rank) and an arrival note to every rank; send ours back to it
-        dup.Iallgather(*exchange(dup).message).Wait()
+        # what rank 0's agreement started: the communicator's exchange (an Allgather of
+        # one block per rank, in a thread of rank 0's) and an arrival note to every rank;
+        # send ours back to it
+        dup.Allgather(*exchange(dup).message)
         dup.Recv(np.zeros(1, np.int64), source=0, tag=_ARRIVAL_TAG)
         dup.Send(np.zeros(1, np.int64), dest=0, tag=_ARRIVAL_TAG)
     world.Barrier()
@@ -968,6 +969,9 @@ def _complete_pending_requests(tb) -> None:
     arrival notes), found in the traceback's frames, so that none is freed while active."""
     while tb is not None:
         names = tb.tb_frame.f_locals
+        pending = names.get("request")
+        if hasattr(pending, "gather"):  # a blocking exchange in a thread of its own
+            pending.gather.join()
         for key in ("request", "receives", "sends"):
             found = names.get(key)
             requests = found if isinstance(found, list) else [found]
