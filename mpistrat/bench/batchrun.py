@@ -26,11 +26,10 @@ from . import files
 from .batch import BatchBench, batch_table, build_methods
 from .config import BatchConfig
 from .metadata import collect
-from .peers import TorchGloo, require_torch
 from .progress import Progress
 from .recommend import resolve_spec
 from .results import Point
-from .runner import Outputs, abort_on_error, collective_check, command_line
+from .runner import Outputs, abort_on_error, collective_check, command_line, join_torch
 
 __all__ = ["run_batch"]
 
@@ -67,16 +66,11 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
     try:
         spec = collective_check(comm, lambda: _validate(config, comm, outputs))
         rank, size, G = comm.Get_rank(), comm.Get_size(), config.local_replicas
-        peer, notes = None, []
-        if config.compare:
-            collective_check(comm, lambda: require_torch(comm, config.np_dtype))
-            with abort_on_error(comm):  # a rank failing to join would leave the others waiting
-                peer = TorchGloo(comm)
-            notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
-                         f"group over the MPI world, {peer.threads} torch thread(s) per rank")
-            if not peer.coalesced:
-                notes.append("torch-gloo: torch.distributed.all_reduce_coalesced is missing "
-                             "on some rank; its row is left out")
+        notes: list[str] = []
+        peer = join_torch(comm, config.np_dtype, notes) if config.compare else None
+        if peer is not None and not peer.coalesced:
+            notes.append("torch-gloo: torch.distributed.all_reduce_coalesced is missing on "
+                         "some rank; its row is left out")
         with abort_on_error(comm):
             methods = build_methods(config, spec, comm, peer)
             dtype = config.np_dtype

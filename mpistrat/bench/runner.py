@@ -173,14 +173,19 @@ def prepare_sweep(config: BenchConfig, comm: Comm, outputs: Outputs | None = Non
         return entries, notes, config.sizes()
 
     entries, notes, sizes = collective_check(comm, check)
-    peer = None
-    if config.compare:
-        collective_check(comm, lambda: require_torch(comm, config.np_dtype))
-        with abort_on_error(comm):  # a rank failing to join would leave the others waiting
-            peer = TorchGloo(comm)
-        notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
-                     f"group over the MPI world, {peer.threads} torch thread(s) per rank")
+    peer = join_torch(comm, config.np_dtype, notes) if config.compare else None
     return SweepPlan(comm, config, entries, sizes, layout, notes, peer)
+
+
+def join_torch(comm: Comm, dtype: Any, notes: list[str]) -> TorchGloo:
+    """``--compare torch``: check on every rank that PyTorch can reduce ``dtype``, join a
+    gloo group over ``comm`` and note which one (collective; an error on every rank)."""
+    collective_check(comm, lambda: require_torch(comm, dtype))
+    with abort_on_error(comm):  # a rank failing to join would leave the others waiting
+        peer = TorchGloo(comm)
+    notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
+                 f"group over the MPI world, {peer.threads} torch thread(s) per rank")
+    return peer
 
 
 def _options(config: BenchConfig, plan: SweepPlan) -> dict[str, Any]:

@@ -84,3 +84,17 @@ def comm(request):
 def world():
     """``MPI.COMM_WORLD``."""
     return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def reports():
+    """Watch agreements (stall check 0.3 s, no timeout); yields this rank's reports."""
+    from mpistrat.runtime import stall
+
+    seen: list[str] = []
+    stall.watch(0.3, None, report=seen.append)
+    try:
+        yield seen
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        stall.unwatch()

@@ -397,17 +397,6 @@ def test_out_of_place_results_reuse_memory(comm, spec):
 # --- the stall check and timeouts ------------------------------------------------------
 
 
-@pytest.fixture
-def reports():
-    seen: list[str] = []
-    stall.watch(0.3, None, report=seen.append)
-    try:
-        yield seen
-    finally:
-        MPI.COMM_WORLD.Barrier()
-        stall.unwatch()
-
-
 @pytest.mark.timeout(30)
 def test_a_late_rank_in_a_small_call_is_reported_as_all_reduce(comm, reports):
     if comm.size == 1:

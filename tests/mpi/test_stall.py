@@ -16,18 +16,6 @@ from mpistrat.runtime.agreement import agree
 MPI = pytest.importorskip("mpi4py.MPI")
 
 
-@pytest.fixture
-def reports():
-    """Watch agreements (stall check 0.3 s, no timeout); yields this rank's reports."""
-    seen: list[str] = []
-    stall.watch(0.3, None, report=seen.append)
-    try:
-        yield seen
-    finally:
-        MPI.COMM_WORLD.Barrier()
-        stall.unwatch()
-
-
 def test_watched_agreements_behave_like_plain_ones(comm, reports):
     for _ in range(50):
         agree(comm, "same call", None, "test_call")
