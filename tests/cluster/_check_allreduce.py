@@ -7,7 +7,7 @@ G = 1 and 2 local replicas, SUM and MEAN, float32, float64 and int32, lengths 0,
 1031, 65537, and one large one per algorithm (16 MiB and more, so the pipelined and
 multi-message paths run; its dtype, G and op rotate, ``python _check_allreduce.py K``
 shifts the rotation) — through
-``mpistrat.all_reduce(list_of_G_arrays, op=..., spec=..., comm=...)``.
+``mpistrat.all_reduce(mpistrat.PerReplica(G_arrays), op=..., spec=..., comm=...)``.
 
 Inputs are small integers (``[-5, 5]``), so every sum is exact in every dtype and every
 MEAN divides by a power of two (2 or 4 ranks, 1 or 2 replicas): the expected value of
@@ -133,7 +133,8 @@ def main() -> int:
         alg = spec.split("#")[0]
         single_node = registry.get(alg).single_node and nodes > 1
         try:
-            result = mpistrat.all_reduce(inputs, op=op, spec=spec, comm=comm)
+            result = mpistrat.all_reduce(mpistrat.PerReplica(inputs), op=op, spec=spec,
+                                         comm=comm)
         except TopologyError as exc:
             if not single_node:
                 problems.append(f"{label}: raised {exc!r}")
