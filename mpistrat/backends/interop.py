@@ -66,13 +66,14 @@ def to_native(value: Any, what: str = "reduce") -> Any:
     if hasattr(value, "__array_interface__") or _has_buffer(value) \
             or hasattr(value, "__array__") or isinstance(value, (int, float, complex, bool)):
         array = np.asarray(value)
-        if array.dtype.kind not in "OUSV" or array.dtype.names is not None:
+        if array.dtype.kind not in "OUSV":
             return array
     elif isinstance(value, (list, tuple)) and _numbers(value):
         array = np.asarray(value)
         if array.dtype.kind not in "OUSV":
             return array
-    raise TypeError(f"cannot {what} a value of type {describe_type(value)}: expected {_ACCEPTED}")
+    raise TypeError(f"cannot {what} a value of type {describe_type(value)}: "
+                    f"expected {_ACCEPTED}")
 
 
 def _from_dlpack(value: Any, what: str) -> np.ndarray:
