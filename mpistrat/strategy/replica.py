@@ -167,7 +167,7 @@ def _targets(leaves: list[Any], value: Any, op: ReduceOp, inplace: bool, out: An
                               f"{tuple(native.shape)} and {native.dtype}"
                               + ("; MEAN of integers is float64: use out, or op='sum'"
                                  if inplace else ""))
-            if not getattr(native, "flags", None) or not native.flags.writeable:
+            if not getattr(getattr(native, "flags", None), "writeable", True):
                 return None, (f"leaf {index} is read-only ({type(target).__name__}); write "
                               f"into writeable arrays" + (" (JAX arrays are immutable)"
                                                           if inplace else ""))
