@@ -102,7 +102,7 @@ class ReplicaContext:
         if not leaves:
             return value
         devices = self._strategy.extended.worker_devices
-        targets, problem = _targets(leaves, value, op, inplace, out)
+        targets, problem = _targets(leaves, op, inplace, out)
 
         def merge_fn(strategy: Any, problems: Any, *per_replica: Any) -> Any:
             if inplace or out is not None:  # agreed, so a bad target is an error everywhere
@@ -144,7 +144,7 @@ class ReplicaContext:
                 f"{type(self._strategy).__name__})")
 
 
-def _targets(leaves: list[Any], value: Any, op: ReduceOp, inplace: bool, out: Any,
+def _targets(leaves: list[Any], op: ReduceOp, inplace: bool, out: Any,
              ) -> tuple[list[Any] | None, str | None]:
     """The arrays ``all_reduce`` writes into (None: new arrays), and what is wrong with
     them on this replica (None: nothing), checked before any data moves."""
@@ -168,9 +168,10 @@ def _targets(leaves: list[Any], value: Any, op: ReduceOp, inplace: bool, out: An
                               + ("; MEAN of integers is float64: use out, or op='sum'"
                                  if inplace else ""))
             if not getattr(getattr(native, "flags", None), "writeable", True):
+                immutable = type(target).__module__.startswith("jax")
                 return None, (f"leaf {index} is read-only ({type(target).__name__}); write "
-                              f"into writeable arrays" + (" (JAX arrays are immutable)"
-                                                          if inplace else ""))
+                              f"into writeable arrays"
+                              + (" (JAX arrays are immutable)" if immutable else ""))
     except TypeError as exc:
         return None, str(exc)
     return targets, None
