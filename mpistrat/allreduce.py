@@ -55,7 +55,6 @@ from .backends.protocol import ArrayBackend
 from .config import RANKS_PER_NODE
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
-from .runtime import stall
 from .runtime._commcache import comm_cache
 from .runtime._mpi import Comm, world
 from .runtime.agreement import (
@@ -495,8 +494,7 @@ def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
     code = signature_code(signature) if check else 0
     expected = ex.expected(code)
     entry, ranks_per_node = call.entry, call.ranks_per_node
-    current = stall.current
-    code_word, words = ex.code, ex.words
+    gather, code_word, words = ex.gather, ex.code, ex.words
     # [the block size the rows were read for (0: packed, -1: not yet steady), rank 0's
     # data, rank 1's (None with one rank), the others']. Steady: the entry has been
     # fitted, the data fits the blocks, the rows are views of the blocks as they are.
@@ -535,13 +533,7 @@ def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
                 read(ex.rows(shape, dtype, packed=True), 0)
         elif state[0] == ex.block:  # steady: the exchange is the whole call
             code_word[0] = code
-            # the same kind of collective as every agreement's exchange (blocking and
-            # non-blocking collectives never match): non-blocking only under a watch
-            watch = current()
-            if watch is None:
-                comm.Allgather(*ex.message)
-            else:
-                watch.wait(comm, comm.Iallgather(*ex.message), _WHAT)
+            gather(comm, _WHAT)
             if (words[0] != code or words[state[0] >> 3] != code) if size == 2 \
                     else ex.codes.tobytes() != expected:
                 ex.disagree(comm, signature, None, _WHAT, _HINT)
@@ -641,12 +633,9 @@ def _reduce_batch(comm: Comm, call: _Batch) -> list[Any]:
     arrays = call.arrays
     if not arrays:
         return []
-    routes = engine.routes(engine.structure(arrays), call.spec, 1, 0, 0, 0)
-    groups = []
-    for indices, plan, alg, shards in routes:
-        dispatch.fit(alg, comm, shards, ranks_per_node=call.ranks_per_node)
-        groups.append((indices, plan, engine.algorithm_reducer(
-            comm, call.op, alg, shards, checked=True, ranks_per_node=call.ranks_per_node)))
+    # num_packs=1, no aggregation: MultiWorkerAllReduce's defaults
+    groups = engine.fitted_groups(comm, call.op, arrays, call.spec, 1, 0, 0, 0,
+                                  ranks_per_node=call.ranks_per_node)
     results = engine.reduce_batch(comm, call.op, [(a,) for a in arrays], groups)
     targets = arrays if call.inplace else call.outs
     if targets is not None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dispatch, engine
+from . import engine
 from ._nest import flatten
 from .backends import get_backend
 from .backends.capabilities import probe_gpus
@@ -691,15 +691,11 @@ class MultiWorkerAllReduce(_AllReduceBase):
                 f"num_gpus_per_worker={self.num_gpus_per_worker} but the values have "
                 f"{replicas} component(s) per rank"
             )
-        routes = engine.routes(engine.structure([_first_array(v) for v in values]), self.spec,
-                               self.num_packs, self.agg_small_grads_max_bytes,
-                               self.agg_small_grads_max_group, options.bytes_per_pack)
-        groups = []
-        for indices, plan, alg, shards in routes:
-            dispatch.fit(alg, comm, shards, devices_per_worker=replicas,
-                         gpus=self.num_gpus_per_worker > 0)
-            groups.append((indices, plan,
-                           engine.algorithm_reducer(comm, op, alg, shards, checked=True)))
+        groups = engine.fitted_groups(
+            comm, op, [_first_array(v) for v in values], self.spec, self.num_packs,
+            self.agg_small_grads_max_bytes, self.agg_small_grads_max_group,
+            options.bytes_per_pack, devices_per_worker=replicas,
+            gpus=self.num_gpus_per_worker > 0)
         return _all_reduce_batch(comm, op, values, groups)
 
 

@@ -37,7 +37,8 @@ from .runtime._mpi import Comm
 from .spec import AllReduceSpec
 
 __all__ = ["Reducer", "Route", "SHARED_RESULT_BYTES", "structure", "cached_plan", "routes", "flat",
-           "local_sum", "reduce_sources", "algorithm_reducer", "mean", "reduce_batch"]
+           "fitted_groups", "local_sum", "reduce_sources", "algorithm_reducer", "mean",
+           "reduce_batch"]
 
 Reducer = Callable[[list[Any], int], Any]
 """``reduce(sources, index) -> buffer``: all-reduce one pack or tensor given as one
@@ -90,6 +91,24 @@ def routes(shapes: tuple, spec: AllReduceSpec, num_packs: int, agg_max_bytes: in
                            agg_max_bytes, agg_max_group)
         found.append((indices, plan, alg, shards))
     return tuple(found)
+
+
+def fitted_groups(comm: Comm, op: ReduceOp, arrays: Sequence[Any], spec: AllReduceSpec,
+                  num_packs: int, agg_max_bytes: int, agg_max_group: int,
+                  bytes_per_pack: int, *, ranks_per_node: int | None = None,
+                  devices_per_worker: int = 1, gpus: bool = False,
+                  ) -> list[tuple[Sequence[int], packing.PackPlan, Reducer]]:
+    """The groups :func:`reduce_batch` takes for a batch (``arrays``: one device's
+    tensors): :func:`routes`, each entry's algorithm checked against the job
+    (:func:`dispatch.fit`, the same on every rank) and bound as a :data:`Reducer`."""
+    groups: list[tuple[Sequence[int], packing.PackPlan, Reducer]] = []
+    for indices, plan, alg, shards in routes(structure(arrays), spec, num_packs,
+                                             agg_max_bytes, agg_max_group, bytes_per_pack):
+        dispatch.fit(alg, comm, shards, ranks_per_node=ranks_per_node,
+                     devices_per_worker=devices_per_worker, gpus=gpus)
+        groups.append((indices, plan, algorithm_reducer(
+            comm, op, alg, shards, checked=True, ranks_per_node=ranks_per_node)))
+    return groups
 
 
 def local_sum(op: ReduceOp, sources: list[Any], backend: ArrayBackend) -> Any:

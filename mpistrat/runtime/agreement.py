@@ -367,12 +367,18 @@ class Exchange:
         like :func:`agree`'s; else a blocking one (the watch is process-wide and set up
         collectively, so every rank makes the same choice)."""
         self.code[0] = code
+        self.gather(comm, what)
+        return self.codes.tobytes()
+
+    def gather(self, comm: Comm, what: str) -> None:
+        """The exchange's collective, as every untimed agreement on ``comm`` makes it (one
+        kind everywhere: blocking and non-blocking collectives never match): a blocking
+        allgather, or under a stall watch (set up collectively) a non-blocking one, polled."""
         watch = stall.current()
         if watch is None:
             comm.Allgather(*self.message)
         else:
             watch.wait(comm, comm.Iallgather(*self.message), what)
-        return self.codes.tobytes()
 
     def disagree(self, comm: Comm, signature: str | None, error: BaseException | None,
                  what: str, hint: str) -> NoReturn:
