@@ -193,6 +193,73 @@ def _as_arrays(value: DistributedValues) -> Sequence[Any]:
             and not isinstance(v, np.generic) else np.asarray(v) for v in value.values]
 
 
+def _result_dtype(op: ReduceOp, dtype: Any) -> np.dtype:
+    """The dtype of a reduction's result: MEAN of integers or booleans is float64."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iub" else dtype
+
+
+def _targets(op: ReduceOp, given: DistributedValues, value: DistributedValues,
+             dest: tuple[Device, ...], match: bool, inplace: bool, out: Any,
+             where: str) -> tuple[list[Any], list[Any]] | None:
+    """The arrays a result is written into (as NumPy/CuPy, and as the caller gave them),
+    or None for new arrays. Raises ValueError/TypeError naming the problem, which the
+    caller's agreement turns into the same error on every rank."""
+    if not inplace and out is None:
+        return None
+    if inplace and out is not None:
+        raise ValueError(f"{where}: inplace=True writes into the value and out= into other "
+                         f"arrays; give one of them, not both")
+    if inplace:
+        if not match:
+            raise ValueError(
+                f"{where}: inplace=True writes the result into the value's components, so "
+                f"the destinations must be the value's devices {list(value.devices)}, got "
+                f"{[str(d) for d in dest]}; use out= to write the result elsewhere"
+            )
+        handed = list(given.values)
+        if any(np.isscalar(c) for c in handed):
+            raise ValueError(f"{where}: inplace=True needs arrays to write into, got a "
+                             f"Python number; pass arrays, or use out=")
+        natives = list(value.values)
+    else:
+        handed = list(out.values) if isinstance(out, DistributedValues) else \
+            list(out) if isinstance(out, (list, tuple)) else [out]
+        if len(handed) != len(dest):
+            raise ValueError(
+                f"{where}: out has {len(handed)} array(s) for {len(dest)} destination "
+                f"device(s) {[str(d) for d in dest]}; give one array per destination device"
+            )
+        natives = [to_native(t, "write the result into") for t in handed]
+    source = _first_array(value)
+    dtype = _result_dtype(op, source.dtype)
+    for target, native in zip(handed, natives):
+        if tuple(native.shape) != tuple(source.shape) or native.dtype != dtype:
+            raise ValueError(
+                f"{where}: the result has shape {tuple(source.shape)} and dtype {dtype}, the "
+                f"array to write it into {tuple(native.shape)} and {native.dtype}"
+                + ("; MEAN of integers is float64: use out=, or SUM" if inplace else "")
+            )
+        if not getattr(getattr(native, "flags", None), "writeable", True):
+            raise ValueError(f"{where}: the array to write the result into is read-only "
+                             f"({type(target).__name__}); give writeable arrays")
+    return natives, handed
+
+
+def _write(result: Any, targets: tuple[list[Any], list[Any]], dest: tuple[Device, ...],
+           ) -> Any:
+    """Copy a reduction's result (an array or a DistributedValues) into ``targets`` and
+    return the caller's arrays as the reduce would have returned new ones."""
+    natives, handed = targets
+    parts = result.values if isinstance(result, DistributedValues) else [result]
+    for index, native in enumerate(natives):
+        if native is not parts[min(index, len(parts) - 1)]:
+            get_backend(native).copy(native, to_native(parts[min(index, len(parts) - 1)]))
+    if len(dest) == 1:
+        return handed[0]
+    return Mirrored(handed, [str(d) for d in dest])
+
+
 # ----------------------------------------------------------------------- base class
 
 
@@ -214,8 +281,15 @@ class CrossDeviceOps(abc.ABC):
     # -- public API
 
     def reduce(self, reduce_op: Any, per_replica_value: Any, destinations: Any,
-               options: CommunicationOptions | None = None) -> Any:
+               options: CommunicationOptions | None = None, *, inplace: bool = False,
+               out: Any = None) -> Any:
         """Reduce ``per_replica_value`` over every replica of every rank to ``destinations``.
+
+        Args:
+            inplace: write the result into the value's components (writeable arrays of any
+                library; the destinations must be the value's devices) and return them.
+            out: the array to write the result into, or one per destination device (a
+                list or a DistributedValues); returned in place of new arrays.
 
         Returns:
             A :class:`Mirrored` on the destination devices, the same on every rank; with a
@@ -224,29 +298,41 @@ class CrossDeviceOps(abc.ABC):
         comm = self.comm
         signature = error = None
         timeout = self._timeout(options)
+        where = f"{type(self).__name__}.reduce"
         try:
             options = self._options(options)
             op = _reduce_op(reduce_op)
             given = _per_replica(per_replica_value)
             value, like = _native(given)
             dest = _destinations(destinations)
-            signature = (f"{type(self).__name__}.reduce op={op.name} value={_describe(value)} "
-                         f"match={_same_devices(value.device_set, dest, comm)} "
-                         f"options={options}")
+            match = _same_devices(value.device_set, dest, comm)
+            targets = _targets(op, given, value, dest, match, inplace, out, where)
+            signature = (f"{where} op={op.name} value={_describe(value)} "
+                         f"match={match} options={options}")
         except (ValueError, TypeError) as exc:
             error = exc
-        agree(comm, signature, error, f"{type(self).__name__}.reduce", timeout=timeout)
+        agree(comm, signature, error, where, timeout=timeout)
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
-        if comm.Get_size() == 1 and len(value) == 1 and \
-                _same_devices(value.device_set, dest, comm):
-            return given.values[0]  # TF's shortcut: no arithmetic
-        return _restored(single(self.reduce_implementation(op, value, dest, options)), like)
+        if comm.Get_size() == 1 and len(value) == 1 and match:
+            # TF's shortcut: no arithmetic
+            return given.values[0] if targets is None else \
+                _write(value.values[0], targets, dest)
+        result = single(self.reduce_implementation(op, value, dest, options))
+        return _restored(result, like) if targets is None else _write(result, targets, dest)
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Any,
-                     options: CommunicationOptions | None = None) -> list[Any]:
+                     options: CommunicationOptions | None = None, *, inplace: bool = False,
+                     out: Any = None) -> list[Any]:
         """Reduce several values at once; one batched all-reduce when every pair's
         destinations are its value's devices (and all values share devices).
+
+        Args:
+            inplace: write each pair's result into its value's components (writeable
+                arrays; each pair's destinations must be its value's devices) and return
+                them: a grouped in-place reduce, packed and routed as without it.
+            out: one entry per pair, as :meth:`reduce`'s ``out``; returned in place of
+                new arrays.
 
         Returns:
             One :class:`Mirrored` per pair, in the order of the pairs (the array itself
@@ -255,23 +341,31 @@ class CrossDeviceOps(abc.ABC):
         comm = self.comm
         signature = error = None
         timeout = self._timeout(options)
+        where = f"{type(self).__name__}.batch_reduce"
         try:
             options = self._options(options)
             op = _reduce_op(reduce_op)
-            pairs, likes = self._pairs(value_destination_pairs)
+            pairs, likes, givens = self._pairs(value_destination_pairs)
             match = self._all_match(pairs, comm)
-            signature = (f"{type(self).__name__}.batch_reduce op={op.name} match={match} "
+            targets = self._batch_targets(comm, op, pairs, givens, inplace, out, where)
+            signature = (f"{where} op={op.name} match={match} "
                          f"options={options} " + _batch_signature([v for v, _ in pairs]))
         except (ValueError, TypeError) as exc:
             error = exc
-        agree(comm, signature, error, f"{type(self).__name__}.batch_reduce", timeout=timeout)
+        agree(comm, signature, error, where, timeout=timeout)
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
         if comm.Get_size() == 1 and match and len(pairs[0][0]) == 1:
-            return [_restored(v.values[0], like)  # TF's shortcut
-                    for (v, _), like in zip(pairs, likes)]
-        reduced = self.batch_reduce_implementation(op, pairs, options, match=match)
-        return [_restored(single(r), like) for r, like in zip(reduced, likes)]
+            if targets is None:
+                return [g.values[0] for g in givens]  # TF's shortcut: no arithmetic
+            reduced: list[Any] = [v.values[0] for v, _ in pairs]
+        else:
+            reduced = [single(r) for r in
+                       self.batch_reduce_implementation(op, pairs, options, match=match)]
+        if targets is None:
+            return [_restored(r, like) for r, like in zip(reduced, likes)]
+        return [_write(r, t, _destinations(d)) for r, t, (_, d) in
+                zip(reduced, targets, pairs)]
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every destination device on every rank.
@@ -344,10 +438,34 @@ class CrossDeviceOps(abc.ABC):
         return options
 
     @staticmethod
+    def _batch_targets(comm: Comm, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
+                       givens: list[DistributedValues], inplace: bool, out: Any,
+                       where: str) -> list[Any] | None:
+        """Per pair, the arrays its result is written into (see :func:`_targets`)."""
+        if not inplace and out is None:
+            return None
+        if out is not None and (not isinstance(out, (list, tuple)) or len(out) != len(pairs)):
+            raise ValueError(
+                f"{where}: out must be a list with one entry per pair ({len(pairs)}), got "
+                f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (list, tuple))
+                                           else "")
+            )
+        targets = []
+        for index, ((value, dest), given) in enumerate(zip(pairs, givens)):
+            dest_devices = value.device_set if dest is value else _destinations(dest)
+            targets.append(_targets(
+                op, given, value, dest_devices,
+                _same_devices(value.device_set, dest_devices, comm),
+                inplace, None if out is None else out[index], f"{where} pair {index}"))
+        return targets
+
+    @staticmethod
     def _pairs(value_destination_pairs: Any,
-               ) -> tuple[list[tuple[DistributedValues, Any]], list[Any]]:
-        """The pairs with their values as NumPy/CuPy arrays (:func:`_native`), and per
-        pair the component whose type its result takes (None: nothing to convert)."""
+               ) -> tuple[list[tuple[DistributedValues, Any]], list[Any],
+                          list[DistributedValues]]:
+        """The pairs with their values as NumPy/CuPy arrays (:func:`_native`), per pair
+        the component whose type its result takes (None: nothing to convert), and the
+        values as given (as DistributedValues)."""
         if isinstance(value_destination_pairs, Iterator):
             value_destination_pairs = list(value_destination_pairs)  # a generator, as TF 2.21
         if not isinstance(value_destination_pairs, (list, tuple)):
@@ -358,7 +476,7 @@ class CrossDeviceOps(abc.ABC):
         if not value_destination_pairs:
             raise ValueError("`value_destination_pairs` is empty: give at least one "
                              "(value, destinations) pair")
-        pairs, likes = [], []
+        pairs, likes, givens = [], [], []
         for index, pair in enumerate(value_destination_pairs):
             if not isinstance(pair, tuple):
                 raise ValueError(f"Each element of `value_destination_pairs` should be a "
@@ -374,7 +492,8 @@ class CrossDeviceOps(abc.ABC):
             native, like = _native(value)
             pairs.append((native, native if dest is value else dest))
             likes.append(like)
-        return pairs, likes
+            givens.append(value)
+        return pairs, likes, givens
 
     @staticmethod
     def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Comm) -> bool:

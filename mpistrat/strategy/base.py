@@ -119,25 +119,33 @@ class StrategyExtended:
         return self._options if options is None else options
 
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any,
-                  options: CommunicationOptions | None = None) -> Any:
+                  options: CommunicationOptions | None = None, *, inplace: bool = False,
+                  out: Any = None) -> Any:
         """Reduce ``value`` (a PerReplica, Mirrored, or one array per rank) across every
         replica of every rank onto ``destinations``; a :class:`Mirrored`.
 
         A Mirrored value with MEAN is returned as it is (TF's rule). A plain array counts
         as one value per rank (so ``reduce_to(SUM, 1.0, ...)`` on 2 ranks is 2.0).
+        ``inplace`` and ``out`` write the result into the value's components or into given
+        arrays, as :meth:`CrossDeviceOps.reduce <mpistrat.CrossDeviceOps.reduce>`.
         """
         _require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.parse(reduce_op)
         value = _as_values(value)
-        if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
+        if isinstance(value, Mirrored) and op is ReduceOp.MEAN and out is None:
             return value
         return self._cross_device_ops.reduce(op, value, _as_destinations(destinations),
-                                             options=self._with_options(options))
+                                             options=self._with_options(options),
+                                             inplace=inplace, out=out)
 
     def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
-                        options: CommunicationOptions | None = None) -> list[Any]:
+                        options: CommunicationOptions | None = None, *,
+                        inplace: bool = False, out: Any = None) -> list[Any]:
         """Reduce several values at once (one batched all-reduce when each destination is
-        its value's devices); results in the order of the pairs."""
+        its value's devices); results in the order of the pairs. ``inplace`` writes each
+        result into its value (a grouped in-place reduce), ``out`` into given arrays (one
+        entry per pair), as :meth:`CrossDeviceOps.batch_reduce
+        <mpistrat.CrossDeviceOps.batch_reduce>`."""
         _require_cross_replica(self._strategy, "batch_reduce_to")
         if isinstance(value_destination_pairs, (list, tuple)):
             value_destination_pairs = [
@@ -146,7 +154,8 @@ class StrategyExtended:
                 for pair in value_destination_pairs]
         return self._cross_device_ops.batch_reduce(ReduceOp.parse(reduce_op),
                                                    value_destination_pairs,
-                                                   options=self._with_options(options))
+                                                   options=self._with_options(options),
+                                                   inplace=inplace, out=out)
 
     def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict[str, Any] | None = None, group: bool = True) -> Any:
@@ -518,17 +527,24 @@ class _DefaultExtended(StrategyExtended):
         return self._cross_device_ops
 
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any,
-                  options: CommunicationOptions | None = None) -> Any:
+                  options: CommunicationOptions | None = None, *, inplace: bool = False,
+                  out: Any = None) -> Any:
         op = ReduceOp.parse(reduce_op)
-        if not isinstance(value, DistributedValues):
+        if not isinstance(value, DistributedValues) and not inplace and out is None:
             return np.asarray(value)  # one device: the value itself
-        if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
+        if isinstance(value, Mirrored) and op is ReduceOp.MEAN and out is None:
             return value
-        return self.cross_device_ops.reduce(op, value, destinations, options=options)
+        return self.cross_device_ops.reduce(op, value, destinations, options=options,
+                                            inplace=inplace, out=out)
 
     def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
-                        options: CommunicationOptions | None = None) -> list[Any]:
-        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+                        options: CommunicationOptions | None = None, *,
+                        inplace: bool = False, out: Any = None) -> list[Any]:
+        if not inplace and out is None:
+            return [self.reduce_to(reduce_op, v, d, options)
+                    for v, d in value_destination_pairs]
+        return self.cross_device_ops.batch_reduce(reduce_op, value_destination_pairs,
+                                                  options=options, inplace=inplace, out=out)
 
 
 context.install(Strategy, _DefaultStrategy)

@@ -216,6 +216,23 @@ def test_every_entry_point_refuses_a_non_array_on_one_rank_everywhere(comm, entr
         assert isinstance(caught.value, CollectiveMismatchError), repr(caught.value)
 
 
+def test_batch_reduce_in_place_writes_into_the_callers_tensors(comm, lib):
+    """``batch_reduce(..., inplace=True)`` writes into the caller's own tensors (the same
+    objects come back); JAX arrays are immutable, so every rank says so."""
+    n, r = comm.size, comm.rank
+    ops = ms.MultiWorkerAllReduce(all_reduce_spec="xring:64:pscpu", num_packs=1, comm=comm)
+    grads = [lib.full((2, 3), r + 1.0), lib.full((40,), 2.0), lib.full((3,), 1.0, "float64")]
+    pairs = [(PerReplica([g]), "/cpu:0") for g in grads]
+    if lib.name == "jax":
+        with pytest.raises(ValueError, match="read-only.*writeable"):
+            ops.batch_reduce("sum", [(v, v) for v, _ in pairs], inplace=True)
+        return
+    got = ops.batch_reduce("mean", [(v, v) for v, _ in pairs], inplace=True)
+    assert all(a is b for a, b in zip(got, grads)), [type(a) for a in got]
+    _check(comm, grads, [np.full((2, 3), (n + 1) / 2), np.full(40, 2.0), np.ones(3)],
+           "in place")
+
+
 def test_replica_context_writes_into_given_outputs(world):
     torch = pytest.importorskip("torch")
     n, r = world.size, world.rank

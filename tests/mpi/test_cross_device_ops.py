@@ -581,6 +581,175 @@ def test_resnet50_gradient_batch(world, make, options, reduce_op):
     finish(world, problems, digests[::7])
 
 
+# --- in place and into given arrays --------------------------------------------------
+
+IN_PLACE_OPS = ("ReductionToOneDevice", "MWAR-pscpu/pscpu-packs1", "MWAR-xring-smallgrads",
+                f"MWAR-{TWO_ENTRY}", "HierarchicalCopyAllReduce")
+
+
+@pytest.mark.parametrize("op_id", IN_PLACE_OPS)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_batch_reduce_in_place_writes_each_result_into_its_value(world, op_id, replicas):
+    """A grouped in-place reduce: every component of every value holds the result (packed
+    and routed as without inplace), and the caller's arrays come back: the array itself
+    for one device, a Mirrored of the components for several."""
+    n, rank = world.Get_size(), world.Get_rank()
+    op = BY_ID[op_id]
+    if op.hierarchical_copy and (n * replicas) % 2:
+        pytest.skip("hierarchical copy needs an even number of devices")
+    shapes = [((300,), F32), ((2, 3), F64), ((5,), F32), ((7, 7), F16)]
+    problems: list[str] = []
+    digests: list[tuple[str, str]] = []
+    for reduce_op in ("sum", "mean"):
+        values = [per_replica(rank, replicas, s, t, salt=i) for i, (s, t) in enumerate(shapes)]
+        given = [list(v.values) for v in values]
+        out = op(world).batch_reduce(reduce_op, [(v, v) for v in values], inplace=True)
+        for i, ((shape, dtype), result, arrays) in enumerate(zip(shapes, out, given)):
+            label = f"{reduce_op} value {i}"
+            handed = [result] if replicas == 1 else \
+                list(result.values) if isinstance(result, Mirrored) else None
+            if handed is None or any(h is not a for h, a in zip(handed, arrays)):
+                problems.append(f"{label}: expected the value's own arrays back, got "
+                                f"{result!r}")
+                continue
+            ref, tol, _ = reference(reduce_op, n, replicas, shape, dtype, salt=i)
+            for d, array in enumerate(arrays):
+                found = problem(array, ref, tol, dtype, f"{label} on /cpu:{d}")
+                if found:
+                    problems.append(found)
+                else:
+                    digests.append((f"{label} /cpu:{d}", digest(array)))
+    finish(world, problems, digests)
+
+
+def test_reduce_into_given_arrays_on_other_devices(world):
+    """``out=`` takes one array per destination device (a list, or a DistributedValues),
+    reduces to devices other than the value's, and returns the given arrays; the inputs
+    stay untouched."""
+    n, rank = world.Get_size(), world.Get_rank()
+    problems: list[str] = []
+    digests: list[tuple[str, str]] = []
+    for op_id in ("ReductionToOneDevice", f"MWAR-{TWO_ENTRY}"):
+        ops = BY_ID[op_id](world)
+        value = per_replica(rank, 2, (4, 3), F32)
+        before = snapshot(value.values)
+        one = np.empty((4, 3), F32)
+        got_one = ops.reduce("sum", value, "/cpu:0", out=one)
+        many = [np.empty((4, 3), F32) for _ in range(3)]
+        dest = ["/cpu:0", "/cpu:1", "/device:CPU:5"]
+        got_many = ops.reduce("sum", value, dest, out=many)
+        mean = [np.empty((4, 3), F32)]
+        batch = ops.batch_reduce("mean", [(value, "/cpu:2")], out=[mean])
+        if got_one is not one:
+            problems.append(f"{op_id}: one destination: expected out itself, got {got_one!r}")
+        if not isinstance(got_many, Mirrored) or \
+                any(a is not b for a, b in zip(got_many.values, many)):
+            problems.append(f"{op_id}: expected a Mirrored of the given arrays, got "
+                            f"{got_many!r}")
+        if batch[0] is not mean[0]:
+            problems.append(f"{op_id}: batch out: expected out[0][0] itself, got {batch!r}")
+        if snapshot(value.values) != before:
+            problems.append(f"{op_id}: the input changed")
+        total, _, _ = reference("sum", n, 2, (4, 3), F32)
+        ref, tol, _ = reference("mean", n, 2, (4, 3), F32)
+        for label, array, want, tolerance in [("one", one, total, 0 * total),
+                                              *[(f"many {i}", a, total, 0 * total)
+                                                for i, a in enumerate(many)],
+                                              ("mean", mean[0], ref, tol)]:
+            found = problem(array, want, tolerance, F32, f"{op_id} {label}")
+            if found:
+                problems.append(found)
+            else:
+                digests.append((f"{op_id} {label}", digest(array)))
+    finish(world, problems, digests)
+
+
+BAD_TARGETS = {
+    # name: (call(ops, value, good) on rank 0, text of rank 0's error)
+    "read-only": (lambda ops, v, t: ops.batch_reduce("sum", [(v, v)], out=[_read_only(t)]),
+                  "read-only"),
+    "shape": (lambda ops, v, t: ops.reduce("sum", v, "/cpu:0", out=np.empty(4, F32)),
+              "the array to write it into (4,)"),
+    "mean of integers in place": (
+        lambda ops, v, t: ops.batch_reduce("mean", [(_ints(v), _ints(v))], inplace=True),
+        "MEAN of integers is float64"),
+    "in place to other devices": (
+        lambda ops, v, t: ops.batch_reduce("sum", [(v, "/device:CPU:7")], inplace=True),
+        "destinations must be the value's devices"),
+    "both": (lambda ops, v, t: ops.reduce("sum", v, v, inplace=True, out=t),
+             "not both"),
+    "out count": (lambda ops, v, t: ops.reduce("sum", v, ["/cpu:0", "/cpu:1"], out=[t]),
+                  "1 array(s) for 2 destination"),
+    "out per pair": (lambda ops, v, t: ops.batch_reduce("sum", [(v, v)], out=t),
+                     "one entry per pair"),
+}
+
+
+def _read_only(array):
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _ints(value):
+    return PerReplica([np.asarray(a, np.int32) for a in value.values], value.devices)
+
+
+@pytest.mark.parametrize("name", list(BAD_TARGETS))
+def test_bad_target_on_one_rank_raises_on_every_rank(world, name):
+    """A bad ``inplace``/``out=`` target on rank 0 alone is found before any data moves:
+    rank 0 raises its own ValueError naming the problem, every other rank a
+    CollectiveMismatchError, and nothing was written."""
+    rank = world.Get_rank()
+    call, text = BAD_TARGETS[name]
+    ops = MultiWorkerAllReduce(all_reduce_spec="xring", comm=world)
+    value = per_replica(rank, 1, (3,), F32)
+    target = np.zeros(3, F32)
+    if rank == 0:
+        out, exc = outcome(lambda: call(ops, value, target))
+    else:
+        out, exc = outcome(lambda: ops.batch_reduce("sum", [(value, value)], out=[[target]])
+                           if name.endswith("pair") or name == "read-only" else
+                           ops.reduce("sum", value, value, out=[target]))
+    problems = []
+    if rank == 0 and (not isinstance(exc, ValueError) or text not in str(exc)):
+        problems.append(f"rank 0: expected ValueError with {text!r}, got {exc!r} / {out!r}")
+    if rank > 0 and not isinstance(exc, CollectiveMismatchError):
+        problems.append(f"rank {rank}: expected CollectiveMismatchError, got {exc!r}")
+    if np.any(target):
+        problems.append(f"rank {rank}: a target was written before the error")
+    everyone = world.allgather(problems)
+    assert not any(everyone), everyone
+
+
+def test_strategy_batch_reduce_to_in_place_and_out(world):
+    """The strategy's ``extended.batch_reduce_to``/``reduce_to`` forward ``inplace`` and
+    ``out`` (the default strategy too, on one process)."""
+    n, rank = world.Get_size(), world.Get_rank()
+    strategy = mpistrat.MultiWorkerMirroredStrategy(comm=world)
+    grads = [np.full(3, rank + 1.0, F32), np.full((2, 2), 2.0)]
+    values = [PerReplica([g]) for g in grads]
+    got = strategy.extended.batch_reduce_to("sum", [(v, v) for v in values], inplace=True)
+    out = np.empty(3, F32)
+    mean = strategy.extended.reduce_to("mean", PerReplica([np.full(3, rank + 1.0, F32)]),
+                                       "/cpu:0", out=out)
+    default = mpistrat.get_strategy()
+    alone = np.ones(2)
+    solo = default.extended.batch_reduce_to("sum", [(PerReplica([alone]), "/cpu:0")],
+                                            inplace=True)
+    problems = []
+    if [id(g) for g in got] != [id(g) for g in grads] or mean is not out or solo[0] is not alone:
+        problems.append(f"not the given arrays: {got!r} {mean!r} {solo!r}")
+    total = n * (n + 1) / 2
+    for label, array, want in [("in place 0", grads[0], np.full(3, total)),
+                               ("in place 1", grads[1], np.full((2, 2), 2.0 * n)),
+                               ("out", out, np.full(3, total / n)),
+                               ("solo", alone, np.ones(2))]:
+        if not np.array_equal(array, want):
+            problems.append(f"{label}: got {array}, expected {want}")
+    finish(world, problems, [("grads", digest(grads[0])), ("out", digest(out))])
+
+
 # --- broadcast -------------------------------------------------------------------------
 
 
