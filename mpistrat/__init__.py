@@ -52,7 +52,11 @@ from .cross_device_ops import (  # noqa: E402
 from .errors import CollectiveAbortedError, CollectiveTimeoutError  # noqa: E402
 from .packing import flat_arrays  # noqa: E402
 from .runtime.shared import (  # noqa: E402
-    free_shared, is_shared, shared_arrays, shared_empty, shared_zeros,
+    free_shared,
+    is_shared,
+    shared_arrays,
+    shared_empty,
+    shared_zeros,
 )
 from .values import DistributedValues, Mirrored, PerReplica  # noqa: E402
 
@@ -131,6 +135,17 @@ from .checkpoint import (  # noqa: E402
 
 __all__ += ["Checkpoint", "CheckpointManager", "latest_checkpoint", "Scalar",
             "PreemptionCheckpointHandler", "CheckpointNotFoundError", "CheckpointCorruptError"]
+
+# tf.distribute.experimental.partitioners: the classes here, the whole set (with the
+# shard-size helpers) in mpistrat.partitioners
+from .partitioners import (  # noqa: E402
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    Partitioner,
+)
+
+__all__ += ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner"]
 
 
 def _keep_old_module_paths() -> None:
