@@ -168,6 +168,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
         optimizer.load_state_dict(state)
 
 
+class _Pass:
+    """What one backward pass has done so far."""
+
+    __slots__ = ("task", "next", "filled", "had", "calls")
+
+    def __init__(self, count: int) -> None:
+        self.task: int | None = None  # the backward pass being reduced
+        self.next = 0  # the next bucket to reduce, in order
+        self.filled = [False] * count  # the parameter's slice holds its share
+        self.had = 0  # parameters this rank had a gradient for
+        self.calls = 0  # all-reduces run, over every pass (rotates pscpu's gather ranks)
+
+
 @dataclass
 class _Bucket:
     """Consecutive parameters of one dtype whose gradients are reduced together."""
@@ -255,12 +268,11 @@ class DistributedDataParallel(torch.nn.Module):
         for entry in set(self._routes):
             dispatch.fit(entry.alg, self.comm, entry.shards)
         self._backend = get_backend(self._counts)
-        self._calls = 0  # all-reduces run (rotates pscpu's gather ranks)
         self._sync = True
         self._divide = self.op is ReduceOp.MEAN and self._size > 1
-        self._task: int | None = None  # the backward pass being reduced
-        self._next = 0  # the next bucket to reduce, in order
-        self._filled = [False] * len(params)
+        # per-pass state in a plain object: attribute stores on a Module go through
+        # Module.__setattr__, a few microseconds each, and the hooks make them per gradient
+        self._pass = _Pass(len(params))
         self._had = np.zeros(len(params), dtype=bool)  # this rank had a gradient
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(params)]
@@ -355,27 +367,31 @@ class DistributedDataParallel(torch.nn.Module):
         bucket = self._buckets[self._bucket_of[index]]
         task_id = torch._C._current_graph_task_id
 
+        state = self._pass
+
         def hook(param: torch.Tensor) -> None:
             if not self._sync:
                 return
-            if self._task != task_id():
+            if state.task != task_id():
                 self._begin()
-            if self._filled[index]:
+            if state.filled[index]:
                 return
             self._fill(index, param)
             bucket.pending -= 1
             if not bucket.pending:
                 buckets, count = self._buckets, len(self._buckets)
-                while self._next < count and not buckets[self._next].pending:
-                    self._reduce(self._next)
-                    self._next += 1
+                while state.next < count and not buckets[state.next].pending:
+                    self._reduce(state.next)
+                    state.next += 1
         return hook
 
     def _begin(self) -> None:
         """First gradient of a backward pass: reset, and reduce the rest at its end."""
-        self._task = torch._C._current_graph_task_id()
-        self._next = 0
-        self._filled = [False] * len(self._params)
+        state = self._pass
+        state.task = torch._C._current_graph_task_id()
+        state.next = 0
+        state.filled = [False] * len(self._params)
+        state.had = 0
         self._had[:] = False
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
@@ -395,7 +411,9 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad = view
         elif self._divide:  # accumulated in the slice already
             view.div_(self._size)
-        self._filled[index] = True
+        state = self._pass
+        state.filled[index] = True
+        state.had += 1
         self._had[index] = True
 
     def _reduce(self, index: int) -> None:
@@ -406,26 +424,27 @@ class DistributedDataParallel(torch.nn.Module):
         if self._size > 1:
             entry = self._routes[index]
             dispatch.run(entry.alg, self.comm, bucket.array, op=ReduceOp.SUM,
-                         shards=entry.shards, backend=self._backend, rotation=self._calls,
-                         checked=True)
-            self._calls += 1
+                         shards=entry.shards, backend=self._backend,
+                         rotation=self._pass.calls, checked=True)
+            self._pass.calls += 1
 
     def _finish(self) -> None:
         """End of backward: zeros for the parameters this rank has no gradient for, the
         remaining buckets in order, then ``.grad`` set by how many ranks had one."""
-        self._task = None
+        state = self._pass
+        state.task = None
         for index, param in enumerate(self._params):
-            if self._filled[index]:
+            if state.filled[index]:
                 continue
             if param.grad is not None:  # accumulated earlier (no_sync), unused now
                 self._fill(index, param)
             else:
                 self._views[index].zero_()
-                self._filled[index] = True
-        for index in range(self._next, len(self._buckets)):
+                state.filled[index] = True
+        for index in range(state.next, len(self._buckets)):
             self._reduce(index)
-        self._next = len(self._buckets)
-        if not self._had.all() or self._counts.min() == 0:
+        state.next = len(self._buckets)
+        if state.had < len(self._params):  # (a rank that had every one: all counts >= 1)
             for index, param in enumerate(self._params):
                 if self._counts[index] == 0:
                     param.grad = None
