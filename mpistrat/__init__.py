@@ -148,6 +148,41 @@ from .partitioners import (  # noqa: E402
 __all__ += ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner"]
 
 
+from .errors import CancelledError, WorkerUnavailableError  # noqa: E402
+
+__all__ += ["CancelledError", "WorkerUnavailableError"]
+
+# parameter-server training (tf.distribute.ParameterServerStrategy, tf.distribute.
+# coordinator): loaded on first use, so `import mpistrat` does not import cloudpickle
+_PS_NAMES = {
+    "ParameterServerStrategy": "mpistrat.ps.strategy",
+    "PSVariable": "mpistrat.ps.strategy",
+    "ShardedVariable": "mpistrat.ps.strategy",
+    "ClusterCoordinator": "mpistrat.ps.coordinator",
+    "RemoteValue": "mpistrat.ps.coordinator",
+    "PerWorkerValues": "mpistrat.ps.coordinator",
+    "experimental_get_current_worker_index": "mpistrat.ps.worker",
+    "Server": "mpistrat.ps.server",
+}
+__all__ += list(_PS_NAMES)
+
+
+def __getattr__(name: str) -> object:
+    if name in _PS_NAMES:
+        import importlib
+
+        value = getattr(importlib.import_module(_PS_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    if name == "coordinator":  # tf.distribute.coordinator
+        import importlib
+
+        module = importlib.import_module("mpistrat.ps.coordinator")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _keep_old_module_paths() -> None:
     """The MPI substrate lives in :mod:`mpistrat.runtime`; scripts written against the old
     paths (``mpistrat.topology``, ``.devices``, ``.shared``, ``._agreement``, ``._stall``)

@@ -125,3 +125,17 @@ class RunSetupError(MpistratError, RuntimeError):
     """``mpistrat run`` (or ``bench --np``) cannot start: a missing script, an MPI launcher
     that does not match mpi4py's library, ``-n``/``--np`` under a launcher. Raised on every
     rank."""
+
+
+class CancelledError(MpistratError, RuntimeError):
+    """A closure scheduled on a :class:`~mpistrat.ClusterCoordinator` was cancelled (an
+    earlier closure failed, so the coordinator threw the queue away) or aborted: its
+    ``RemoteValue.fetch()`` raises this (TF's ``tf.errors.CancelledError``); schedule the
+    function again."""
+
+
+class WorkerUnavailableError(MpistratError, RuntimeError):
+    """A worker could not run a closure for a transient reason (TF's worker
+    ``UnavailableError``). Raised inside a scheduled function, the
+    :class:`~mpistrat.ClusterCoordinator` runs the closure again, on any worker, and
+    rebuilds that worker's per-worker datasets; it never reaches the user's program."""

@@ -37,7 +37,7 @@ def _end_options_at_module(args: list[str]) -> list[str]:
     to the module as ``python -m`` would pass it (only before the script position)."""
     takes_value = {"-n", "--np", "--mpiexec", "--spec", "--num-packs", "--communication",
                    "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check",
-                   "--report-dir"}
+                   "--report-dir", "--num-ps"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -103,15 +103,20 @@ def _settings() -> Any:
                    "writes its report to DIR/rank-R.txt: the only copy that survives when "
                    "its host is cut off from the launcher. Use a directory every host "
                    "shares [default: MPISTRAT_REPORT_DIR, else none].")
+@click.option("--num-ps", type=click.IntRange(min=1), metavar="P",
+              help="Parameter-server training: ranks 1..P hold the variables, rank 0 "
+                   "coordinates, the rest are workers (MPISTRAT_NUM_PS for the script's "
+                   "ParameterServerStrategy); no default strategy is installed.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
-        gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, report_dir,
+        gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, report_dir, num_ps,
         script_and_args):
     """Run a training script on every rank in a default MultiWorkerMirroredStrategy.
 
     The script runs as __main__ with its arguments; mpistrat.get_strategy() returns the
-    strategy the options describe.
+    strategy the options describe. With --num-ps, no strategy is installed: the script
+    constructs a ParameterServerStrategy, and the job ends when rank 0's script does.
 
     An uncaught exception or a non-zero sys.exit on any rank prints that rank's
     traceback, tagged with its rank, once, and ends the whole job with a non-zero
@@ -149,7 +154,7 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
             num_packs=num_packs, communication=communication.lower(),
             local_replicas=local_replicas, gpus_per_rank=gpus_per_rank,
             tag_output=tag_output, quiet_ranks=quiet_ranks, timeout=timeout,
-            stall_check=stall_check, report_dir=report_dir)
+            stall_check=stall_check, report_dir=report_dir, num_ps=num_ps)
     except MpistratError as exc:  # the spec
         raise click.UsageError(f"--spec {spec}: {exc}") from None
     except ValueError as exc:

@@ -70,8 +70,9 @@ def match_world(resolver: ClusterResolver, rank: int, size: int) -> ClusterInfo:
     if in_cluster and task_type == "ps":
         raise TopologyError(
             f"{resolver.source} makes this task a parameter server (ps:{task_id}): "
-            f"mpistrat's workers all-reduce over MPI and have no parameter servers; fix: "
-            f"give every rank a chief or worker task"
+            f"synchronous strategies all-reduce over MPI and have no parameter servers; "
+            f"fix: give every rank a chief or worker task, or train with "
+            f"ParameterServerStrategy (mpistrat run --num-ps P)"
         )
     info = ClusterInfo(resolver.num_workers, resolver.worker_index, resolver.is_chief,
                        task_type, task_id, None, resolver)

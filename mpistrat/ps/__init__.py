@@ -1,6 +1,13 @@
-"""Parameter-server building blocks: the variable store on the ps ranks' MPI windows.
+"""Parameter-server training over MPI (TF's ``ParameterServerStrategy``).
 
-Importing this package does not start MPI; creating a :class:`VariableStore` does.
+* :mod:`.roles`: the coordinator, ps and worker ranks;
+* :mod:`.store`: the variables, in MPI window arenas on the ps ranks;
+* :mod:`.strategy`: ``ParameterServerStrategy`` and its variables;
+* :mod:`.coordinator`: ``ClusterCoordinator``, ``RemoteValue``, ``PerWorkerValues``;
+* :mod:`.worker`: what a worker runs; :mod:`.server`: ``Server``.
+
+Importing this package does not start MPI (nor import the strategy); creating a
+:class:`VariableStore` or a strategy does. The public names are on :mod:`mpistrat`.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ class RunOptions:
         stall_check: seconds before ranks missing from a collective are reported (0: off).
         report_dir: a directory (on a file system every host shares) where a rank that
             ends abnormally writes its report, ``rank-R.txt``; None: none.
+        num_ps: parameter-server training: this many ps ranks (``MPISTRAT_NUM_PS`` for
+            the script's :class:`~mpistrat.ParameterServerStrategy`), and no default
+            strategy; None: synchronous training under the default strategy.
     """
 
     target: str
@@ -49,6 +52,7 @@ class RunOptions:
     timeout: float | None = None
     stall_check: float = DEFAULT_STALL_CHECK
     report_dir: str | None = None
+    num_ps: int | None = None
     parsed_spec: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +64,7 @@ class RunOptions:
             raise ValueError(f"--communication must be one of {', '.join(COMMUNICATIONS)}, "
                              f"got {self.communication!r}")
         for name, value, least in (("--num-packs", self.num_packs, 0),
+                                   ("--num-ps", self.num_ps, 1),
                                    ("--local-replicas", self.local_replicas, 1),
                                    ("--gpus-per-rank", self.gpus_per_rank, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -102,5 +107,7 @@ class RunOptions:
         argv += ["--stall-check", repr(self.stall_check)]
         if self.report_dir is not None:
             argv += ["--report-dir", self.report_dir]
+        if self.num_ps is not None:
+            argv += ["--num-ps", str(self.num_ps)]
         argv += ["-m", self.target] if self.module else [self.target]
         return argv + list(self.args)

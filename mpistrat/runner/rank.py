@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import RunSetupError
 from ..launch.env import detect
+from ..ps.roles import NUM_PS_ENV
 from ..runtime import stall
 from ..runtime._mpi import mpi
 from .execute import check_target, default_strategy, run_target, set_default_strategy
@@ -90,10 +92,16 @@ def run(options: RunOptions, *,
         done.Free()
 
 
+def _end_parameter_servers() -> None:
+    module = sys.modules.get("mpistrat.ps.strategy")
+    if module is not None:
+        module.shutdown_all()
+
+
 def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], Any] | None,
                 set_strategy: Callable[[Any], None]) -> Outcome:
     strategy = None
-    if strategy_factory is not None:
+    if strategy_factory is not None and options.num_ps is None:  # (ps: the script's own)
         try:
             strategy = strategy_factory(options)
         except Exception as exc:  # noqa: BLE001 - reported like the script's own failures
@@ -102,7 +110,14 @@ def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], An
     try:
         if strategy is not None:
             set_strategy(strategy)
-        run_target(options)
+        if options.num_ps is not None:
+            os.environ[NUM_PS_ENV] = str(options.num_ps)
+        try:
+            run_target(options)
+        finally:
+            # a parameter-server job ends when the coordinator's script does: its workers
+            # and ps serve until then, so they are released before the ranks end together
+            _end_parameter_servers()
     except BaseException as exc:  # noqa: BLE001 - every way a script can end is reported
         return outcome_of(exc, options.target)
     finally:

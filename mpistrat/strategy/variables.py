@@ -468,6 +468,10 @@ def _create_distributed(initial_value: Any = None, trainable: bool | None = None
                         synchronization: Any = VariableSynchronization.AUTO,
                         aggregation: Any = VariableAggregation.NONE, shape: Any = None) -> Any:
     strategy = context.get_strategy()
+    create = getattr(strategy, "_create_variable", None)
+    if create is not None:  # a strategy that places its variables itself (parameter servers)
+        return create(initial_value=initial_value, trainable=trainable, name=name, dtype=dtype,
+                      synchronization=synchronization, aggregation=aggregation, shape=shape)
     if not context.in_cross_replica_context():
         raise RuntimeError(
             f"variables of {type(strategy).__name__} are created in its scope(), not inside "

@@ -1,0 +1,336 @@
+"""``ClusterCoordinator``: schedule functions on the workers of a ParameterServerStrategy.
+
+TF's contract (``tf.distribute.coordinator``), over ``mpi4py.futures``:
+
+* :meth:`ClusterCoordinator.schedule` returns a :class:`RemoteValue` at once; the function
+  runs on whichever worker is idle (one function in flight per worker; the executor sends
+  a task only to an idle worker), at least once;
+* the first error a function raises is raised once, by the next ``schedule``, ``join`` or
+  ``done``, after every function still running has finished; the functions not started
+  yet are thrown away and their ``RemoteValue.fetch()`` raises
+  :class:`~mpistrat.errors.CancelledError`;
+* a function that raises :class:`~mpistrat.errors.WorkerUnavailableError` runs again, on
+  any worker (TF's worker-failure contract; that worker's per-worker datasets are
+  rebuilt);
+* :class:`PerWorkerValues` in the arguments become the executing worker's value; a
+  per-worker dataset's iterator becomes that worker's iterator.
+
+Functions and their arguments travel with ``cloudpickle`` (a function defined in the
+script needs no import on the workers); variables, the strategy and per-worker values
+travel as handles (:mod:`mpistrat.ps.worker`).
+
+A worker or ps process that dies ends the MPI job (``mpistrat run`` names it); there is
+no function-level recovery from a lost process: resume from the coordinator's
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+
+from .._nest import flatten, pack_sequence_as
+from ..errors import CancelledError
+from . import worker
+from .strategy import _COORDINATORS, ParameterServerStrategy
+from .worker import experimental_get_current_worker_index
+
+__all__ = ["ClusterCoordinator", "RemoteValue", "PerWorkerValues", "PerWorkerDataset",
+           "PerWorkerDistributedIterator", "experimental_get_current_worker_index"]
+
+_CANCELLED = "The corresponding function is cancelled. Please reschedule the function."
+_dataset_ids = itertools.count()
+
+
+class RemoteValue:
+    """The result of a scheduled function (TF's ``RemoteValue``): :meth:`fetch` waits for
+    it and returns the value, or raises the function's error, or
+    :class:`~mpistrat.errors.CancelledError` when the function was thrown away."""
+
+    __slots__ = ("_ready", "_status", "_payload")
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._status = ""
+        self._payload: Any = None
+
+    def _finish(self, status: str, payload: Any = None) -> None:
+        self._status, self._payload = status, payload
+        self._ready.set()
+
+    def fetch(self) -> Any:
+        """Wait for the function and return its value (NumPy arrays and Python values as
+        the function returned them)."""
+        self._ready.wait()
+        if self._status == "ok":
+            return self._payload
+        if self._status == "error":
+            raise self._payload
+        raise CancelledError(_CANCELLED)
+
+    def get(self) -> Any:
+        """:meth:`fetch` (TF's ``get`` returns tensors; here both give the same values)."""
+        return self.fetch()
+
+    def __repr__(self) -> str:
+        state = {"": "not ready", "ok": "ready", "error": "failed",
+                 "cancelled": "cancelled"}[self._status]
+        return f"<RemoteValue {state}>"
+
+
+class PerWorkerValues:
+    """One value per worker; passed to a scheduled function, each worker gets its own
+    (TF's ``PerWorkerValues``).
+
+    Args:
+        values: a tuple with one value per worker, in worker order.
+    """
+
+    def __init__(self, values: tuple[Any, ...]) -> None:
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return self._values
+
+    def __reduce__(self) -> Any:
+        return (worker.component, (self._values,))
+
+    def __repr__(self) -> str:
+        return f"PerWorkerValues({len(self._values)} values)"
+
+
+class PerWorkerDistributedIterator(PerWorkerValues):
+    """The iterators of a per-worker dataset, one on each worker (what ``iter()`` of a
+    :class:`PerWorkerDataset` returns). Pass it to a scheduled function and call
+    ``next()`` on it there; each worker builds its dataset on first use."""
+
+    def __init__(self, key: tuple[int, int], builder: bytes, shard: bool) -> None:
+        super().__init__(())
+        self._key, self._builder, self._shard = key, builder, shard
+
+    def __next__(self) -> Any:
+        raise TypeError("next() of a per-worker iterator runs inside a scheduled function "
+                        "(coordinator.schedule(step, args=(iterator,))), on a worker")
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __reduce__(self) -> Any:
+        return (worker.dataset_iterator, (self._key, self._builder, self._shard))
+
+    def __repr__(self) -> str:
+        return f"<PerWorkerDistributedIterator dataset {self._key[0]}, iter() {self._key[1]}>"
+
+
+class PerWorkerDataset:
+    """A dataset built on every worker from a function (``create_per_worker_dataset``);
+    each ``iter()`` gives new iterators, started afresh on every worker."""
+
+    def __init__(self, dataset_fn: Any, shard_by_worker: bool = False) -> None:
+        self._id = next(_dataset_ids)
+        self._generation = itertools.count()
+        try:
+            self._builder = cloudpickle.dumps(dataset_fn)
+        except Exception as exc:  # noqa: BLE001 -- say what could not travel
+            raise TypeError(f"the dataset function cannot be sent to the workers "
+                            f"({type(exc).__name__}: {exc}); build the dataset inside a "
+                            f"function that only references picklable objects") from exc
+        self._shard = bool(shard_by_worker)
+
+    def __iter__(self) -> PerWorkerDistributedIterator:
+        return PerWorkerDistributedIterator((self._id, next(self._generation)),
+                                            self._builder, self._shard)
+
+    def __repr__(self) -> str:
+        return f"<PerWorkerDataset {self._id}{' sharded by worker' if self._shard else ''}>"
+
+
+class _Closure:
+    __slots__ = ("payload", "value", "future")
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.value = RemoteValue()
+        self.future: Any = None
+
+
+class ClusterCoordinator:
+    """Schedule functions on the workers of a :class:`ParameterServerStrategy` (TF's
+    ``tf.distribute.coordinator.ClusterCoordinator``). One per strategy: constructing it
+    again returns the same object. Use it on the coordinator rank (the only rank that
+    runs the program past the strategy's constructor).
+
+    Raises:
+        ValueError: the strategy is not a ParameterServerStrategy (TF's message).
+    """
+
+    _strategy: ParameterServerStrategy
+
+    def __new__(cls, strategy: Any) -> ClusterCoordinator:
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise ValueError("Only ParameterServerStrategy is supported to work with "
+                             "ClusterCoordinator currently.")
+        found = _COORDINATORS.get(strategy._store.id)
+        if found is None:
+            if strategy._executor is None:
+                raise RuntimeError("the ClusterCoordinator runs on the coordinator rank, and "
+                                   "this strategy has been shut down")
+            found = super().__new__(cls)
+            found._setup(strategy)
+            _COORDINATORS[strategy._store.id] = found
+        return found
+
+    def _setup(self, strategy: ParameterServerStrategy) -> None:
+        self._strategy = strategy
+        self._executor = strategy._executor
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: set[_Closure] = set()
+        self._error: BaseException | None = None
+        self._retries = 0
+
+    @property
+    def strategy(self) -> ParameterServerStrategy:
+        return self._strategy
+
+    # -- scheduling
+    def schedule(self, fn: Callable[..., Any], args: Any = None,
+                 kwargs: Any = None) -> RemoteValue:
+        """Schedule ``fn(*args, **kwargs)`` on a worker; returns at once.
+
+        Raises:
+            the first error of an earlier function (once; the functions not started yet
+            are cancelled and nothing is running when it is raised).
+            TypeError: ``fn`` is not callable, or it or its arguments cannot be sent.
+        """
+        self._raise_error()
+        if not callable(fn):
+            raise TypeError(f"schedule() takes a function, got {type(fn).__name__}")
+        for value in flatten([args, kwargs]):
+            if isinstance(value, RemoteValue):
+                raise ValueError("RemoteValue used as an input to scheduled function is not "
+                                 "yet supported.")
+        try:
+            payload = cloudpickle.dumps((fn, tuple(args or ()), dict(kwargs or {})))
+        except Exception as exc:  # noqa: BLE001 -- say what could not travel
+            raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments "
+                            f"to a worker ({type(exc).__name__}: {exc}); scheduled "
+                            f"functions may reference variables, the strategy, per-worker "
+                            f"iterators and picklable values") from exc
+        closure = _Closure(payload)
+        self._submit(closure)
+        return closure.value
+
+    def _submit(self, closure: _Closure) -> None:
+        with self._lock:
+            self._pending.add(closure)
+        closure.future = self._executor.submit(worker.execute, closure.payload)
+        closure.future.add_done_callback(lambda future: self._finished(closure, future))
+
+    def _finished(self, closure: _Closure, future: Any) -> None:
+        """A closure's future completed (in the executor's thread)."""
+        if future.cancelled():
+            outcome: tuple = ("cancelled",)
+        elif future.exception() is not None:  # the executor could not run it at all
+            outcome = ("error", cloudpickle.dumps(future.exception()), "")
+        else:
+            outcome = cloudpickle.loads(future.result())
+        cancel: list[Any] = []
+        with self._lock:
+            if outcome[0] == "retry":
+                if self._error is None:
+                    self._retries += 1
+                    self._pending.discard(closure)
+                    retry = True
+                else:
+                    outcome, retry = ("cancelled",), False
+            else:
+                retry = False
+            if not retry:
+                if outcome[0] == "error":
+                    error = cloudpickle.loads(outcome[1])
+                    if outcome[2]:
+                        error.add_note(f"(raised on {outcome[2].rstrip()})")
+                    closure.value._finish("error", error)
+                    if self._error is None:
+                        self._error = error
+                        cancel = [c.future for c in self._pending if c is not closure]
+                elif outcome[0] == "ok":
+                    closure.value._finish("ok", outcome[1])
+                else:
+                    closure.value._finish("cancelled")
+                self._pending.discard(closure)
+                self._idle.notify_all()
+        if retry:
+            self._submit(closure)
+        for other in cancel:  # (outside the lock: a cancel calls _finished at once)
+            other.cancel()
+
+    def _raise_error(self) -> None:
+        """Raise the first error, once, when nothing is running any more."""
+        with self._lock:
+            if self._error is None:
+                return
+            while self._pending:
+                self._idle.wait()
+            error, self._error = self._error, None
+        raise error
+
+    def join(self) -> None:
+        """Wait until every scheduled function has finished.
+
+        Raises:
+            the first error of a function (once), as :meth:`schedule`.
+        """
+        with self._lock:
+            while self._pending:
+                self._idle.wait()
+        self._raise_error()
+
+    def done(self) -> bool:
+        """Whether every scheduled function has finished (raises the first error, once)."""
+        self._raise_error()
+        with self._lock:
+            return not self._pending
+
+    def fetch(self, val: Any) -> Any:
+        """``RemoteValue.fetch`` of every RemoteValue in a structure; other values as
+        they are."""
+        leaves = flatten(val)
+        return pack_sequence_as(val, [v.fetch() if isinstance(v, RemoteValue) else v
+                                      for v in leaves])
+
+    # -- datasets
+    def create_per_worker_dataset(self, dataset_fn: Any, *,
+                                  shard_by_worker: bool = False) -> PerWorkerDataset:
+        """A dataset built on every worker from ``dataset_fn`` (``dataset_fn()``, or
+        ``dataset_fn(input_context)`` when it takes an argument), built on first use.
+
+        As in TF, every worker builds the whole dataset (the input context says one
+        pipeline): shuffle it with a different seed per worker, or shard it yourself with
+        :func:`~mpistrat.experimental_get_current_worker_index`. ``shard_by_worker=True``
+        (not in TF) gives each worker an input context with one pipeline per worker, so
+        ``dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)`` splits the data.
+        """
+        return PerWorkerDataset(dataset_fn, shard_by_worker)
+
+    @property
+    def retries(self) -> int:
+        """Functions run again after a :class:`~mpistrat.errors.WorkerUnavailableError`."""
+        return self._retries
+
+    def _abandon(self) -> None:
+        """The job is ending: cancel what has not started."""
+        with self._lock:
+            futures = [c.future for c in self._pending]
+        for future in futures:
+            future.cancel()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a ClusterCoordinator stays on the coordinator: do not use it "
+                        "inside a scheduled function")

@@ -1,0 +1,372 @@
+"""``ParameterServerStrategy`` over MPI: variables on ps ranks, functions on workers.
+
+Every rank of the job constructs the strategy (collectively). Then:
+
+* the **coordinator** (rank 0) returns from the constructor and runs the user's program:
+  it creates variables (placed on the ps ranks) and schedules functions on the workers
+  through a :class:`~mpistrat.ClusterCoordinator`;
+* a **worker** serves the functions the coordinator schedules (``mpi4py.futures``'
+  ``MPICommExecutor``: one function in flight per worker), and a **ps** rank waits inside
+  MPI while the others read and update its variables by one-sided RMA
+  (:class:`~mpistrat.ps.store.VariableStore`);
+* when the coordinator's program ends, it shuts the workers and ps down; they leave the
+  constructor with ``SystemExit(0)``: only the coordinator runs the rest of the script, as
+  TF's workers and ps only run a ``Server``. (:class:`~mpistrat.ps.server.Server` is the
+  same service for scripts that branch on the task type themselves.)
+
+Inside a scheduled function the strategy is the worker's: ``strategy.run`` runs over the
+worker's local replicas and ``strategy.reduce`` reduces only across them (TF: no
+cross-worker reduction; workers combine only through the variables).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..cross_device_ops import ReductionToOneDevice
+from ..runtime._mpi import Comm, mpi, world
+from ..strategy.base import Strategy, StrategyExtended
+from ..strategy.variables import Variable, VariableAggregation, VariableSynchronization, _initial
+from . import worker
+from .roles import Roles, resolve_roles
+from .store import ShardedHandle, VariableHandle, VariableStore
+
+__all__ = ["ParameterServerStrategy", "PSVariable", "ShardedVariable", "shutdown_all"]
+
+_SHUTDOWN_TAG = 4040
+_STORES: dict[str, VariableStore] = {}  # this process's stores, by id (handles name them)
+_STRATEGIES: dict[str, ParameterServerStrategy] = {}
+
+
+class PSVariable(Variable):
+    """A variable held on a ps rank (TF's variable on ``/job:ps/task:i``); read and updated
+    from the coordinator or any worker, concurrently, by one-sided MPI operations.
+
+    ``assign_add``/``assign_sub`` are atomic accumulates (no update is lost however many
+    workers add at once); ``assign`` replaces; with ``use_locking=True`` each is a
+    read-modify-write under the owning ps's exclusive lock. Pickled into a scheduled
+    function, a variable travels as its handle.
+    """
+
+    def __init__(self, store: VariableStore, handle: VariableHandle | ShardedHandle,
+                 name: str, trainable: bool = True,
+                 aggregation: Any = VariableAggregation.NONE) -> None:
+        self._store = store
+        self._handle = handle
+        self._init_common(name, trainable, VariableSynchronization.ON_WRITE, aggregation)
+
+    # -- facts without a read
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._handle.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._handle.dtype)
+
+    @property
+    def device(self) -> str:
+        """The owning ps's device (the first shard's for a sharded variable)."""
+        handle = self._handle
+        ps = handle.shards[0].ps if isinstance(handle, ShardedHandle) else handle.ps
+        return f"/job:ps/replica:0/task:{self._store.ps_ranks.index(ps)}/device:CPU:0"
+
+    def _read_array(self) -> np.ndarray:
+        return self._store.read(self._handle)
+
+    def numpy(self) -> np.ndarray:
+        return self._read_array()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self._read_array()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    # -- writing
+    def _value_of(self, value: Any) -> np.ndarray:
+        array = np.asarray(value, dtype=self.dtype)
+        if array.shape != self.shape:
+            try:
+                array = np.broadcast_to(array, self.shape)
+            except ValueError:
+                raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
+                                 f"{self._name!r} of shape {self.shape}") from None
+        return array
+
+    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
+               read_value: bool = True) -> Any:
+        array = self._value_of(value)
+        if use_locking:
+            self._store.update(self._handle, lambda _: array)
+        else:
+            self._store.assign(self._handle, array)
+        return self
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        array = self._value_of(delta)
+        if use_locking:
+            self._store.update(self._handle, lambda current: current + array)
+        else:
+            self._store.assign_add(self._handle, array)
+        return self
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        array = self._value_of(delta)
+        if use_locking:
+            self._store.update(self._handle, lambda current: current - array)
+        else:
+            self._store.assign_sub(self._handle, array)
+        return self
+
+    def __reduce__(self) -> Any:
+        return (_variable, (self._store.id, self._handle, self._name, self._trainable,
+                            self._aggregation.name, type(self).__name__))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} " \
+               f"on {self.device}>"
+
+
+class ShardedVariable(PSVariable):
+    """A variable split along axis 0 into shards on consecutive ps ranks (TF's
+    ``ShardedVariable``); reading gathers the shards, updates go to each shard's rows.
+
+    ``variables`` lists the shards (each a :class:`PSVariable` named ``"{name}/part_{i}"``).
+    """
+
+    _handle: ShardedHandle
+
+    @property
+    def variables(self) -> list[PSVariable]:
+        return [PSVariable(self._store, shard, shard.name, self._trainable)
+                for shard in self._handle.shards]
+
+
+def _variable(store_id: str, handle: Any, name: str, trainable: bool, aggregation: str,
+              kind: str) -> PSVariable:
+    """A variable unpickled on any rank of the job: bound to this rank's store."""
+    store = _STORES.get(store_id)
+    if store is None:
+        raise RuntimeError(f"variable {name!r} belongs to a ParameterServerStrategy that "
+                           f"this process does not have (store {store_id}); variables "
+                           f"travel only inside the job that created them")
+    cls = ShardedVariable if kind == "ShardedVariable" else PSVariable
+    return cls(store, handle, name, trainable, aggregation)
+
+
+class ParameterServerStrategy(Strategy):
+    """TF's ``ParameterServerStrategy``: asynchronous training with variables on ps ranks
+    and functions scheduled on workers by a :class:`~mpistrat.ClusterCoordinator`.
+
+    Collective over ``comm``: every rank constructs it. The coordinator (rank 0) gets the
+    strategy; workers and ps ranks serve until the coordinator's program ends, then leave
+    with ``SystemExit(0)`` (see the module docstring).
+
+    Args:
+        cluster_resolver: a resolver whose cluster has ``chief``, ``ps`` and ``worker``
+            jobs (``TFConfigClusterResolver``...), one task per rank in that order; or
+            None (or an ``MPIClusterResolver``): the MPI world with ``num_ps`` ps ranks.
+        variable_partitioner: called as ``partitioner(shape=..., dtype=...)`` for each
+            variable created in ``scope()``; ``[k, 1, ...]`` shards it along axis 0
+            (:mod:`mpistrat.partitioners`). None: no variable is sharded.
+        num_ps: ps ranks when the resolver does not say (default ``MPISTRAT_NUM_PS``, which
+            ``mpistrat run --num-ps P`` sets).
+        arena_bytes: bytes of variables each ps holds (default ``MPISTRAT_PS_ARENA_BYTES``
+            or 256 MiB).
+        comm: the job's communicator (default ``COMM_WORLD``).
+
+    Raises:
+        ValueError: TF's errors, on every rank: "There must be at least one ps.", "There
+            must be at least one worker.", an empty cluster spec, a task that is not the
+            rank's.
+    """
+
+    def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None, *,
+                 num_ps: int | None = None, arena_bytes: int | None = None,
+                 comm: Comm | None = None) -> None:
+        self._setup(cluster_resolver, variable_partitioner, num_ps, arena_bytes, comm)
+        if self.task_type == "chief":
+            self._start_coordinator()
+            return
+        self._serve()
+        raise SystemExit(0)
+
+    def _setup(self, cluster_resolver: Any, variable_partitioner: Any, num_ps: int | None,
+               arena_bytes: int | None, comm: Comm | None) -> None:
+        """The collective part of construction, the same on every rank (a
+        :class:`~mpistrat.Server` makes it too)."""
+        base = world() if comm is None else comm
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(f"variable_partitioner must be callable (e.g. "
+                            f"MinSizePartitioner(...)), got {variable_partitioner!r}")
+        roles: Roles = resolve_roles(cluster_resolver, num_ps, base)
+        MPI = mpi()
+        self._roles = roles
+        self._cluster_resolver = cluster_resolver
+        self._variable_partitioner = variable_partitioner
+        self._job = base.Dup()
+        rank = self._job.Get_rank()
+        self.task_type, self.task_id = roles.task_of(rank)
+        self._store = VariableStore([*roles.ps], arena_bytes, comm=self._job)
+        _STORES[self._store.id] = self._store
+        _STRATEGIES[self._store.id] = self
+        # coordinator + workers: the executor's communicator (ps ranks are not in it)
+        self._executor_comm: Any = self._job.Split(MPI.UNDEFINED if rank in roles.ps else 0,
+                                                   rank)
+        local = MPI.COMM_SELF
+        extended = _PSExtended(self, ReductionToOneDevice(comm=local), ("/cpu:0",),
+                               1, 0, rank == roles.coordinator)
+        super().__init__(extended, local)
+        self._colocate: list[PSVariable] = []
+        self._lock = threading.Lock()
+        self._executor_context: Any = None
+        self._executor: Any = None
+        self._closed = False
+
+    # -- facts
+    @property
+    def num_workers(self) -> int:
+        return len(self._roles.workers)
+
+    @property
+    def num_ps(self) -> int:
+        return len(self._roles.ps)
+
+    @property
+    def roles(self) -> Roles:
+        """The ranks of the coordinator, the ps and the workers."""
+        return self._roles
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas of one worker (TF: PSS reduces only across a worker's replicas)."""
+        return len(self._extended.worker_devices)
+
+    # -- the coordinator's side
+    def _start_coordinator(self) -> None:
+        from mpi4py.futures import MPICommExecutor
+
+        self._executor_context = MPICommExecutor(self._executor_comm, root=0)
+        self._executor = self._executor_context.__enter__()
+        atexit.register(self._shutdown)
+
+    def _shutdown(self) -> None:
+        """The end of the job (the coordinator's program has ended): stop the workers and
+        the ps, release the variables. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        coordinator = _COORDINATORS.pop(self._store.id, None)
+        if coordinator is not None:
+            coordinator._abandon()
+        self._executor_context.__exit__(None, None, None)
+        for ps in self._roles.ps:
+            self._job.send(None, dest=ps, tag=_SHUTDOWN_TAG)
+        self._release()
+
+    def _release(self) -> None:
+        _STORES.pop(self._store.id, None)
+        _STRATEGIES.pop(self._store.id, None)
+        self._store.free()
+        if self._executor_comm != mpi().COMM_NULL:
+            self._executor_comm.Free()
+        self._job.Free()
+
+    # -- workers and ps
+    def _serve(self) -> None:
+        """Serve until the coordinator shuts the job down: closures on a worker, RMA on a
+        ps (which waits inside MPI, where the one-sided operations make progress)."""
+        if self.task_type == "ps":
+            self._job.recv(source=self._roles.coordinator, tag=_SHUTDOWN_TAG)
+        else:
+            from mpi4py.futures import MPICommExecutor
+
+            worker.serving(worker.WorkerState(self, self.task_id, self.num_workers))
+            try:
+                with MPICommExecutor(self._executor_comm, root=0):
+                    pass  # (a worker serves inside __enter__ until the coordinator leaves)
+            finally:
+                worker.serving(None)
+        self._release()
+
+    # -- variables
+    def _create_variable(self, initial_value: Any = None, trainable: bool | None = None,
+                         name: str | None = None, dtype: Any = None,
+                         synchronization: Any = VariableSynchronization.AUTO,
+                         aggregation: Any = VariableAggregation.NONE,
+                         shape: Any = None) -> PSVariable:
+        """A variable created in ``scope()`` on the coordinator: placed round-robin on the
+        ps ranks, next to the variable of ``colocate_vars_with``, or sharded by the
+        partitioner."""
+        if worker.current() is not None:
+            raise RuntimeError("variables of a ParameterServerStrategy are created on the "
+                               "coordinator, in strategy.scope(), not inside a scheduled "
+                               "function (nor in a dataset_fn)")
+        initial = _initial(initial_value, dtype)
+        name = name if name is not None else f"Variable_{self._variables_created}"
+        self._variables_created += 1
+        trainable = True if trainable is None else bool(trainable)
+        store = self._store
+        handle: VariableHandle | ShardedHandle
+        if self._colocate:
+            ps = self._colocate[-1]._handle
+            owner = ps.shards[0].ps if isinstance(ps, ShardedHandle) else ps.ps
+            handle = store.allocate(initial.shape, initial.dtype, ps=owner, name=name)
+        elif self._variable_partitioner is not None and initial.ndim >= 1:
+            partitions = self._variable_partitioner(shape=initial.shape, dtype=initial.dtype)
+            handle = store.allocate_sharded(initial.shape, initial.dtype, partitions,
+                                            name=name)
+        else:
+            handle = store.allocate(initial.shape, initial.dtype, name=name)
+        store.assign(handle, initial)
+        cls = ShardedVariable if isinstance(handle, ShardedHandle) else PSVariable
+        return cls(store, handle, name, trainable, aggregation)
+
+    def __reduce__(self) -> Any:
+        return (worker.local_strategy, ())
+
+    def __repr__(self) -> str:
+        return (f"ParameterServerStrategy(1 coordinator, {self.num_ps} ps, {self.num_workers} "
+                f"worker(s); this rank: {self.task_type}:{self.task_id})")
+
+
+class _PSExtended(StrategyExtended):
+    _strategy: ParameterServerStrategy
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Variables created inside go to ``colocate_with_variable``'s ps and are never
+        sharded (what optimizers do for slot variables)."""
+        if not isinstance(colocate_with_variable, PSVariable):
+            raise TypeError(f"colocate_vars_with takes a variable of this strategy, got "
+                            f"{type(colocate_with_variable).__name__}")
+        stack = self._strategy._colocate
+        stack.append(colocate_with_variable)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return tuple(f"/job:ps/replica:0/task:{i}/device:CPU:0"
+                     for i in range(self._strategy.num_ps))
+
+
+_COORDINATORS: dict[str, Any] = {}  # the ClusterCoordinator of each strategy, by store id
+
+
+def shutdown_all() -> None:
+    """End every parameter-server job this process coordinates (what the coordinator does
+    at exit; ``mpistrat run`` calls it when the script returns)."""
+    for strategy in list(_STRATEGIES.values()):
+        if strategy.task_type == "chief":
+            strategy._shutdown()

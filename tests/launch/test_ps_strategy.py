@@ -1,0 +1,96 @@
+"""Parameter-server training across real ranks: ParameterServerStrategy,
+ClusterCoordinator, Server and ``mpistrat run --num-ps``.
+
+Workers and ps ranks leave the strategy's constructor only when the job ends, so each
+case is a script launched under ``mpiexec`` (tests/launch/ps_scripts), bounded by a
+timeout, whose coordinator checks the results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+SCRIPTS = "tests/launch/ps_scripts"
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.parametrize(("ranks", "num_ps"), [(3, 1), (4, 2), (5, 1)])
+def test_training_features_across_ranks(mpirun, ranks, num_ps):
+    """Variables on the ps (round-robin, sharded by the partitioner, colocated slots),
+    concurrent updates from every worker with no lost update, per-worker datasets (whole,
+    and sharded by worker), PerWorkerValues, strategy.run inside a closure."""
+    result = mpirun(ranks, [sys.executable, f"{SCRIPTS}/train.py", str(num_ps)], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = _last_json(result.stdout)
+    workers, steps = ranks - 1 - num_ps, out["steps"]
+    assert out["workers"] == workers
+    assert out["counter"] == steps  # one atomic add per closure: none lost
+    assert out["table"] == 28 * steps and out["slot"] == -28 * steps
+    assert sum(out["seen"]) == steps and len(out["seen"]) == workers
+    assert out["whole_in_order"] and out["total_matches"] and out["sharded_by_worker"]
+    if num_ps == 2:  # 112 bytes, MinSizePartitioner(64, max_shards=2): TF's div rule
+        assert out["shards"] == [[4, 4], [3, 4]]
+        # counter took ps 0, so the table's shards are on ps 1 and ps 0; its slot with it
+        assert out["shard_devices"] == ["/job:ps/replica:0/task:1/device:CPU:0",
+                                        "/job:ps/replica:0/task:0/device:CPU:0"]
+        assert out["slot_device"] == out["shard_devices"][0]
+    else:
+        assert out["shards"] == []
+
+
+def test_error_contract_retries_and_misuse(mpirun):
+    """The first error raised once by join/schedule/done, unstarted closures cancelled,
+    WorkerUnavailableError retried, TF's misuse errors (the script asserts them)."""
+    result = mpirun(3, [sys.executable, f"{SCRIPTS}/errors.py"], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_tf_pattern_with_servers(mpirun):
+    """Workers and ps join a Server, the chief builds the strategy from its resolver."""
+    result = mpirun(4, [sys.executable, f"{SCRIPTS}/server.py"], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "chief [8.0, 8.0]" in result.stdout
+    for task in ("ps:0", "worker:0", "worker:1"):
+        assert f"served {task}" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize(("ranks", "env", "message"), [
+    (3, {}, "There must be at least one ps."),
+    (2, {"MPISTRAT_NUM_PS": "1"}, "There must be at least one worker."),
+])
+def test_missing_roles_fail_on_every_rank(mpirun, ranks, env, message):
+    result = mpirun(ranks, [sys.executable, "-c",
+                            "import mpistrat as ms; ms.ParameterServerStrategy()"],
+                    env=env, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count(f"ValueError: {message}") == ranks, result.stderr
+
+
+def test_mpistrat_run_num_ps(mpirun, mpistrat_cmd, tmp_path):
+    """``mpistrat run --num-ps`` sets the roles and installs no default strategy; the job
+    ends when the coordinator's script does, and a failing closure fails the job."""
+    script = tmp_path / "ps.py"
+    script.write_text(
+        "import sys\nimport numpy as np\nimport mpistrat as ms\n"
+        "strategy = ms.ParameterServerStrategy()\n"
+        "coordinator = ms.ClusterCoordinator(strategy)\n"
+        "with strategy.scope():\n    w = ms.Variable(np.zeros(3))\n"
+        "def step(fail):\n"
+        "    if fail:\n        raise ValueError('bad batch')\n"
+        "    w.assign_add(np.ones(3))\n"
+        "for _ in range(6):\n    coordinator.schedule(step, args=(sys.argv[1] == 'fail',))\n"
+        "coordinator.join()\n"
+        "print('w', w.numpy().tolist(), strategy.num_ps, strategy.num_workers)\n")
+    good = mpirun(4, [*mpistrat_cmd, "run", "--num-ps", "1", str(script), "ok"], timeout=120)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "w [6.0, 6.0, 6.0] 1 2" in good.stdout
+    bad = mpirun(4, [*mpistrat_cmd, "run", "--num-ps", "2", str(script), "fail"], timeout=120)
+    assert bad.returncode != 0
+    assert "ValueError: bad batch" in bad.stdout + bad.stderr
