@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TopologyError
-from ..runtime._mpi import Comm, mpi
+from ..runtime._mpi import Comm, mpi, state_comm
 from ..runtime.agreement import agree
 from . import _files
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
@@ -134,7 +134,8 @@ class Checkpoint:
     """Named training state, saved by the chief and restored on every rank.
 
     Args:
-        comm: the communicator of the job (default ``COMM_WORLD``).
+        comm: the communicator of the job (default ``COMM_WORLD``; on the coordinator of
+            a ``ParameterServerStrategy``, ``COMM_SELF``: it alone saves and restores).
         is_chief: whether this rank writes (exactly one rank must say True); default:
             rank 0 of ``comm``. ``comm`` and ``is_chief`` are therefore not object names.
         **objects: the state (see the module docstring).
@@ -155,7 +156,7 @@ class Checkpoint:
 
     @property
     def comm(self) -> Any:
-        return mpi().COMM_WORLD if self._comm is None else self._comm
+        return state_comm() if self._comm is None else self._comm
 
     def _signature(self) -> str:
         parts = []

@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any
 
-from ..runtime._mpi import Comm, mpi
+from ..runtime._mpi import Comm, state_comm
 from . import _files
 from .checkpoint import Checkpoint
 
@@ -37,9 +37,9 @@ def _chief_says(comm: Comm, chief: int, question: Any) -> Any:
 def latest_checkpoint(directory: str, checkpoint_name: str | None = "ckpt",
                       comm: Comm | None = None) -> str | None:
     """The path of the newest complete checkpoint ``checkpoint_name-N`` in ``directory``
-    (highest N), or None; collective, read by rank 0 of ``comm`` (default ``COMM_WORLD``)
-    and the same on every rank. ``checkpoint_name=None`` accepts any name."""
-    comm = mpi().COMM_WORLD if comm is None else comm
+    (highest N), or None; collective, read by rank 0 of ``comm`` (default ``COMM_WORLD``,
+    or ``COMM_SELF`` on a parameter-server coordinator) and the same on every rank. ``checkpoint_name=None`` accepts any name."""
+    comm = state_comm() if comm is None else comm
 
     def newest() -> str | None:
         found = _files.scan(directory, checkpoint_name)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..cross_device_ops import ReductionToOneDevice
-from ..runtime._mpi import Comm, mpi, world
+from ..runtime._mpi import Comm, mpi, set_state_comm, world
 from ..strategy.base import Strategy, StrategyExtended
 from ..strategy.variables import Variable, VariableAggregation, VariableSynchronization, _initial
 from . import worker
@@ -255,6 +255,7 @@ class ParameterServerStrategy(Strategy):
 
         self._executor_context = MPICommExecutor(self._executor_comm, root=0)
         self._executor = self._executor_context.__enter__()
+        set_state_comm(mpi().COMM_SELF)  # checkpoints: the coordinator alone
         atexit.register(self._shutdown)
 
     def _shutdown(self) -> None:
@@ -270,6 +271,7 @@ class ParameterServerStrategy(Strategy):
         self._executor_context.__exit__(None, None, None)
         for ps in self._roles.ps:
             self._job.send(None, dest=ps, tag=_SHUTDOWN_TAG)
+        set_state_comm(None)
         self._release()
 
     def _release(self) -> None:

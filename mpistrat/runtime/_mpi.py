@@ -29,3 +29,20 @@ def mpi() -> Any:
 def world() -> Comm:
     """``MPI.COMM_WORLD``, the default communicator."""
     return mpi().COMM_WORLD
+
+
+_STATE_COMM: list[Any] = [None]
+
+
+def state_comm() -> Comm:
+    """The communicator whose ranks hold the job's training state, for checkpoints:
+    ``COMM_WORLD``, or ``COMM_SELF`` on the coordinator of a parameter-server job, the
+    only rank that runs the training program (its workers and ps never reach the
+    checkpoint calls)."""
+    found = _STATE_COMM[0]
+    return world() if found is None else found
+
+
+def set_state_comm(comm: Comm | None) -> None:
+    """Set (None: reset to ``COMM_WORLD``) what :func:`state_comm` returns."""
+    _STATE_COMM[0] = comm

@@ -77,3 +77,17 @@ def test_digits_torch_on_two_ranks_trains_the_one_process_model():
     # the same global batches and MEAN-reduced gradients: equal up to float rounding
     assert sum_two == pytest.approx(sum_one, rel=1e-5, abs=1e-4)
     assert "2 ranks" in runs[1] and "1 ranks" in runs[0]
+
+
+def test_digits_parameter_servers_train_and_resume_with_more_ps(tmp_path):
+    """Asynchronous training reaches the synchronous example's ballpark, and a checkpoint
+    written with 1 ps resumes with 2 (the first layer then sharded over both)."""
+    first = _run(4, "--num-ps", "1", "examples/digits_ps.py", "--epochs", "8",
+                 "--checkpoint-dir", str(tmp_path))
+    assert "2 workers, 1 ps" in first
+    assert _accuracy(first) >= 0.9
+    second = _run(5, "--num-ps", "2", "examples/digits_ps.py", "--epochs", "10",
+                  "--checkpoint-dir", str(tmp_path), timeout=240)
+    assert "(epoch 8)" in second and "epoch   1/" not in second
+    assert "2 workers, 2 ps" in second
+    assert _accuracy(second) >= 0.9
