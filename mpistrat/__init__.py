@@ -90,6 +90,7 @@ from .data import (  # noqa: E402
     Options,
 )
 from .strategy import (  # noqa: E402
+    CentralStorageStrategy,
     MirroredStrategy,
     MirroredVariable,
     MultiWorkerMirroredStrategy,
@@ -120,7 +121,7 @@ __all__ += [
     "OneDeviceStrategy", "ReplicaContext", "ValueContext", "get_strategy", "has_strategy",
     "get_replica_context", "get_cross_replica_context", "in_cross_replica_context",
     "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
-    "MirroredVariable", "SyncOnReadVariable",
+    "MirroredVariable", "SyncOnReadVariable", "CentralStorageStrategy",
 ]
 
 from .checkpoint import (  # noqa: E402

@@ -4,6 +4,7 @@ functions and distributed variables (see docs/strategies.md)."""
 from __future__ import annotations
 
 from .base import Strategy, StrategyExtended
+from .central_storage import AggregatingVariable, CentralStorageStrategy
 from .context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -29,4 +30,5 @@ __all__ = [
     "get_replica_context", "get_cross_replica_context", "in_cross_replica_context",
     "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
     "DistributedVariable", "MirroredVariable", "SyncOnReadVariable",
+    "CentralStorageStrategy", "AggregatingVariable",
 ]

@@ -1,0 +1,260 @@
+"""``CentralStorageStrategy``: one copy of each variable, compute replicated on this
+process's local replicas (TF's ``tf.distribute.experimental.CentralStorageStrategy``).
+
+The compute devices are CPU replicas (``/cpu:0`` by default), run as
+``MirroredStrategy`` runs them (one replica thread at a time, ``merge_call``). Each
+variable created in the strategy's scope is an :class:`AggregatingVariable`: one NumPy
+array on the parameter device, which every replica reads. An update in replica context
+is merged across the replicas by the variable's aggregation (SUM, MEAN: reduced onto the
+parameter device; ONLY_FIRST_REPLICA: replica 0's value) and applied once; aggregation
+NONE is an error there when there is more than one replica, as in TF. Reductions
+(``reduce``, ``extended.reduce_to``/``batch_reduce_to``) are a
+:class:`~mpistrat.ReductionToOneDevice` onto the parameter device over ``COMM_SELF``: the
+strategy never communicates with other ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..communication import CommunicationOptions
+from ..cross_device_ops import ReductionToOneDevice
+from ..ops import ReduceOp
+from ..runtime._mpi import mpi
+from ..values import PerReplica, components_of, parse_device, select_replica
+from . import context
+from .base import Strategy, StrategyExtended
+from .mirrored import _require_gpu_replicas
+from .variables import (
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+    _as_array,
+    _initial,
+    _parse,
+)
+
+__all__ = ["CentralStorageStrategy", "AggregatingVariable"]
+
+_LOCAL_CPU = "/cpu:0"
+
+
+class AggregatingVariable(Variable):
+    """The one copy of a variable of a :class:`CentralStorageStrategy` (TF's
+    ``AggregatingVariable``), on the strategy's parameter device.
+
+    Every replica reads the same array. In replica context (inside ``strategy.run``, with
+    more than one replica) ``assign``/``assign_add``/``assign_sub`` merge the replicas'
+    values by the aggregation and apply the result once: SUM adds them, MEAN averages
+    them, ONLY_FIRST_REPLICA takes replica 0's; NONE raises ``ValueError``. With one
+    replica, or in cross-replica context, an update applies its value directly.
+    """
+
+    def __init__(self, strategy: CentralStorageStrategy, initial: np.ndarray,
+                 name: str | None, trainable: bool, synchronization: Any,
+                 aggregation: Any) -> None:
+        self._strategy = strategy
+        self._value = initial
+        self._init_common(name, trainable, synchronization, aggregation)
+
+    @property
+    def distribute_strategy(self) -> CentralStorageStrategy:
+        return self._strategy
+
+    @property
+    def device(self) -> str:
+        """The parameter device, where the one copy lives."""
+        return self._strategy.extended.parameter_devices[0]
+
+    # -- writing
+    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
+               read_value: bool = True) -> Any:
+        return self._update("assign", value)
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._update("assign_add", delta)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._update("assign_sub", delta)
+
+    def _update(self, kind: str, value: Any) -> Any:
+        entry = context._current()
+        replicas = self._strategy.num_replicas_in_sync
+        if entry.replica_context is None or entry.strategy is not self._strategy \
+                or replicas == 1:
+            if isinstance(value, PerReplica):
+                raise ValueError(
+                    f"{kind} of AggregatingVariable {self._name!r} in cross-replica context "
+                    f"got a PerReplica value; reduce it first (strategy.reduce) or update "
+                    f"inside strategy.run")
+            self._apply(kind, _as_array(value))
+            return self
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"You must specify an aggregation method to update a AggregatingVariable in "
+                f"Replica Context: {kind} of {self._name!r} has aggregation NONE and the "
+                f"strategy has {replicas} replicas, whose values would have to be merged; "
+                f"create it with aggregation=VariableAggregation.SUM, MEAN or "
+                f"ONLY_FIRST_REPLICA, or update it in cross-replica context "
+                f"(merge_call, then strategy.extended.update)")
+        entry.replica_context.merge_call(self._merge_update, args=(kind, value))
+        return self
+
+    def _merge_update(self, strategy: CentralStorageStrategy, kind: Any, value: Any) -> None:
+        """Merge the replicas' values (cross-replica context) and apply the result once."""
+        kind = kind if isinstance(kind, str) else kind.values[0]
+        devices = strategy.extended.worker_devices
+        # each replica's part; a list of numbers comes regrouped as a list of PerReplica
+        parts = [np.asarray(_as_array(select_replica(i, value))) for i in range(len(devices))]
+        aggregation = self._aggregation
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            self._apply(kind, parts[0])
+            return
+        op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        if op is ReduceOp.MEAN and not np.issubdtype(self.dtype, np.inexact):
+            raise ValueError(
+                f"Cannot update non-float variables with VariableAggregation.MEAN "
+                f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
+                f"SUM or ONLY_FIRST_REPLICA, or a float variable")
+        reduced = strategy.extended.reduce_to(op, PerReplica(parts, devices), self.device)
+        self._apply(kind, np.asarray(components_of(reduced)[0]))
+
+    def _apply(self, kind: str, value: np.ndarray) -> None:
+        if kind == "assign":
+            self._set(self._value, value)
+        elif kind == "assign_add":
+            self._set(self._value, self._value + value)
+        else:
+            self._set(self._value, self._value - value)
+
+    def __repr__(self) -> str:
+        return (f"<AggregatingVariable {self._name!r} shape={self.shape} on {self.device}: "
+                f"{np.array2string(self._value, threshold=6)}>")
+
+
+def _plain(value: Any) -> Any:
+    """An AggregatingVariable as its value (its one copy), anything else unchanged."""
+    return value.numpy() if isinstance(value, AggregatingVariable) else value
+
+
+def _device_of(destinations: Any) -> Any:
+    """An AggregatingVariable as destinations means its (parameter) device."""
+    return destinations.device if isinstance(destinations, AggregatingVariable) \
+        else destinations
+
+
+class CentralStorageExtended(StrategyExtended):
+    """``strategy.extended`` of a :class:`CentralStorageStrategy`: the compute devices are
+    ``worker_devices``, the parameter device is ``parameter_devices[0]``."""
+
+    def __init__(self, strategy: CentralStorageStrategy, compute_devices: Sequence[str],
+                 parameter_device: str) -> None:
+        comm = mpi().COMM_SELF
+        ops = ReductionToOneDevice(reduce_to_device=parameter_device, comm=comm)
+        super().__init__(strategy, ops, compute_devices, 1, 0, True)
+        self._parameter_device = parameter_device
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where variables live: the one parameter device."""
+        return (self._parameter_device,)
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None, *, inplace: bool = False,
+                  out: Any = None) -> Any:
+        """Reduce ``value`` across the local replicas on the parameter device and copy the
+        result to ``destinations`` (a variable means its parameter device); see
+        :meth:`StrategyExtended.reduce_to`."""
+        return super().reduce_to(reduce_op, _plain(value), _device_of(destinations), options,
+                                 inplace=inplace, out=out)
+
+    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
+                        options: CommunicationOptions | None = None, *,
+                        inplace: bool = False, out: Any = None) -> list[Any]:
+        """Several :meth:`reduce_to` at once (``(value, destinations)`` pairs)."""
+        if isinstance(value_destination_pairs, (list, tuple)):
+            value_destination_pairs = [
+                (_plain(pair[0]), *map(_device_of, pair[1:])) if isinstance(pair, tuple)
+                else pair for pair in value_destination_pairs]
+        return super().batch_reduce_to(reduce_op, value_destination_pairs, options,
+                                       inplace=inplace, out=out)
+
+
+def _local_device(name: Any, what: str) -> str:
+    device = parse_device(name)
+    if device.task not in (None, 0):
+        raise ValueError(f"CentralStorageStrategy is local to one process: {what} {name!r} "
+                         f"names task {device.task}; give a local device such as "
+                         f"'/cpu:0'")
+    return f"/{device.kind}:{device.index}"
+
+
+class CentralStorageStrategy(Strategy):
+    """One copy of each variable, compute replicated on this process's local replicas
+    (TF's ``tf.distribute.experimental.CentralStorageStrategy``).
+
+    Args:
+        compute_devices: the replicas' device names (``["/cpu:0", "/cpu:1"]`` for two CPU
+            replicas); default ``["/cpu:0"]``. GPU names need the GPU backend.
+        parameter_device: where the variables live; default the compute device when
+            there is exactly one, else ``/cpu:0`` (TF's rule).
+
+    Raises:
+        ValueError: no compute devices, a repeated device, a name that is not a device,
+            or a device of another task.
+        TypeError: a device name that is not a str.
+        BackendUnavailable: a GPU device (this version reduces host arrays only).
+    """
+
+    def __init__(self, compute_devices: Sequence[str] | None = None,
+                 parameter_device: str | None = None) -> None:
+        if isinstance(compute_devices, str):
+            raise TypeError(f"compute_devices is a list of device names, got the string "
+                            f"{compute_devices!r}; write [{compute_devices!r}]")
+        names = (_LOCAL_CPU,) if compute_devices is None else tuple(compute_devices)
+        if not names:
+            raise ValueError("CentralStorageStrategy needs at least one compute device, got []")
+        devices = [_local_device(d, "compute device") for d in names]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"CentralStorageStrategy compute devices repeat: {list(names)}")
+        if parameter_device is None:
+            parameter_device = devices[0] if len(devices) == 1 else _LOCAL_CPU
+        parameter = _local_device(parameter_device, "parameter_device")
+        gpus = sum(1 for d in [*devices, parameter] if d.startswith("/gpu"))
+        if gpus:
+            _require_gpu_replicas(gpus)
+        extended = CentralStorageExtended(self, devices, parameter)
+        super().__init__(extended, mpi().COMM_SELF)
+
+    def _create_variable(self, initial_value: Any = None, trainable: bool | None = None,
+                         name: str | None = None, dtype: Any = None,
+                         synchronization: Any = VariableSynchronization.AUTO,
+                         aggregation: Any = VariableAggregation.NONE,
+                         shape: Any = None) -> AggregatingVariable:
+        """A variable created in ``scope()``: one copy on the parameter device, whatever
+        the synchronization (TF makes the same variable for ON_WRITE and ON_READ)."""
+        if not context.in_cross_replica_context():
+            raise RuntimeError(
+                "variables of CentralStorageStrategy are created in its scope(), not inside "
+                "strategy.run: create them before the training loop")
+        synchronization = _parse(VariableSynchronization, synchronization, "synchronization")
+        aggregation = _parse(VariableAggregation, aggregation, "aggregation")
+        initial = _initial(initial_value, dtype)
+        if trainable is None:
+            trainable = synchronization is not VariableSynchronization.ON_READ
+        self._variables_created += 1
+        return AggregatingVariable(self, initial, name, trainable, synchronization,
+                                   aggregation)
+
+    def _shuffle_seed(self) -> int | None:
+        return None
+
+    def __repr__(self) -> str:
+        ext = self.extended
+        return (f"CentralStorageStrategy(compute_devices={list(ext.worker_devices)}, "
+                f"parameter_device={ext.parameter_devices[0]!r})")
