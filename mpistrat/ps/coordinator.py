@@ -46,6 +46,18 @@ _CANCELLED = "The corresponding function is cancelled. Please reschedule the fun
 _dataset_ids = itertools.count()
 
 
+class _Sending(threading.local):
+    """What the closure being pickled carries: whether every per-worker dataset goes with
+    its function (``full``), and the datasets that did (``carried``; None: not pickling
+    a closure)."""
+
+    full = False
+    carried: list[PerWorkerDataset] | None = None
+
+
+_SENDING = _Sending()
+
+
 class RemoteValue:
     """The result of a scheduled function (TF's ``RemoteValue``): :meth:`fetch` waits for
     it and returns the value, or raises the function's error, or
@@ -109,9 +121,9 @@ class PerWorkerDistributedIterator(PerWorkerValues):
     :class:`PerWorkerDataset` returns). Pass it to a scheduled function and call
     ``next()`` on it there; each worker builds its dataset on first use."""
 
-    def __init__(self, key: tuple[int, int], builder: bytes, shard: bool) -> None:
+    def __init__(self, key: tuple[int, int], dataset: PerWorkerDataset) -> None:
         super().__init__(())
-        self._key, self._builder, self._shard = key, builder, shard
+        self._key, self._dataset = key, dataset
 
     def __next__(self) -> Any:
         raise TypeError("next() of a per-worker iterator runs inside a scheduled function "
@@ -121,7 +133,13 @@ class PerWorkerDistributedIterator(PerWorkerValues):
         return self
 
     def __reduce__(self) -> Any:
-        return (worker.dataset_iterator, (self._key, self._builder, self._shard))
+        # the dataset function goes along until every worker is known to have it
+        dataset, carried = self._dataset, _SENDING.carried
+        full = carried is None or _SENDING.full or len(dataset._holders) < dataset._workers
+        if full and carried is not None and dataset not in carried:
+            carried.append(dataset)
+        return (worker.dataset_iterator,
+                (self._key, dataset._builder if full else None, dataset._shard))
 
     def __repr__(self) -> str:
         return f"<PerWorkerDistributedIterator dataset {self._key[0]}, iter() {self._key[1]}>"
@@ -131,8 +149,11 @@ class PerWorkerDataset:
     """A dataset built on every worker from a function (``create_per_worker_dataset``);
     each ``iter()`` gives new iterators, started afresh on every worker."""
 
-    def __init__(self, dataset_fn: Any, shard_by_worker: bool = False) -> None:
+    def __init__(self, dataset_fn: Any, shard_by_worker: bool = False,
+                 workers: int = 1) -> None:
         self._id = next(_dataset_ids)
+        self._workers = workers
+        self._holders: set[int] = set()  # workers known to hold the function
         self._generation = itertools.count()
         try:
             self._builder = cloudpickle.dumps(dataset_fn)
@@ -143,20 +164,30 @@ class PerWorkerDataset:
         self._shard = bool(shard_by_worker)
 
     def __iter__(self) -> PerWorkerDistributedIterator:
-        return PerWorkerDistributedIterator((self._id, next(self._generation)),
-                                            self._builder, self._shard)
+        return PerWorkerDistributedIterator((self._id, next(self._generation)), self)
 
     def __repr__(self) -> str:
         return f"<PerWorkerDataset {self._id}{' sharded by worker' if self._shard else ''}>"
 
 
 class _Closure:
-    __slots__ = ("payload", "value", "future")
+    __slots__ = ("call", "payload", "carried", "value", "future")
 
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
+    def __init__(self, call: tuple) -> None:
+        self.call = call  # (fn, args, kwargs)
+        self.payload = b""
+        self.carried: list[PerWorkerDataset] = []  # datasets sent with their function
         self.value = RemoteValue()
         self.future: Any = None
+
+    def pickle(self, full: bool = False) -> None:
+        """The payload; ``full``: every per-worker dataset with its function."""
+        _SENDING.full, _SENDING.carried = full, []
+        try:
+            self.payload = cloudpickle.dumps(self.call)
+            self.carried = _SENDING.carried
+        finally:
+            _SENDING.full, _SENDING.carried = False, None
 
 
 class ClusterCoordinator:
@@ -215,14 +246,14 @@ class ClusterCoordinator:
             if isinstance(value, RemoteValue):
                 raise ValueError("RemoteValue used as an input to scheduled function is not "
                                  "yet supported.")
+        closure = _Closure((fn, tuple(args or ()), dict(kwargs or {})))
         try:
-            payload = cloudpickle.dumps((fn, tuple(args or ()), dict(kwargs or {})))
+            closure.pickle()
         except Exception as exc:  # noqa: BLE001 -- say what could not travel
             raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments "
                             f"to a worker ({type(exc).__name__}: {exc}); scheduled "
                             f"functions may reference variables, the strategy, per-worker "
                             f"iterators and picklable values") from exc
-        closure = _Closure(payload)
         self._submit(closure)
         return closure.value
 
@@ -237,9 +268,18 @@ class ClusterCoordinator:
         if future.cancelled():
             outcome: tuple = ("cancelled",)
         elif future.exception() is not None:  # the executor could not run it at all
-            outcome = ("error", cloudpickle.dumps(future.exception()), "")
+            outcome = ("error", cloudpickle.dumps(future.exception()), "", None)
         else:
             outcome = cloudpickle.loads(future.result())
+        if outcome[0] == "resend":  # the worker lacked a dataset function: send them all
+            closure.pickle(full=True)
+            with self._lock:
+                self._pending.discard(closure)
+            self._submit(closure)
+            return
+        if outcome[0] != "cancelled" and outcome[-1] is not None:
+            for dataset in closure.carried:  # that worker has their functions now
+                dataset._holders.add(outcome[-1])
         cancel: list[Any] = []
         with self._lock:
             if outcome[0] == "retry":
@@ -317,7 +357,7 @@ class ClusterCoordinator:
         (not in TF) gives each worker an input context with one pipeline per worker, so
         ``dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)`` splits the data.
         """
-        return PerWorkerDataset(dataset_fn, shard_by_worker)
+        return PerWorkerDataset(dataset_fn, shard_by_worker, self._strategy.num_workers)
 
     @property
     def retries(self) -> int:

@@ -40,7 +40,13 @@ class WorkerState:
         self.index = index
         self.num_workers = num_workers
         self.iterators: dict[tuple[int, int], Any] = {}
+        self.builders: dict[int, Any] = {}  # dataset id -> its dataset function
         self.closures = 0  # closures run
+
+
+class MissingBuilder(Exception):
+    """A closure named a per-worker dataset whose function this worker has not received
+    yet (the coordinator sends it again, with the function)."""
 
 
 _STATE: list[WorkerState | None] = [None]
@@ -85,18 +91,28 @@ def execute(payload: bytes) -> bytes:
     state.closures += 1
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        return cloudpickle.dumps(("ok", fn(*args, **kwargs)))
+    except MissingBuilder as exc:
+        return cloudpickle.dumps(("resend", str(exc), state.index))
+    except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the coordinator
+        return _failure(exc, state)
+    try:
+        return cloudpickle.dumps(("ok", fn(*args, **kwargs), state.index))
     except WorkerUnavailableError as exc:
         state.iterators.clear()  # rebuilt from their dataset functions on next use
-        return cloudpickle.dumps(("retry", f"worker {state.index}: {exc}"))
+        return cloudpickle.dumps(("retry", f"worker {state.index}: {exc}", state.index))
     except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the coordinator
-        text = traceback.format_exc()
-        try:
-            blob = cloudpickle.dumps(exc)
-            cloudpickle.loads(blob)
-        except Exception:  # noqa: BLE001 -- an exception that does not travel
-            blob = cloudpickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-        return cloudpickle.dumps(("error", blob, f"worker {state.index}:\n{text}"))
+        return _failure(exc, state)
+
+
+def _failure(exc: BaseException, state: WorkerState) -> bytes:
+    text = traceback.format_exc()
+    try:
+        blob = cloudpickle.dumps(exc)
+        cloudpickle.loads(blob)
+    except Exception:  # noqa: BLE001 -- an exception that does not travel
+        blob = cloudpickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return cloudpickle.dumps(("error", blob, f"worker {state.index}:\n{text}", state.index))
+
 
 
 # -- handles resolved on the worker ------------------------------------------------------
@@ -116,13 +132,19 @@ def component(values: tuple[Any, ...]) -> Any:
     return values[state.index]
 
 
-def dataset_iterator(key: tuple[int, int], builder: bytes, shard: bool) -> Any:
+def dataset_iterator(key: tuple[int, int], builder: bytes | None, shard: bool) -> Any:
     """This worker's iterator of a per-worker dataset: built from the dataset function on
-    first use of ``key`` (dataset id, ``iter()`` generation), then kept."""
+    first use of ``key`` (dataset id, ``iter()`` generation), then kept. The function
+    comes with the closures until the coordinator knows every worker has it (``builder``
+    None afterwards: this worker's copy)."""
     state = _require_worker("a per-worker dataset iterator")
     found = state.iterators.get(key)
     if found is None:
-        fn = cloudpickle.loads(builder)
+        if builder is not None:
+            state.builders[key[0]] = cloudpickle.loads(builder)
+        fn = state.builders.get(key[0], MissingBuilder)
+        if fn is MissingBuilder:
+            raise MissingBuilder(f"dataset {key[0]}")
         found = state.iterators[key] = iter(build_dataset(fn, state, shard))
     return found
 

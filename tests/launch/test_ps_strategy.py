@@ -44,10 +44,12 @@ def test_training_features_across_ranks(mpirun, ranks, num_ps):
         assert out["shards"] == []
 
 
-def test_error_contract_retries_and_misuse(mpirun):
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_error_contract_retries_and_misuse(mpirun, ranks):
     """The first error raised once by join/schedule/done, unstarted closures cancelled,
-    WorkerUnavailableError retried, TF's misuse errors (the script asserts them)."""
-    result = mpirun(3, [sys.executable, f"{SCRIPTS}/errors.py"], timeout=120)
+    WorkerUnavailableError retried, TF's misuse errors, a dataset function sent only until
+    every worker has it (and again to a worker that lost it); the script asserts them."""
+    result = mpirun(ranks, [sys.executable, f"{SCRIPTS}/errors.py"], timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout, result.stdout + result.stderr
 

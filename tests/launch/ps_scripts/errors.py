@@ -100,4 +100,57 @@ try:
     raise SystemExit("a variable was created on a worker")
 except RuntimeError as exc:
     assert "created on the coordinator" in str(exc), exc
+try:  # fetch() raised it; the coordinator still raises it once, as TF does
+    coordinator.join()
+    raise SystemExit("join did not raise the pending error")
+except RuntimeError as exc:
+    assert "created on the coordinator" in str(exc), exc
+# a dataset function travels with the closures only until every worker has it
+import itertools  # noqa: E402
+
+import mpistrat.ps.coordinator as pc  # noqa: E402
+import mpistrat.ps.worker as pw  # noqa: E402
+
+big = np.ones(250_000)  # 2 MB, captured by the dataset function
+dataset = iter(coordinator.create_per_worker_dataset(lambda: itertools.repeat(big.sum())))
+real_dumps, sizes = pc.cloudpickle.dumps, []
+
+
+def spy(obj, *args, **kwargs):
+    out = real_dumps(obj, *args, **kwargs)
+    sizes.append(len(out))
+    return out
+
+
+def take(iterator):
+    return next(iterator)
+
+
+pc.cloudpickle.dumps = spy
+for _ in range(50):  # until every worker has run a closure with the function
+    warm = [coordinator.schedule(take, args=(dataset,)) for _ in range(strategy.num_workers)]
+    assert [v.fetch() for v in warm] == [250_000.0] * strategy.num_workers
+    if len(dataset._dataset._holders) == strategy.num_workers:
+        break
+first = list(sizes)
+sizes.clear()
+later = [coordinator.schedule(take, args=(dataset,)) for _ in range(10)]
+coordinator.join()
+assert [v.fetch() for v in later] == [250_000.0] * 10
+assert max(first) > 1_000_000 and max(sizes) < 100_000, (first, sizes)
+
+
+def forget():  # as if the worker had restarted: its dataset functions are gone
+    pw.current().builders.clear()
+    pw.current().iterators.clear()
+
+
+coordinator.schedule(forget)
+coordinator.join()
+sizes.clear()
+again = [coordinator.schedule(take, args=(dataset,)) for _ in range(4)]
+assert [v.fetch() for v in again] == [250_000.0] * 4  # sent again, with the function
+if strategy.num_workers == 1:  # (else the forgetful worker may have run none of them)
+    assert max(sizes) > 1_000_000, sizes
+pc.cloudpickle.dumps = real_dumps
 print("OK", statuses.count("cancelled"), coordinator.retries, flush=True)
