@@ -49,13 +49,16 @@ def main(argv: list[str] | None = None) -> float:
                   zip(init_params(args.hidden, args.seed), ("w1", "b1", "w2", "b2"))]
         epoch_done = ms.Variable(np.int64(0), name="epoch", trainable=False)
 
-    manager = None
+    manager = preemption = None
     if args.checkpoint_dir:  # the coordinator alone saves and restores
         state = ms.Checkpoint(**{v.name: v for v in params}, epoch=epoch_done)
         manager = ms.CheckpointManager(state, args.checkpoint_dir, max_to_keep=3)
         restored = manager.restore_or_initialize()
         if restored:
             print(f"resumed from {restored} (epoch {int(epoch_done.numpy())})", flush=True)
+        # SIGTERM/SIGUSR1 (a preemption warning): save at the end of the epoch, exit 42
+        # (the workers and ps ignore the signal and end with the coordinator)
+        preemption = ms.PreemptionCheckpointHandler(manager)
 
     seed, batch = args.seed, args.batch_size
 
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> float:
               f"  train acc {sum(corrects) / (steps * batch):.4f}  test acc {accuracy:.4f}"
               f"  ({time.perf_counter() - started:.2f} s, {strategy.num_workers} workers, "
               f"{strategy.num_ps} ps)", flush=True)
+        if preemption is not None:
+            preemption.save_checkpoint_if_preempted()
     print(f"final test accuracy {accuracy:.4f}", flush=True)
     return accuracy
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -285,7 +286,16 @@ class ParameterServerStrategy(Strategy):
     # -- workers and ps
     def _serve(self) -> None:
         """Serve until the coordinator shuts the job down: closures on a worker, RMA on a
-        ps (which waits inside MPI, where the one-sided operations make progress)."""
+        ps (which waits inside MPI, where the one-sided operations make progress).
+
+        SIGTERM and SIGUSR1 (a preemption warning, which launchers send to every rank) are
+        ignored meanwhile: the coordinator decides, e.g. with a
+        ``PreemptionCheckpointHandler``, and its end ends the job; a coordinator that does
+        not handle them dies, and the launcher stops the rest."""
+        with _ignoring(signal.SIGTERM, signal.SIGUSR1):
+            self._serve_until_shutdown()
+
+    def _serve_until_shutdown(self) -> None:
         if self.task_type == "ps":
             self._job.recv(source=self._roles.coordinator, tag=_SHUTDOWN_TAG)
         else:
@@ -338,6 +348,20 @@ class ParameterServerStrategy(Strategy):
     def __repr__(self) -> str:
         return (f"ParameterServerStrategy(1 coordinator, {self.num_ps} ps, {self.num_workers} "
                 f"worker(s); this rank: {self.task_type}:{self.task_id})")
+
+
+@contextlib.contextmanager
+def _ignoring(*signals: int) -> Iterator[None]:
+    """Ignore ``signals`` inside (main thread only: elsewhere Python cannot set them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 class _PSExtended(StrategyExtended):

@@ -91,3 +91,34 @@ def test_digits_parameter_servers_train_and_resume_with_more_ps(tmp_path):
     assert "(epoch 8)" in second and "epoch   1/" not in second
     assert "2 workers, 2 ps" in second
     assert _accuracy(second) >= 0.9
+
+
+def test_digits_parameter_servers_preempted_save_and_resume(tmp_path):
+    """SIGTERM to the job: the coordinator saves at the end of its epoch and exits 42
+    while the workers and ps ignore the signal and end with it; a rerun resumes."""
+    import signal
+    import time
+
+    job = subprocess.Popen(
+        [sys.executable, "-m", "mpistrat", "run", "-n", "4", "--num-ps", "1",
+         "examples/digits_ps.py", "--epochs", "500", "--checkpoint-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert job.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 120
+        for line in job.stdout:  # until the first epoch is done
+            lines.append(line)
+            if line.startswith("epoch ") or time.monotonic() > deadline:
+                break
+        job.send_signal(signal.SIGTERM)
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = "".join(lines) + rest
+    assert job.returncode == 42, out
+    assert "SIGTERM received; saved" in out, out
+    again = _run(4, "--num-ps", "1", "examples/digits_ps.py", "--epochs", "3",
+                 "--checkpoint-dir", str(tmp_path))
+    assert "resumed from" in again, again
