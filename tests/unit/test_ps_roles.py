@@ -68,3 +68,24 @@ def test_num_ps_must_agree_with_the_cluster():
         roles_from(resolver, 1, 0, 6, {})
     with pytest.raises(TypeError, match="num_ps must be an int"):
         roles_from(None, "1", 0, 6, {})
+
+
+def test_tf_config_and_slurm_resolvers_give_the_roles(monkeypatch):
+    """TF_CONFIG with chief/ps/worker tasks, and a Slurm step with those jobs (which TF's
+    Slurm resolver assigns in sorted name order: chief, ps, worker), map onto the ranks."""
+    import json
+
+    from mpistrat import SlurmClusterResolver, TFConfigClusterResolver
+
+    for rank, (kind, index) in enumerate([("chief", 0), ("ps", 0), ("ps", 1), ("worker", 0),
+                                          ("worker", 1), ("worker", 2)]):
+        monkeypatch.setenv("TF_CONFIG", json.dumps(
+            {"cluster": CLUSTER, "task": {"type": kind, "index": index}}))
+        assert roles_from(TFConfigClusterResolver(), None, rank, 6, {}) == \
+            Roles(0, (1, 2), (3, 4, 5))
+    step = {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    for procid in range(4):
+        env = {**step, "SLURM_PROCID": str(procid)}
+        for jobs in ({"chief": 1, "ps": 1, "worker": 2}, {"worker": 2, "ps": 1, "chief": 1}):
+            resolver = SlurmClusterResolver(jobs, env=env)
+            assert roles_from(resolver, None, procid, 4, {}) == Roles(0, (1,), (2, 3))
