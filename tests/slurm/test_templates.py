@@ -239,3 +239,19 @@ def test_default_job_trains_the_example_and_resumes_it_after_sigusr1(slurm, tmp_
     assert epochs.count("1") == 1 and epochs.count("30") == 1, job  # resumed, not restarted
     (accuracy,) = re.findall(r"^final test accuracy (\S+)", job.output, flags=re.M)
     assert float(accuracy) > 0.9, job
+
+
+def test_cpu_template_runs_parameter_server_training(slurm, tmp_path):
+    """RUN_OPTIONS=--num-ps 1 with the parameter-server example on 4 tasks (overcommitted
+    on the 2-CPU node): rank 0 coordinates, the job completes with the trained model."""
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    out = tmp_path / "job.out"
+    job_id = slurm.sbatch(
+        "cpu.sbatch", "examples/digits_ps.py", "--epochs", "3", output=out,
+        options=("--ntasks=4", "--cpus-per-task=1", "--overcommit"),
+        env={"SHOW_INFO": "0", "RUN_OPTIONS": "--num-ps 1"})
+    job = slurm.wait(job_id, out, timeout=180)
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job
+    assert "2 workers, 1 ps" in job.output, job
+    (accuracy,) = re.findall(r"^final test accuracy (\S+)", job.output, flags=re.M)
+    assert float(accuracy) > 0.8, job
