@@ -33,7 +33,14 @@ import numpy as np
 from ..cross_device_ops import ReductionToOneDevice
 from ..runtime._mpi import Comm, mpi, set_state_comm, world
 from ..strategy.base import Strategy, StrategyExtended
-from ..strategy.variables import Variable, VariableAggregation, VariableSynchronization, _initial
+from ..strategy.mirrored import _local_replicas
+from ..strategy.variables import (
+    OneCopyVariable,
+    VariableAggregation,
+    VariableSynchronization,
+    _initial,
+)
+from ..values import default_devices
 from . import worker
 from .roles import Roles, resolve_roles
 from .store import ShardedHandle, VariableHandle, VariableStore
@@ -45,14 +52,16 @@ _STORES: dict[str, VariableStore] = {}  # this process's stores, by id (handles 
 _STRATEGIES: dict[str, ParameterServerStrategy] = {}
 
 
-class PSVariable(Variable):
+class PSVariable(OneCopyVariable):
     """A variable held on a ps rank (TF's variable on ``/job:ps/task:i``); read and updated
     from the coordinator or any worker, concurrently, by one-sided MPI operations.
 
     ``assign_add``/``assign_sub`` are atomic accumulates (no update is lost however many
     workers add at once); ``assign`` replaces; with ``use_locking=True`` each is a
-    read-modify-write under the owning ps's exclusive lock. Pickled into a scheduled
-    function, a variable travels as its handle.
+    read-modify-write under the owning ps's exclusive lock. Inside ``strategy.run`` on a
+    worker with several replicas, an update follows TF's ``AggregatingVariable`` rules
+    (the replicas' values merged by the aggregation, applied once). Pickled into a
+    scheduled function, a variable travels as its handle.
     """
 
     def __init__(self, store: VariableStore, handle: VariableHandle | ShardedHandle,
@@ -60,6 +69,7 @@ class PSVariable(Variable):
                  aggregation: Any = VariableAggregation.NONE) -> None:
         self._store = store
         self._handle = handle
+        self._strategy = _STRATEGIES.get(store.id)
         self._init_common(name, trainable, VariableSynchronization.ON_WRITE, aggregation)
 
     # -- facts without a read
@@ -88,8 +98,11 @@ class PSVariable(Variable):
         array = self._read_array()
         return array if dtype is None else array.astype(dtype, copy=False)
 
-    # -- writing
-    def _value_of(self, value: Any) -> np.ndarray:
+    # -- writing (OneCopyVariable decides when; this is how)
+    def _merge_device(self) -> str:
+        return "/cpu:0"  # a worker's replicas are reduced on the worker, then sent once
+
+    def _apply(self, kind: str, value: np.ndarray, use_locking: bool) -> None:
         array = np.asarray(value, dtype=self.dtype)
         if array.shape != self.shape:
             try:
@@ -97,34 +110,19 @@ class PSVariable(Variable):
             except ValueError:
                 raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
                                  f"{self._name!r} of shape {self.shape}") from None
-        return array
-
-    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
-               read_value: bool = True) -> Any:
-        array = self._value_of(value)
-        if use_locking:
-            self._store.update(self._handle, lambda _: array)
+        store, handle = self._store, self._handle
+        if kind == "assign":
+            if use_locking:
+                store.update(handle, lambda _: array)
+            else:
+                store.assign(handle, array)
+        elif use_locking:
+            sign = 1 if kind == "assign_add" else -1
+            store.update(handle, lambda current: current + sign * array)
+        elif kind == "assign_add":
+            store.assign_add(handle, array)
         else:
-            self._store.assign(self._handle, array)
-        return self
-
-    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
-                   read_value: bool = True) -> Any:
-        array = self._value_of(delta)
-        if use_locking:
-            self._store.update(self._handle, lambda current: current + array)
-        else:
-            self._store.assign_add(self._handle, array)
-        return self
-
-    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
-                   read_value: bool = True) -> Any:
-        array = self._value_of(delta)
-        if use_locking:
-            self._store.update(self._handle, lambda current: current - array)
-        else:
-            self._store.assign_sub(self._handle, array)
-        return self
+            store.assign_sub(handle, array)
 
     def __reduce__(self) -> Any:
         return (_variable, (self._store.id, self._handle, self._name, self._trainable,
@@ -191,8 +189,9 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None, *,
                  num_ps: int | None = None, arena_bytes: int | None = None,
-                 comm: Comm | None = None) -> None:
-        self._setup(cluster_resolver, variable_partitioner, num_ps, arena_bytes, comm)
+                 local_replicas: int | None = None, comm: Comm | None = None) -> None:
+        self._setup(cluster_resolver, variable_partitioner, num_ps, arena_bytes, comm,
+                    local_replicas)
         if self.task_type == "chief":
             self._start_coordinator()
             return
@@ -200,7 +199,8 @@ class ParameterServerStrategy(Strategy):
         raise SystemExit(0)
 
     def _setup(self, cluster_resolver: Any, variable_partitioner: Any, num_ps: int | None,
-               arena_bytes: int | None, comm: Comm | None) -> None:
+               arena_bytes: int | None, comm: Comm | None,
+               local_replicas: int | None = None) -> None:
         """The collective part of construction, the same on every rank (a
         :class:`~mpistrat.Server` makes it too)."""
         base = world() if comm is None else comm
@@ -208,6 +208,7 @@ class ParameterServerStrategy(Strategy):
             raise TypeError(f"variable_partitioner must be callable (e.g. "
                             f"MinSizePartitioner(...)), got {variable_partitioner!r}")
         roles: Roles = resolve_roles(cluster_resolver, num_ps, base)
+        replicas = _agreed_replicas(local_replicas, roles, base)
         MPI = mpi()
         self._roles = roles
         self._cluster_resolver = cluster_resolver
@@ -222,8 +223,8 @@ class ParameterServerStrategy(Strategy):
         self._executor_comm: Any = self._job.Split(MPI.UNDEFINED if rank in roles.ps else 0,
                                                    rank)
         local = MPI.COMM_SELF
-        extended = _PSExtended(self, ReductionToOneDevice(comm=local), ("/cpu:0",),
-                               1, 0, rank == roles.coordinator)
+        extended = _PSExtended(self, ReductionToOneDevice(comm=local),
+                               default_devices(replicas), 1, 0, rank == roles.coordinator)
         super().__init__(extended, local)
         self._colocate: list[PSVariable] = []
         self._lock = threading.Lock()
@@ -348,6 +349,30 @@ class ParameterServerStrategy(Strategy):
     def __repr__(self) -> str:
         return (f"ParameterServerStrategy(1 coordinator, {self.num_ps} ps, {self.num_workers} "
                 f"worker(s); this rank: {self.task_type}:{self.task_id})")
+
+
+def _agreed_replicas(value: int | None, roles: Roles, comm: Comm) -> int:
+    """The workers' local replicas (``local_replicas``, else ``MPISTRAT_LOCAL_REPLICAS``,
+    else 1), the same on every worker: TF's rule for GPUs per worker. The same error on
+    every rank otherwise."""
+    problem = None
+    try:
+        mine = _local_replicas(value)
+    except ValueError as exc:
+        mine, problem = 0, str(exc)
+    everyone = comm.allgather((mine, problem))
+    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(everyone) if p]
+    if problems:
+        raise ValueError("ParameterServerStrategy: " + "; ".join(problems))
+    counts = {r: everyone[r][0] for r in roles.workers}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            "Mismatched number of replicas per worker: "
+            + ", ".join(f"worker {roles.workers.index(r)} (rank {r}) has {n}"
+                        for r, n in counts.items())
+            + "; give every worker the same (local_replicas=, MPISTRAT_LOCAL_REPLICAS or "
+              "mpistrat run --local-replicas)")
+    return counts[roles.workers[0]]
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from ..launch.env import detect
 from ..ps.roles import NUM_PS_ENV
 from ..runtime import stall
 from ..runtime._mpi import mpi
+from ..strategy.mirrored import LOCAL_REPLICAS
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
 from .monitor import MonitorClient
@@ -112,6 +113,8 @@ def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], An
             set_strategy(strategy)
         if options.num_ps is not None:
             os.environ[NUM_PS_ENV] = str(options.num_ps)
+            if options.local_replicas is not None:  # (the workers' replicas)
+                os.environ[LOCAL_REPLICAS] = str(options.local_replicas)
         try:
             run_target(options)
         finally:

@@ -22,17 +22,15 @@ import numpy as np
 
 from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
-from ..ops import ReduceOp
 from ..runtime._mpi import mpi
-from ..values import PerReplica, components_of, parse_device, select_replica
+from ..values import parse_device
 from . import context
 from .base import Strategy, StrategyExtended
 from .mirrored import _require_gpu_replicas
 from .variables import (
-    Variable,
+    OneCopyVariable,
     VariableAggregation,
     VariableSynchronization,
-    _as_array,
     _initial,
     _parse,
 )
@@ -42,15 +40,13 @@ __all__ = ["CentralStorageStrategy", "AggregatingVariable"]
 _LOCAL_CPU = "/cpu:0"
 
 
-class AggregatingVariable(Variable):
+class AggregatingVariable(OneCopyVariable):
     """The one copy of a variable of a :class:`CentralStorageStrategy` (TF's
     ``AggregatingVariable``), on the strategy's parameter device.
 
-    Every replica reads the same array. In replica context (inside ``strategy.run``, with
-    more than one replica) ``assign``/``assign_add``/``assign_sub`` merge the replicas'
-    values by the aggregation and apply the result once: SUM adds them, MEAN averages
-    them, ONLY_FIRST_REPLICA takes replica 0's; NONE raises ``ValueError``. With one
-    replica, or in cross-replica context, an update applies its value directly.
+    Every replica reads the same array. Updates follow :class:`~mpistrat.strategy.
+    variables.OneCopyVariable`'s rules: in replica context with more than one replica,
+    merged by the aggregation and applied once.
     """
 
     def __init__(self, strategy: CentralStorageStrategy, initial: np.ndarray,
@@ -69,62 +65,10 @@ class AggregatingVariable(Variable):
         """The parameter device, where the one copy lives."""
         return self._strategy.extended.parameter_devices[0]
 
-    # -- writing
-    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
-               read_value: bool = True) -> Any:
-        return self._update("assign", value)
+    def _merge_device(self) -> str:
+        return self.device
 
-    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
-                   read_value: bool = True) -> Any:
-        return self._update("assign_add", delta)
-
-    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
-                   read_value: bool = True) -> Any:
-        return self._update("assign_sub", delta)
-
-    def _update(self, kind: str, value: Any) -> Any:
-        entry = context._current()
-        replicas = self._strategy.num_replicas_in_sync
-        if entry.replica_context is None or entry.strategy is not self._strategy \
-                or replicas == 1:
-            if isinstance(value, PerReplica):
-                raise ValueError(
-                    f"{kind} of AggregatingVariable {self._name!r} in cross-replica context "
-                    f"got a PerReplica value; reduce it first (strategy.reduce) or update "
-                    f"inside strategy.run")
-            self._apply(kind, _as_array(value))
-            return self
-        if self._aggregation is VariableAggregation.NONE:
-            raise ValueError(
-                f"You must specify an aggregation method to update a AggregatingVariable in "
-                f"Replica Context: {kind} of {self._name!r} has aggregation NONE and the "
-                f"strategy has {replicas} replicas, whose values would have to be merged; "
-                f"create it with aggregation=VariableAggregation.SUM, MEAN or "
-                f"ONLY_FIRST_REPLICA, or update it in cross-replica context "
-                f"(merge_call, then strategy.extended.update)")
-        entry.replica_context.merge_call(self._merge_update, args=(kind, value))
-        return self
-
-    def _merge_update(self, strategy: CentralStorageStrategy, kind: Any, value: Any) -> None:
-        """Merge the replicas' values (cross-replica context) and apply the result once."""
-        kind = kind if isinstance(kind, str) else kind.values[0]
-        devices = strategy.extended.worker_devices
-        # each replica's part; a list of numbers comes regrouped as a list of PerReplica
-        parts = [np.asarray(_as_array(select_replica(i, value))) for i in range(len(devices))]
-        aggregation = self._aggregation
-        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            self._apply(kind, parts[0])
-            return
-        op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-        if op is ReduceOp.MEAN and not np.issubdtype(self.dtype, np.inexact):
-            raise ValueError(
-                f"Cannot update non-float variables with VariableAggregation.MEAN "
-                f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
-                f"SUM or ONLY_FIRST_REPLICA, or a float variable")
-        reduced = strategy.extended.reduce_to(op, PerReplica(parts, devices), self.device)
-        self._apply(kind, np.asarray(components_of(reduced)[0]))
-
-    def _apply(self, kind: str, value: np.ndarray) -> None:
+    def _apply(self, kind: str, value: np.ndarray, use_locking: bool) -> None:
         if kind == "assign":
             self._set(self._value, value)
         elif kind == "assign_add":

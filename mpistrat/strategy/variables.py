@@ -463,6 +463,82 @@ class SyncOnReadVariable(DistributedVariable):
         return self
 
 
+class OneCopyVariable(Variable):
+    """A variable held once (not per replica) that every replica of its strategy reads:
+    TF's ``AggregatingVariable`` rules for updates.
+
+    In replica context (inside ``strategy.run``, with more than one replica)
+    ``assign``/``assign_add``/``assign_sub`` merge the replicas' values by the aggregation
+    and apply the result once: SUM adds them, MEAN averages them, ONLY_FIRST_REPLICA takes
+    replica 0's; NONE raises ``ValueError``. With one replica, or in cross-replica
+    context, an update applies its value directly.
+
+    Subclasses set ``_strategy`` and define ``_apply`` and ``_merge_device``.
+    """
+
+    _strategy: Any
+    # apply one update (kind: assign, assign_add or assign_sub) to the copy
+    _apply: Callable[[str, np.ndarray, bool], None]
+    # the device the replicas' values are reduced onto
+    _merge_device: Callable[[], str]
+
+    def assign(self, value: Any, use_locking: bool = False, name: Any = None,
+               read_value: bool = True) -> Any:
+        return self._update("assign", value, use_locking)
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._update("assign_add", delta, use_locking)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
+                   read_value: bool = True) -> Any:
+        return self._update("assign_sub", delta, use_locking)
+
+    def _update(self, kind: str, value: Any, use_locking: bool) -> Any:
+        entry = context._current()
+        strategy = self._strategy
+        replicas = len(strategy.extended.worker_devices)
+        if entry.replica_context is None or entry.strategy is not strategy or replicas == 1:
+            if isinstance(value, PerReplica):
+                raise ValueError(
+                    f"{kind} of {type(self).__name__} {self._name!r} in cross-replica "
+                    f"context got a PerReplica value; reduce it first (strategy.reduce) or "
+                    f"update inside strategy.run")
+            self._apply(kind, _as_array(value), use_locking)
+            return self
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"You must specify an aggregation method to update a AggregatingVariable in "
+                f"Replica Context: {kind} of {self._name!r} has aggregation NONE and the "
+                f"strategy has {replicas} replicas, whose values would have to be merged; "
+                f"create it with aggregation=VariableAggregation.SUM, MEAN or "
+                f"ONLY_FIRST_REPLICA, or update it in cross-replica context "
+                f"(merge_call, then strategy.extended.update)")
+        entry.replica_context.merge_call(self._merge_update, args=(kind, value, use_locking))
+        return self
+
+    def _merge_update(self, strategy: Any, kind: Any, value: Any, use_locking: Any) -> None:
+        """Merge the replicas' values (cross-replica context) and apply the result once."""
+        kind = kind if isinstance(kind, str) else kind.values[0]
+        use_locking = bool(components_of(use_locking)[0])
+        devices = strategy.extended.worker_devices
+        # each replica's part; a list of numbers comes regrouped as a list of PerReplica
+        parts = [np.asarray(_as_array(select_replica(i, value))) for i in range(len(devices))]
+        aggregation = self._aggregation
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            self._apply(kind, parts[0], use_locking)
+            return
+        op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        if op is ReduceOp.MEAN and not np.issubdtype(self.dtype, np.inexact):
+            raise ValueError(
+                f"Cannot update non-float variables with VariableAggregation.MEAN "
+                f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
+                f"SUM or ONLY_FIRST_REPLICA, or a float variable")
+        reduced = strategy.extended.reduce_to(op, PerReplica(parts, devices),
+                                              self._merge_device())
+        self._apply(kind, np.asarray(components_of(reduced)[0]), use_locking)
+
+
 def _create_distributed(initial_value: Any = None, trainable: bool | None = None,
                         name: str | None = None, dtype: Any = None,
                         synchronization: Any = VariableSynchronization.AUTO,

@@ -96,3 +96,28 @@ def test_mpistrat_run_num_ps(mpirun, mpistrat_cmd, tmp_path):
     bad = mpirun(4, [*mpistrat_cmd, "run", "--num-ps", "2", str(script), "fail"], timeout=120)
     assert bad.returncode != 0
     assert "ValueError: bad batch" in bad.stdout + bad.stderr
+
+
+def test_workers_with_local_replicas(mpirun):
+    """MPISTRAT_LOCAL_REPLICAS=2: strategy.run inside a scheduled function runs both
+    replicas, strategy.reduce reduces across them, and ps variables updated in replica
+    context are merged by their aggregation and applied once per step (NONE refused)."""
+    result = mpirun(4, [sys.executable, f"{SCRIPTS}/replicas.py"],
+                    env={"MPISTRAT_LOCAL_REPLICAS": "2"}, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = _last_json(result.stdout)
+    assert out["replicas"] == 2
+    assert out["results"] == [[[0, 1], 1.0]] * 6
+    assert out["total"] == [18.0] * 3  # 6 steps x (1 + 2)
+    assert out["mean"] == [9.0] * 3  # 6 steps x 1.5
+    assert out["first"] == [60.0] * 3  # 6 steps x replica 0's 10
+    assert out["plain"] == [0.0] * 3
+    assert "You must specify an aggregation method" in out["error"]
+
+
+def test_workers_with_different_replica_counts_fail_on_every_rank(mpirun):
+    code = ("from mpi4py import MPI\nimport mpistrat as ms\n"
+            "ms.ParameterServerStrategy(num_ps=1, local_replicas=1 + (MPI.COMM_WORLD.rank == 3))")
+    result = mpirun(4, [sys.executable, "-c", code], timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count("ValueError: Mismatched number of replicas per worker") == 4
