@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
 
 from .._nest import flatten, pack_sequence_as
-from ..errors import CancelledError
+from ..errors import CancelledError, CollectiveTimeoutError
+from ..runtime import stall
 from . import worker
 from .strategy import _COORDINATORS, ParameterServerStrategy
 from .worker import experimental_get_current_worker_index
@@ -224,6 +226,7 @@ class ClusterCoordinator:
         self._pending: set[_Closure] = set()
         self._error: BaseException | None = None
         self._retries = 0
+        self._progress = time.monotonic()  # when a function last finished
 
     @property
     def strategy(self) -> ParameterServerStrategy:
@@ -282,6 +285,7 @@ class ClusterCoordinator:
                 dataset._holders.add(outcome[-1])
         cancel: list[Any] = []
         with self._lock:
+            self._progress = time.monotonic()
             if outcome[0] == "retry":
                 if self._error is None:
                     self._retries += 1
@@ -316,20 +320,57 @@ class ClusterCoordinator:
         with self._lock:
             if self._error is None:
                 return
-            while self._pending:
-                self._idle.wait()
+            self._wait_idle()
             error, self._error = self._error, None
         raise error
+
+    def _wait_idle(self) -> None:
+        """Wait (holding the lock) until no function is pending. Under ``mpistrat run``'s
+        stall check, report when none has finished for that long; past its ``--timeout``,
+        raise :class:`~mpistrat.CollectiveTimeoutError` instead of waiting for a worker
+        that is stuck."""
+        watch = stall.current()
+        stall_check = watch.stall_check if watch is not None else None
+        timeout = watch.timeout if watch is not None else None
+        reported = 0
+        while self._pending:
+            if stall_check is None and timeout is None:
+                self._idle.wait()
+                continue
+            quiet = time.monotonic() - self._progress
+            if timeout is not None and quiet >= timeout:
+                raise CollectiveTimeoutError(
+                    f"no scheduled function finished in {timeout:g} s (--timeout): "
+                    f"{self._describe_pending()}; a worker is stuck in a function (an "
+                    f"endless loop, a wait that never ends) or cannot be reached", [])
+            if stall_check is not None and quiet >= (reported + 1) * stall_check:
+                reported += 1
+                assert watch is not None  # (stall_check comes from it)
+                watch.report(
+                    f"mpistrat: no scheduled function has finished for {quiet:.0f} s: "
+                    f"{self._describe_pending()}. "
+                    + ("The job gives up after " f"{timeout:g} s (--timeout)."
+                       if timeout is not None else
+                       "mpistrat run --timeout S ends the job instead of waiting."))
+            deadlines = [t for t in ((reported + 1) * stall_check if stall_check else None,
+                                     timeout) if t is not None]
+            self._idle.wait(timeout=max(0.01, min(deadlines) - quiet))
+
+    def _describe_pending(self) -> str:
+        running = sum(1 for c in self._pending if c.future is not None and c.future.running())
+        return (f"{running} running on the workers, {len(self._pending) - running} waiting "
+                f"for a free worker")
 
     def join(self) -> None:
         """Wait until every scheduled function has finished.
 
         Raises:
             the first error of a function (once), as :meth:`schedule`.
+            CollectiveTimeoutError: under ``mpistrat run --timeout``, no function
+                finished for that long.
         """
         with self._lock:
-            while self._pending:
-                self._idle.wait()
+            self._wait_idle()
         self._raise_error()
 
     def done(self) -> bool:
@@ -364,12 +405,13 @@ class ClusterCoordinator:
         """Functions run again after a :class:`~mpistrat.errors.WorkerUnavailableError`."""
         return self._retries
 
-    def _abandon(self) -> None:
-        """The job is ending: cancel what has not started."""
+    def _abandon(self) -> int:
+        """The job is ending: cancel what has not started; how many are still running."""
         with self._lock:
             futures = [c.future for c in self._pending]
         for future in futures:
             future.cancel()
+        return sum(1 for future in futures if not future.done())
 
     def __reduce__(self) -> Any:
         raise TypeError("a ClusterCoordinator stays on the coordinator: do not use it "

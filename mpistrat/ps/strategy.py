@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..cross_device_ops import ReductionToOneDevice
+from ..runtime import stall
 from ..runtime._mpi import Comm, mpi, set_state_comm, world
 from ..strategy.base import Strategy, StrategyExtended
 from ..strategy.mirrored import _local_replicas
@@ -258,23 +259,47 @@ class ParameterServerStrategy(Strategy):
         self._executor_context = MPICommExecutor(self._executor_comm, root=0)
         self._executor = self._executor_context.__enter__()
         set_state_comm(mpi().COMM_SELF)  # checkpoints: the coordinator alone
-        atexit.register(self._shutdown)
+        _EXCEPTHOOK.install()
+        # at the interpreter's exit, before mpi4py.futures waits for the executor's
+        # pending functions (its exit hook is a threading one, run before atexit's)
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(self._at_exit)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, failed: bool = False) -> bool:
         """The end of the job (the coordinator's program has ended): stop the workers and
-        the ps, release the variables. Idempotent."""
+        the ps, release the variables. Idempotent.
+
+        After a failure of the program (``failed``), functions still running on workers
+        (stuck, perhaps) cannot be waited for: then nothing is done and False returned,
+        and the job must be aborted."""
         with self._lock:
             if self._closed:
-                return
+                return True
+            coordinator = _COORDINATORS.get(self._store.id)
+            running = coordinator._abandon() if coordinator is not None else 0
+            if failed and running:
+                return False
             self._closed = True
-        coordinator = _COORDINATORS.pop(self._store.id, None)
-        if coordinator is not None:
-            coordinator._abandon()
+        _COORDINATORS.pop(self._store.id, None)
         self._executor_context.__exit__(None, None, None)
         for ps in self._roles.ps:
             self._job.send(None, dest=ps, tag=_SHUTDOWN_TAG)
         set_state_comm(None)
         self._release()
+        return True
+
+    def _at_exit(self) -> None:
+        """The coordinator's process is exiting: shut the job down, or, when the program
+        died of an exception with functions still running on the workers, abort it (the
+        traceback has been printed; nothing else would end the workers)."""
+        if not self._shutdown(failed=_EXCEPTHOOK.failed):
+            import sys
+
+            print(f"mpistrat: the coordinator's program failed while scheduled functions "
+                  f"were still running on the workers; aborting the job "
+                  f"({self.num_workers} worker(s), {self.num_ps} ps)", file=sys.stderr,
+                  flush=True)
+            self._job.Abort(1)
 
     def _release(self) -> None:
         _STORES.pop(self._store.id, None)
@@ -293,6 +318,12 @@ class ParameterServerStrategy(Strategy):
         ignored meanwhile: the coordinator decides, e.g. with a
         ``PreemptionCheckpointHandler``, and its end ends the job; a coordinator that does
         not handle them dies, and the launcher stops the rest."""
+        watch = stall.current()
+        if watch is not None:  # (mpistrat run) no longer in the construction's agreement,
+            # and in no watched collective until the end: tell the stall check so
+            watch.active.pop(threading.get_ident(), None)
+            watch.announce(f"serving as {self.task_type}:{self.task_id} until the "
+                           f"coordinator's program ends")
         with _ignoring(signal.SIGTERM, signal.SIGUSR1):
             self._serve_until_shutdown()
 
@@ -415,9 +446,36 @@ class _PSExtended(StrategyExtended):
 _COORDINATORS: dict[str, Any] = {}  # the ClusterCoordinator of each strategy, by store id
 
 
-def shutdown_all() -> None:
+def shutdown_all(failed: bool = False) -> bool:
     """End every parameter-server job this process coordinates (what the coordinator does
-    at exit; ``mpistrat run`` calls it when the script returns)."""
+    at exit; ``mpistrat run`` calls it when the script ends). After a failure of the
+    program (``failed``), a job with functions still running is left alone, for the
+    caller to abort: returns False then."""
+    done = True
     for strategy in list(_STRATEGIES.values()):
         if strategy.task_type == "chief":
-            strategy._shutdown()
+            done = strategy._shutdown(failed) and done
+    return done
+
+
+class _FailureHook:
+    """Records whether the process is ending with an uncaught exception (atexit handlers
+    cannot tell otherwise), chained before the previous ``sys.excepthook``."""
+
+    def __init__(self) -> None:
+        self.failed = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        import sys
+
+        if self._previous is None:
+            self._previous = sys.excepthook
+            sys.excepthook = self
+
+    def __call__(self, *exc_info: Any) -> None:
+        self.failed = True
+        self._previous(*exc_info)
+
+
+_EXCEPTHOOK = _FailureHook()

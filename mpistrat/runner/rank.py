@@ -93,10 +93,10 @@ def run(options: RunOptions, *,
         done.Free()
 
 
-def _end_parameter_servers() -> None:
+def _end_parameter_servers(failed: bool) -> None:
     module = sys.modules.get("mpistrat.ps.strategy")
     if module is not None:
-        module.shutdown_all()
+        module.shutdown_all(failed)
 
 
 def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], Any] | None,
@@ -115,12 +115,15 @@ def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], An
             os.environ[NUM_PS_ENV] = str(options.num_ps)
             if options.local_replicas is not None:  # (the workers' replicas)
                 os.environ[LOCAL_REPLICAS] = str(options.local_replicas)
+        # a parameter-server job ends when the coordinator's script does: its workers and
+        # ps serve until then, so they are released before the ranks end together (after
+        # a failure with functions still running, the job's abort ends them)
         try:
             run_target(options)
-        finally:
-            # a parameter-server job ends when the coordinator's script does: its workers
-            # and ps serve until then, so they are released before the ranks end together
-            _end_parameter_servers()
+        except BaseException:
+            _end_parameter_servers(failed=True)
+            raise
+        _end_parameter_servers(failed=False)
     except BaseException as exc:  # noqa: BLE001 - every way a script can end is reported
         return outcome_of(exc, options.target)
     finally:

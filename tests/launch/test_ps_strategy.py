@@ -121,3 +121,47 @@ def test_workers_with_different_replica_counts_fail_on_every_rank(mpirun):
     result = mpirun(4, [sys.executable, "-c", code], timeout=60)
     assert result.returncode != 0
     assert result.stderr.count("ValueError: Mismatched number of replicas per worker") == 4
+
+
+STUCK = (
+    "import sys, time\nimport mpistrat as ms\n"
+    "strategy = ms.ParameterServerStrategy()\n"
+    "coordinator = ms.ClusterCoordinator(strategy)\n"
+    "def work(seconds):\n    time.sleep(seconds)\n"
+    "for _ in range(int(sys.argv[2])):\n"
+    "    coordinator.schedule(work, args=(float(sys.argv[1]),))\n"
+    "if sys.argv[3] == 'fail':\n    raise RuntimeError('the program fails')\n"
+    "coordinator.join()\nprint('joined', flush=True)\n")
+
+
+def test_serving_is_not_a_stall_and_a_stuck_function_times_out(mpirun, mpistrat_cmd,
+                                                                 tmp_path):
+    """Under mpistrat run's stall check, workers and ps serving for longer than it are
+    not reported; a function stuck past --timeout fails the job within the bound, with
+    the coordinator's error."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    options = ["run", "--num-ps", "1", "--stall-check", "1", "--timeout", "4"]
+    healthy = mpirun(4, [*mpistrat_cmd, *options, str(script), "0.4", "8", "ok"],
+                     timeout=120)
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+    assert "joined" in healthy.stdout
+    assert "stall" not in healthy.stdout + healthy.stderr
+    stuck = mpirun(4, [*mpistrat_cmd, *options, str(script), "600", "3", "ok"], timeout=60)
+    out = stuck.stdout + stuck.stderr
+    assert stuck.returncode != 0, out
+    assert "no scheduled function has finished for" in out, out
+    assert "CollectiveTimeoutError: no scheduled function finished in 4 s" in out, out
+
+
+def test_coordinator_failure_with_functions_running_aborts_the_job(mpirun, tmp_path):
+    """Without mpistrat run: the coordinator's program raises while a function runs on a
+    worker; the job is aborted at once instead of waiting for the function."""
+    script = tmp_path / "fail.py"
+    script.write_text(STUCK)
+    result = mpirun(3, [sys.executable, str(script), "600", "1", "fail"],
+                    env={"MPISTRAT_NUM_PS": "1"}, timeout=30)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "RuntimeError: the program fails" in out
+    assert "aborting the job" in out, out
