@@ -276,9 +276,7 @@ class ClusterCoordinator:
             outcome = cloudpickle.loads(future.result())
         if outcome[0] == "resend":  # the worker lacked a dataset function: send them all
             closure.pickle(full=True)
-            with self._lock:
-                self._pending.discard(closure)
-            self._submit(closure)
+            self._submit(closure)  # (it stays pending meanwhile: join() keeps waiting)
             return
         if outcome[0] != "cancelled" and outcome[-1] is not None:
             for dataset in closure.carried:  # that worker has their functions now
@@ -288,8 +286,7 @@ class ClusterCoordinator:
             self._progress = time.monotonic()
             if outcome[0] == "retry":
                 if self._error is None:
-                    self._retries += 1
-                    self._pending.discard(closure)
+                    self._retries += 1  # (it stays pending: join() keeps waiting)
                     retry = True
                 else:
                     outcome, retry = ("cancelled",), False
@@ -303,7 +300,8 @@ class ClusterCoordinator:
                     closure.value._finish("error", error)
                     if self._error is None:
                         self._error = error
-                        cancel = [c.future for c in self._pending if c is not closure]
+                        cancel = [c.future for c in self._pending
+                                  if c is not closure and c.future is not None]
                 elif outcome[0] == "ok":
                     closure.value._finish("ok", outcome[1])
                 else:
@@ -408,7 +406,7 @@ class ClusterCoordinator:
     def _abandon(self) -> int:
         """The job is ending: cancel what has not started; how many are still running."""
         with self._lock:
-            futures = [c.future for c in self._pending]
+            futures = [c.future for c in self._pending if c.future is not None]
         for future in futures:
             future.cancel()
         return sum(1 for future in futures if not future.done())
