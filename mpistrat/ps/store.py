@@ -465,15 +465,7 @@ class VariableStore:
         if negate:
             array = np.negative(array)
         if op == "SUM" and _MPI_TYPES[handle.dtype][0] is None:  # float16: locked RMW
-            with self._locked(parts, exclusive=True) as MPI:
-                current = np.empty(handle.shape, handle.dtype)
-                for part, rows in parts:
-                    self._get(MPI, part, current[rows] if rows else current)
-                for part, _ in parts:
-                    self._win.Flush(part.ps)
-                current += array
-                for part, rows in parts:
-                    self._put(MPI, part, current[rows] if rows else current, "REPLACE")
+            self.update(handle, lambda current: current + array)
             return
         with self._locked(parts, exclusive=False) as MPI:
             for part, rows in parts:

@@ -104,13 +104,7 @@ class PSVariable(OneCopyVariable):
         return "/cpu:0"  # a worker's replicas are reduced on the worker, then sent once
 
     def _apply(self, kind: str, value: np.ndarray, use_locking: bool) -> None:
-        array = np.asarray(value, dtype=self.dtype)
-        if array.shape != self.shape:
-            try:
-                array = np.broadcast_to(array, self.shape)
-            except ValueError:
-                raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
-                                 f"{self._name!r} of shape {self.shape}") from None
+        array = self._shaped(np.asarray(value, dtype=self.dtype), self.shape)
         store, handle = self._store, self._handle
         if kind == "assign":
             if use_locking:

@@ -170,14 +170,17 @@ class Variable(metaclass=_VariableMeta):
         return self
 
     def _set(self, target: np.ndarray, value: Any) -> None:
-        array = _as_array(value)
-        if array.shape != target.shape:
-            try:
-                array = np.broadcast_to(array, target.shape)
-            except ValueError:
-                raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
-                                 f"{self._name!r} of shape {target.shape}") from None
-        np.copyto(target, array, casting="unsafe")
+        np.copyto(target, self._shaped(_as_array(value), target.shape), casting="unsafe")
+
+    def _shaped(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """``array`` broadcast to the variable's ``shape``; ValueError naming both."""
+        if array.shape == shape:
+            return array
+        try:
+            return np.broadcast_to(array, shape)
+        except ValueError:
+            raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
+                             f"{self._name!r} of shape {shape}") from None
 
     # -- arithmetic reads the value
     def __add__(self, other: Any) -> Any: return np.asarray(self) + other
@@ -199,6 +202,19 @@ class Variable(metaclass=_VariableMeta):
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
                 f"numpy={np.array2string(np.asarray(self._read_array()), threshold=6)}>")
+
+
+def _merge_op(variable: Variable) -> ReduceOp:
+    """How the replicas' values of an update in replica context combine (SUM or MEAN
+    aggregation); MEAN of a non-float variable is TF's error."""
+    if variable.aggregation is VariableAggregation.SUM:
+        return ReduceOp.SUM
+    if not np.issubdtype(variable.dtype, np.inexact):
+        raise ValueError(
+            f"Cannot update non-float variables with VariableAggregation.MEAN "
+            f"aggregation in replica context: {variable.name!r} is {variable.dtype}; use "
+            f"SUM or ONLY_FIRST_REPLICA, or a float variable")
+    return ReduceOp.MEAN
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -387,12 +403,7 @@ class MirroredVariable(DistributedVariable):
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             reduced = self._first_replica_value(parts[0])
         else:
-            op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-            if op is ReduceOp.MEAN and not np.issubdtype(self.dtype, np.inexact):
-                raise ValueError(
-                    f"Cannot update non-float variables with VariableAggregation.MEAN "
-                    f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
-                    f"SUM or ONLY_FIRST_REPLICA, or a float variable")
+            op = _merge_op(self)
             per_replica = PerReplica(parts, devices)
             reduced = components_of(strategy.extended.reduce_to(op, per_replica, per_replica))[0]
         self._apply(kind, reduced)
@@ -528,12 +539,7 @@ class OneCopyVariable(Variable):
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             self._apply(kind, parts[0], use_locking)
             return
-        op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-        if op is ReduceOp.MEAN and not np.issubdtype(self.dtype, np.inexact):
-            raise ValueError(
-                f"Cannot update non-float variables with VariableAggregation.MEAN "
-                f"aggregation in replica context: {self._name!r} is {self.dtype}; use "
-                f"SUM or ONLY_FIRST_REPLICA, or a float variable")
+        op = _merge_op(self)
         reduced = strategy.extended.reduce_to(op, PerReplica(parts, devices),
                                               self._merge_device())
         self._apply(kind, np.asarray(components_of(reduced)[0]), use_locking)
