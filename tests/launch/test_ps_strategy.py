@@ -113,6 +113,9 @@ def test_workers_with_local_replicas(mpirun):
     assert out["first"] == [60.0] * 3  # 6 steps x replica 0's 10
     assert out["plain"] == [0.0] * 3
     assert "You must specify an aggregation method" in out["error"]
+    # 2 examples per replica from each worker's own pipeline over 0..15, in order
+    starts = {tuple(pair) for pair in out["sums"]}
+    assert starts <= {(1.0, 5.0), (9.0, 13.0), (17.0, 21.0), (25.0, 29.0)}, out["sums"]
 
 
 def test_workers_with_different_replica_counts_fail_on_every_rank(mpirun):
@@ -130,7 +133,8 @@ STUCK = (
     "def work(seconds):\n    time.sleep(seconds)\n"
     "for _ in range(int(sys.argv[2])):\n"
     "    coordinator.schedule(work, args=(float(sys.argv[1]),))\n"
-    "if sys.argv[3] == 'fail':\n    raise RuntimeError('the program fails')\n"
+    "if sys.argv[3] == 'fail':\n    time.sleep(1)  # (the function is running by now)\n"
+    "    raise RuntimeError('the program fails')\n"
     "coordinator.join()\nprint('joined', flush=True)\n")
 
 

@@ -36,6 +36,25 @@ steps = 6
 results = coordinator.fetch([coordinator.schedule(step) for _ in range(steps)])
 
 
+# TF's recommended input: distribute_datasets_from_function inside the per-worker function,
+# so each worker's batches come split over its replicas
+def dataset_fn(context):
+    batch = context.get_per_replica_batch_size(4)
+    return ms.Dataset.from_tensor_slices(np.arange(16.0)).batch(batch).repeat()
+
+
+batches = iter(coordinator.create_per_worker_dataset(
+    lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+
+
+def consume(iterator):
+    per_replica = strategy.run(lambda b: float(np.sum(b)), args=(next(iterator),))
+    return list(strategy.experimental_local_results(per_replica))
+
+
+sums = coordinator.fetch([coordinator.schedule(consume, args=(batches,)) for _ in range(4)])
+
+
 def update_without_aggregation():
     strategy.run(lambda: plain.assign_add(np.ones(3)))
 
@@ -52,4 +71,4 @@ except ValueError:
 print(json.dumps({"replicas": strategy.num_replicas_in_sync, "results": results,
                   "total": total.numpy().tolist(), "mean": mean.numpy().tolist(),
                   "first": first.numpy().tolist(), "plain": plain.numpy().tolist(),
-                  "error": error}), flush=True)
+                  "error": error, "sums": sums}), flush=True)
