@@ -251,11 +251,17 @@ class JobMonitor:
             after = sorted(r.rank for r in vanished if r.host != first_host)
             when = time.strftime("%H:%M:%S", time.localtime(vanished[0].closed or 0))
             whole = lost == [r for r, h in enumerate(hostnames) if h == first_host]
+            # the first to vanish, and how close the others followed: one killed process
+            # whose neighbours the launcher ended a few ms later, or a host gone at once
+            on_host = [r for r in vanished if r.host == first_host]
+            spread = (on_host[-1].closed or 0) - (on_host[0].closed or 0)
             lines.append(
                 f"mpistrat run: the job lost {name_ranks(lost, hostnames)}: "
                 f"{'its ranks' if whole and len(lost) > 1 else 'it'} ended at {when} "
                 f"without a report, before any other rank (killed, or "
                 f"{'the host' if whole else 'its host'} failed)"
+                + (f"; rank {on_host[0].rank} first, the others within "
+                   f"{spread * 1e3:.0f} ms" if len(lost) > 1 else "")
                 + (f"; the launcher then ended {name_ranks(after, hostnames)}" if after
                    else "") + f". mpiexec exited with status {status}"
                 + (" (hydra's 'assert (!closed) failed': it lost a host's proxy)"

@@ -212,6 +212,7 @@ def test_the_host_whose_ranks_vanish_first_is_named(monkeypatch):
                            "ended at ")
     assert "the launcher then ended host node1 (ranks 0, 1)" in text
     assert "hydra's 'assert (!closed) failed'" in text
+    assert "; rank 3 first, the others within " in text  # the order the closes came in
 
 
 def test_ranks_ended_by_the_launcher_after_a_reported_failure_are_not_lost(monkeypatch):
