@@ -273,11 +273,20 @@ class ClusterCoordinator:
         elif future.exception() is not None:  # the executor could not run it at all
             outcome = ("error", cloudpickle.dumps(future.exception()), "", None)
         else:
-            outcome = cloudpickle.loads(future.result())
-        if outcome[0] == "resend":  # the worker lacked a dataset function: send them all
+            try:
+                outcome = cloudpickle.loads(future.result())
+            except Exception as exc:  # noqa: BLE001 -- a result this process cannot load
+                outcome = ("error", cloudpickle.dumps(RuntimeError(
+                    f"the result of a scheduled function cannot be loaded on the "
+                    f"coordinator ({type(exc).__name__}: {exc}); return NumPy arrays and "
+                    f"Python values")), "", None)
+        if outcome[0] == "resend" and self._error is None:
+            # the worker lacked a dataset function: send the closure again with them all
             closure.pickle(full=True)
             self._submit(closure)  # (it stays pending meanwhile: join() keeps waiting)
             return
+        if outcome[0] == "resend":
+            outcome = ("cancelled",)  # (an error is pending: nothing more is started)
         if outcome[0] != "cancelled" and outcome[-1] is not None:
             for dataset in closure.carried:  # that worker has their functions now
                 dataset._holders.add(outcome[-1])
