@@ -156,11 +156,15 @@ def roles_from(cluster_resolver: ClusterResolver | None, num_ps: int | None, ran
     return _from_ranks(0 if num_ps is None else num_ps, size)
 
 
-def resolve_roles(cluster_resolver: Any, num_ps: int | None, comm: Comm) -> Roles:
+def resolve_roles(cluster_resolver: Any, num_ps: int | None, comm: Comm,
+                  problem: BaseException | None = None) -> Roles:
     """:func:`roles_from` on every rank of ``comm``, agreed: every rank gets the same roles
-    or raises the same error."""
+    or raises the same error (``problem``: another error of this rank's arguments, agreed
+    with the roles)."""
     roles = error = None
     try:
+        if problem is not None:
+            raise problem
         roles = roles_from(cluster_resolver, num_ps, comm.Get_rank(), comm.Get_size())
     except (TypeError, ValueError) as exc:
         error = exc

@@ -174,6 +174,8 @@ class ParameterServerStrategy(Strategy):
             ``mpistrat run --num-ps P`` sets).
         arena_bytes: bytes of variables each ps holds (default ``MPISTRAT_PS_ARENA_BYTES``
             or 256 MiB).
+        local_replicas: CPU replicas of each worker (default ``MPISTRAT_LOCAL_REPLICAS``,
+            else 1); the same on every worker.
         comm: the job's communicator (default ``COMM_WORLD``).
 
     Raises:
@@ -199,10 +201,11 @@ class ParameterServerStrategy(Strategy):
         """The collective part of construction, the same on every rank (a
         :class:`~mpistrat.Server` makes it too)."""
         base = world() if comm is None else comm
+        problem = None
         if variable_partitioner is not None and not callable(variable_partitioner):
-            raise TypeError(f"variable_partitioner must be callable (e.g. "
-                            f"MinSizePartitioner(...)), got {variable_partitioner!r}")
-        roles: Roles = resolve_roles(cluster_resolver, num_ps, base)
+            problem = TypeError(f"variable_partitioner must be callable (e.g. "
+                                f"MinSizePartitioner(...)), got {variable_partitioner!r}")
+        roles: Roles = resolve_roles(cluster_resolver, num_ps, base, problem)
         replicas = _agreed_replicas(local_replicas, roles, base)
         MPI = mpi()
         self._roles = roles

@@ -169,3 +169,14 @@ def test_coordinator_failure_with_functions_running_aborts_the_job(mpirun, tmp_p
     assert result.returncode != 0, out
     assert "RuntimeError: the program fails" in out
     assert "aborting the job" in out, out
+
+
+def test_a_bad_argument_on_one_rank_fails_every_rank(mpirun):
+    code = ("from mpi4py import MPI\nimport mpistrat as ms\n"
+            "bad = 3 if MPI.COMM_WORLD.rank == 1 else None\n"
+            "ms.ParameterServerStrategy(num_ps=1, variable_partitioner=bad)")
+    result = mpirun(3, [sys.executable, "-c", code], timeout=60)
+    assert result.returncode != 0
+    assert "TypeError: variable_partitioner must be callable" in result.stderr
+    assert result.stderr.count("CollectiveMismatchError: ParameterServerStrategy failed on "
+                               "rank(s) [1]") == 2, result.stderr
