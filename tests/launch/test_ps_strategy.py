@@ -24,7 +24,8 @@ def _last_json(stdout: str) -> dict:
 def test_training_features_across_ranks(mpirun, ranks, num_ps):
     """Variables on the ps (round-robin, sharded by the partitioner, colocated slots),
     concurrent updates from every worker with no lost update, per-worker datasets (whole,
-    and sharded by worker), PerWorkerValues, strategy.run inside a closure."""
+    and sharded by worker), PerWorkerValues, strategy.run inside a closure, and at most
+    one closure in flight per worker."""
     result = mpirun(ranks, [sys.executable, f"{SCRIPTS}/train.py", str(num_ps)], timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     out = _last_json(result.stdout)
@@ -34,6 +35,7 @@ def test_training_features_across_ranks(mpirun, ranks, num_ps):
     assert out["table"] == 28 * steps and out["slot"] == -28 * steps
     assert sum(out["seen"]) == steps and len(out["seen"]) == workers
     assert out["whole_in_order"] and out["total_matches"] and out["sharded_by_worker"]
+    assert out["one_at_a_time"]
     if num_ps == 2:  # 112 bytes, MinSizePartitioner(64, max_shards=2): TF's div rule
         assert out["shards"] == [[4, 4], [3, 4]]
         # counter took ps 0, so the table's shards are on ps 1 and ps 0; its slot with it

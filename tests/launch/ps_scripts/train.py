@@ -5,6 +5,7 @@
 
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -34,6 +35,7 @@ sharded = iter(coordinator.create_per_worker_dataset(dataset_fn, shard_by_worker
 
 
 def step(whole_it, sharded_it, tag):
+    started = time.monotonic()  # (one clock for every process of the host)
     index = ms.experimental_get_current_worker_index()
     counter.assign_add(1)
     table.assign_add(np.ones((7, 4), np.float32))
@@ -44,7 +46,8 @@ def step(whole_it, sharded_it, tag):
     mine = float(next(sharded_it))
     total.assign_add(mine)
     replicas = strategy.run(lambda: ms.get_replica_context().replica_id_in_sync_group)
-    return float(next(whole_it)), index, tag, replicas, mine
+    time.sleep(0.005)  # long enough for a second closure to overlap, if one could
+    return float(next(whole_it)), index, tag, replicas, mine, (started, time.monotonic())
 
 
 steps = 10 * workers
@@ -55,7 +58,9 @@ assert coordinator.done()
 values = coordinator.fetch(results)
 by_worker = {}
 sharded_ok = True
-for first, index, tag, replicas, mine in values:
+spans = {}
+for first, index, tag, replicas, mine, span in values:
+    spans.setdefault(index, []).append(span)
     assert tag == f"w{index}", (tag, index)
     assert replicas == 0, replicas
     by_worker.setdefault(index, []).append(first)
@@ -69,6 +74,9 @@ print(json.dumps({
     "slot": float(slot.numpy().sum()), "seen": ids.numpy().tolist(),
     "total": float(total.numpy()), "whole_in_order": per_worker_order_ok,
     "total_matches": float(total.numpy()) == sum(v[4] for v in values),
+    # at most one closure in flight per worker: a worker's closures never overlap
+    "one_at_a_time": all(b[0] >= a[1] for s in spans.values()
+                         for a, b in zip(sorted(s), sorted(s)[1:])),
     "sharded_by_worker": sharded_ok,
     "shards": shards, "slot_device": slot.device,
     "shard_devices": [v.device for v in table.variables] if shards else [table.device],
