@@ -11,6 +11,7 @@ each shard (the first ``rows % k`` shards get one row more).
 
 from __future__ import annotations
 
+import abc
 import math
 import operator
 from collections.abc import Sequence
@@ -127,7 +128,7 @@ def _floor_div(a: Number, b: Number) -> int:
 # --- partitioners ------------------------------------------------------------------------
 
 
-class Partitioner:
+class Partitioner(abc.ABC):
     """Base class of the partitioners: a callable ``(shape, dtype, axis=0) -> list[int]``.
 
     A subclass returns, for a variable of ``shape`` and ``dtype``, the number of shards on
@@ -135,6 +136,7 @@ class Partitioner:
     (see :func:`validate_partitions`).
     """
 
+    @abc.abstractmethod
     def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:
         """Return the number of shards on each axis of a variable.
 
@@ -146,9 +148,6 @@ class Partitioner:
         Returns:
             One count per axis: ``k`` on ``axis`` and 1 elsewhere.
         """
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement __call__(shape, dtype, axis=0), returning "
-            f"the number of shards on each axis, such as [k, 1, ..., 1]")
 
 
 class FixedShardsPartitioner(Partitioner):
