@@ -49,7 +49,7 @@ import numpy as np
 
 from . import algorithms, dispatch, engine
 from .backends import get_backend
-from .backends.interop import describe_type, restore, to_native
+from .backends.interop import describe_type, is_writeable, restore, to_native
 from .backends.numpy_backend import UFUNCS
 from .backends.protocol import ArrayBackend
 from .config import RANKS_PER_NODE
@@ -175,17 +175,12 @@ def _check_dtype(dtype: Any, op: ReduceOp, inplace: bool) -> None:
 
 
 def _check_writeable(array: Any, like: Any, what: str) -> None:
-    flags = getattr(array, "flags", None)
-    if flags is not None and not getattr(flags, "writeable", True):  # (CuPy: no such flag)
+    if not is_writeable(array):
         why = " (JAX arrays are immutable)" if type(like).__module__.startswith("jax") else ""
         fix = "drop inplace=True and use the result" if what == "inplace=True" \
             else "pass writeable arrays as out"
         raise ValueError(f"{what} needs writeable arrays, got a read-only "
                          f"{describe_type(like)}{why}; {fix}")
-
-
-def _result_dtype(dtype: Any, op: ReduceOp) -> Any:
-    return np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iu" else dtype
 
 
 def _outs(out: Any, count: int, shape: Any, dtype: Any, form: str,
@@ -276,7 +271,7 @@ def _prepare(value: Any, op: Any, spec: Any, inplace: bool, out: Any,
                                  f"pass an array, or drop inplace=True")
             _check_writeable(array, like, "inplace=True")
     outs, out_likes = (None, []) if out is None else _outs(
-        out, len(arrays), first.shape, _result_dtype(first.dtype, reduce_op),
+        out, len(arrays), first.shape, reduce_op.result_dtype(first.dtype),
         "replicas" if isinstance(value, PerReplica) else "one")
     replicas = isinstance(value, PerReplica)
     small = (not replicas and size <= FUSED_RANKS and first.nbytes <= FUSED_BYTES
@@ -305,7 +300,7 @@ def _prepare_batch(items: list[Any], op: ReduceOp, spec: AllReduceSpec, inplace:
         raise ValueError("a batch mixes host and device arrays; reduce them in two calls")
     outs, out_likes = (None, []) if out is None else _outs(
         out, len(arrays), [a.shape for a in arrays],
-        [_result_dtype(a.dtype, op) for a in arrays], "batch")
+        [op.result_dtype(a.dtype) for a in arrays], "batch")
     return _Batch(arrays, items, outs, out_likes, op, spec, inplace, ranks_per_node)
 
 

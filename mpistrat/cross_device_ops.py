@@ -31,7 +31,7 @@ from . import engine
 from ._nest import flatten
 from .backends import get_backend
 from .backends.capabilities import probe_gpus
-from .backends.interop import is_native, restore, to_native
+from .backends.interop import is_native, is_writeable, restore, to_native
 from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
@@ -193,12 +193,6 @@ def _as_arrays(value: DistributedValues) -> Sequence[Any]:
             and not isinstance(v, np.generic) else np.asarray(v) for v in value.values]
 
 
-def _result_dtype(op: ReduceOp, dtype: Any) -> np.dtype:
-    """The dtype of a reduction's result: MEAN of integers or booleans is float64."""
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iub" else dtype
-
-
 def _targets(op: ReduceOp, given: DistributedValues, value: DistributedValues,
              dest: tuple[Device, ...], match: bool, inplace: bool, out: Any,
              where: str) -> tuple[list[Any], list[Any]] | None:
@@ -232,7 +226,7 @@ def _targets(op: ReduceOp, given: DistributedValues, value: DistributedValues,
             )
         natives = [to_native(t, "write the result into") for t in handed]
     source = _first_array(value)
-    dtype = _result_dtype(op, source.dtype)
+    dtype = op.result_dtype(source.dtype)
     for target, native in zip(handed, natives):
         if tuple(native.shape) != tuple(source.shape) or native.dtype != dtype:
             raise ValueError(
@@ -240,7 +234,7 @@ def _targets(op: ReduceOp, given: DistributedValues, value: DistributedValues,
                 f"array to write it into {tuple(native.shape)} and {native.dtype}"
                 + ("; MEAN of integers is float64: use out=, or SUM" if inplace else "")
             )
-        if not getattr(getattr(native, "flags", None), "writeable", True):
+        if not is_writeable(native):
             raise ValueError(f"{where}: the array to write the result into is read-only "
                              f"({type(target).__name__}); give writeable arrays")
     return natives, handed
@@ -253,8 +247,9 @@ def _write(result: Any, targets: tuple[list[Any], list[Any]], dest: tuple[Device
     natives, handed = targets
     parts = result.values if isinstance(result, DistributedValues) else [result]
     for index, native in enumerate(natives):
-        if native is not parts[min(index, len(parts) - 1)]:
-            get_backend(native).copy(native, to_native(parts[min(index, len(parts) - 1)]))
+        part = parts[min(index, len(parts) - 1)]  # (one result array: into every target)
+        if native is not part:
+            get_backend(native).copy(native, to_native(part))
     if len(dest) == 1:
         return handed[0]
     return Mirrored(handed, [str(d) for d in dest])
@@ -589,9 +584,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             raise failure
         if status is not None:
             raise ValueError(f"the reduction on rank {root} ({device}) failed: {status}")
-        out_dtype = np.dtype(np.float64) if op is ReduceOp.MEAN and dtype.kind in "iub" \
-            else dtype
-        result = total if is_root else np.empty(arrays[0].size, dtype=out_dtype)
+        result = total if is_root else np.empty(arrays[0].size, dtype=op.result_dtype(dtype))
         comm.Bcast(backend.comm_view(result), root=root)
         result = result.reshape(shape)
         return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])

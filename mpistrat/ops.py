@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import numpy as np
+
 from .runtime._mpi import mpi
 
 __all__ = ["ReduceOp"]
@@ -50,6 +52,13 @@ class ReduceOp(str, enum.Enum):
     def primitive(self) -> ReduceOp:
         """The reduction the algorithms run: SUM for MEAN, the op itself otherwise."""
         return ReduceOp.SUM if self is ReduceOp.MEAN else self
+
+    def result_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype of this reduction's result over arrays of ``dtype``: MEAN of integers
+        (or booleans) is float64, every other result keeps the dtype."""
+        dtype = np.dtype(dtype)
+        return np.dtype(np.float64) if self is ReduceOp.MEAN and dtype.kind in "iub" \
+            else dtype
 
     def mpi_op(self) -> Any:
         """The predefined ``MPI.Op`` of :attr:`primitive`."""

@@ -22,7 +22,8 @@ import numpy as np
 
 from . import is_cuda_array
 
-__all__ = ["to_native", "restore", "is_native", "describe_type", "NATIVE_TYPES"]
+__all__ = ["to_native", "restore", "is_native", "is_writeable", "describe_type",
+           "NATIVE_TYPES"]
 
 NATIVE_TYPES = (np.ndarray, np.generic)
 
@@ -40,6 +41,12 @@ def describe_type(value: Any) -> str:
 def is_native(value: Any) -> bool:
     """True for values the backends take as they are (NumPy arrays and scalars, CuPy)."""
     return isinstance(value, NATIVE_TYPES) or type(value).__module__.startswith("cupy")
+
+
+def is_writeable(array: Any) -> bool:
+    """Whether a result may be written into ``array`` (a NumPy or CuPy array; CuPy's
+    flags have no ``writeable``: its arrays always are)."""
+    return bool(getattr(getattr(array, "flags", None), "writeable", True))
 
 
 def to_native(value: Any, what: str = "reduce") -> Any:

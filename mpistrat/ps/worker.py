@@ -41,7 +41,6 @@ class WorkerState:
         self.num_workers = num_workers
         self.iterators: dict[tuple[int, int], Any] = {}
         self.builders: dict[int, Any] = {}  # dataset id -> its dataset function
-        self.closures = 0  # closures run
 
 
 class MissingBuilder(Exception):
@@ -88,7 +87,6 @@ def _require_worker(what: str) -> WorkerState:
 def execute(payload: bytes) -> bytes:
     """Run one closure on this worker; its outcome as a payload (never raises)."""
     state = _require_worker("a scheduled function")
-    state.closures += 1
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
     except MissingBuilder as exc:

@@ -18,11 +18,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from .._nest import flatten, pack_sequence_as
 from ..backends import get_backend
-from ..backends.interop import to_native
+from ..backends.interop import is_writeable, to_native
 from ..ops import ReduceOp
 from ..runtime.agreement import agree
 from ..values import DistributedValues, Mirrored, PerReplica, components_of, regroup, select_replica
@@ -159,15 +157,14 @@ def _targets(leaves: list[Any], op: ReduceOp, inplace: bool, out: Any,
                           f"the structure of value")
         for index, (target, leaf) in enumerate(zip(targets, leaves)):
             native, source = to_native(target, "write the result into"), to_native(leaf)
-            dtype = np.dtype(np.float64) if op is ReduceOp.MEAN and source.dtype.kind in "iu" \
-                else source.dtype
+            dtype = op.result_dtype(source.dtype)
             if tuple(native.shape) != tuple(source.shape) or native.dtype != dtype:
                 return None, (f"leaf {index}: the result has shape {tuple(source.shape)} and "
                               f"dtype {dtype}, the array to write it into "
                               f"{tuple(native.shape)} and {native.dtype}"
                               + ("; MEAN of integers is float64: use out, or op='sum'"
                                  if inplace else ""))
-            if not getattr(getattr(native, "flags", None), "writeable", True):
+            if not is_writeable(native):
                 immutable = type(target).__module__.startswith("jax")
                 return None, (f"leaf {index} is read-only ({type(target).__name__}); write "
                               f"into writeable arrays"
