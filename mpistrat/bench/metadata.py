@@ -23,9 +23,11 @@ from ..launch.hugepages import thp_mode
 from ..runtime._mpi import Comm
 from ..runtime.topology import get_topology
 
-__all__ = ["collect", "git_state", "network", "parse_rate", "hosts_layout", "LINK_RATE"]
+__all__ = ["collect", "git_state", "network", "parse_rate", "hosts_layout", "LINK_RATE",
+           "LINK_MTU"]
 
 LINK_RATE = "MPISTRAT_LINK_RATE"  # the rate of each host's link, as tc writes it (1gbit)
+LINK_MTU = "MPISTRAT_LINK_MTU"  # the links' MTU in bytes (1500, or 9000 for jumbo frames)
 # the MPI settings that decide which path bytes between hosts take (recorded when set)
 _TRANSPORT_VARS = ("MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "MPIR_CVAR_NOLOCAL",
                    "UCX_TLS", "OMPI_MCA_pml", "OMPI_MCA_btl")
@@ -44,12 +46,14 @@ def parse_rate(text: str | None) -> float | None:
 
 def network(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What is known of the links between hosts: the rate from ``MPISTRAT_LINK_RATE``
-    (set it where the launcher cannot know it; ``bin/cluster-local env`` can print it)
-    and the MPI transport variables in force."""
+    and the MTU from ``MPISTRAT_LINK_MTU`` (set them where the launcher cannot know them;
+    ``bin/cluster-local env`` prints both) and the MPI transport variables in force."""
     env = os.environ if env is None else env
     rate = env.get(LINK_RATE) or None
+    mtu = (env.get(LINK_MTU) or "").strip()
     return {"link_rate": rate, "link_bits_per_s": parse_rate(rate),
             "link_rate_from": LINK_RATE if rate else None,
+            "link_mtu": int(mtu) if mtu.isdigit() else None,
             "transport": {k: env[k] for k in _TRANSPORT_VARS if k in env}}
 
 

@@ -119,7 +119,8 @@ def summary_lines(points: Sequence[Point]) -> list[str]:
 
 
 def _hosts_lines(meta: dict[str, Any]) -> list[str]:
-    """``# hosts: node1 x2, node2 x2; links 1gbit (MPISTRAT_LINK_RATE); MPI transport ...``
+    """``# hosts: node1 x2, node2 x2; links 1gbit each (MPISTRAT_LINK_RATE), MTU 9000;
+    MPI transport ...``
     (nothing for results written before the metadata had them)."""
     layout, net = meta.get("host_layout"), meta.get("network")
     if not layout:
@@ -133,6 +134,8 @@ def _hosts_lines(meta: dict[str, Any]) -> list[str]:
         text += f"; links {net['link_rate']} each ({net.get('link_rate_from')})"
     elif layout["count"] > 1:
         text += "; link rate unknown (set MPISTRAT_LINK_RATE)"
+    if net and net.get("link_mtu"):
+        text += f", MTU {net['link_mtu']}"
     if net and net.get("transport"):
         text += "; " + " ".join(f"{k}={v}" for k, v in net["transport"].items())
     return [text]

@@ -118,8 +118,8 @@ def local():
 
 @pytest.fixture
 def up(local):
-    """A cluster of 2 hosts (no Slurm: quick) of this test's own."""
-    result = local("up", "--hosts", "2", "--slots", "2")
+    """A cluster of 2 hosts (no Slurm: quick) of this test's own, with jumbo frames."""
+    result = local("up", "--hosts", "2", "--slots", "2", "--mtu", "9000")
     if result.returncode == 2:
         give_up(f"bin/cluster-local up: {result.stderr.strip()}")
     assert result.returncode == 0, f"up failed ({result.returncode}):\n{result.stderr}"
@@ -132,6 +132,8 @@ def up(local):
     (["up", "--hosts"], "--hosts ''"),
     (["up", "--hosts", "2", "--link-rate", "fast"], "--link-rate 'fast'"),
     (["up", "--hosts", "2", "--slots", "0"], "--slots '0'"),
+    (["up", "--hosts", "2", "--mtu", "100"], "--mtu '100'"),
+    (["up", "--hosts", "2", "--mtu", "jumbo"], "--mtu 'jumbo'"),
     (["up", "--hosts", "2", "--bogus"], "'--bogus'"),
 ])
 def test_bad_arguments_are_refused_and_build_nothing(local, args, named):
@@ -165,7 +167,15 @@ def test_commands_of_a_running_cluster(up):
     assert again.returncode == 2 and "already up" in again.stderr, (again.returncode,
                                                                      again.stderr)
     status = up.ok("status").stdout
-    assert f"2 host(s), 2 slot(s) each, links unshaped; bridge {up.name}br" in status, status
+    assert (f"2 host(s), 2 slot(s) each, links unshaped, MTU 9000; bridge {up.name}br"
+            in status), status
+    # --mtu: both ends of every link and the bridge
+    assert "mtu 9000" in subprocess.run(["ip", "link", "show", f"{up.name}br"],
+                                        capture_output=True, text=True).stdout
+    for i in (1, 2):
+        assert "mtu 9000" in subprocess.run(["ip", "link", "show", f"{up.name}v{i}"],
+                                            capture_output=True, text=True).stdout, i
+        assert "mtu 9000" in up.ok("exec", f"node{i}", "ip", "link", "show", "eth0").stdout
     for i in (1, 2):
         assert re.search(rf"^node{i} +{re.escape(up.subnet)}\.{i} +{up.name}-node{i} +up ",
                          status, re.M), status
@@ -173,7 +183,7 @@ def test_commands_of_a_running_cluster(up):
     env = up.ok("env").stdout
     for expected in (f"HYDRA_LAUNCHER_EXEC={up.directory}/bin/ssh",
                      f"HYDRA_HOST_FILE={up.directory}/hostfile",
-                     "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp"):
+                     "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp", "MPISTRAT_LINK_MTU=9000"):
         assert expected in env, env
     assert "SLURM_CONF" not in env, env  # no --slurm
     assert (up.directory / "hostfile").read_text().split() == ["node1:2", "node2:2"]

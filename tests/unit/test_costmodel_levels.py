@@ -296,6 +296,12 @@ def test_hosts_and_link_metadata():
     lines = describe_run(meta)
     assert ("# hosts: 2 (node1 x3, node2 x1); links 1gbit each (MPISTRAT_LINK_RATE); "
             "MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp") in lines
+    assert net["link_mtu"] is None
+    meta["network"] = network({"MPISTRAT_LINK_RATE": "1gbit", "MPISTRAT_LINK_MTU": "9000"})
+    assert meta["network"]["link_mtu"] == 9000
+    assert ("# hosts: 2 (node1 x3, node2 x1); links 1gbit each (MPISTRAT_LINK_RATE), "
+            "MTU 9000") in describe_run(meta)
+    assert network({"MPISTRAT_LINK_MTU": "big"})["link_mtu"] is None
     meta["network"] = network({"MPISTRAT_LINK_RATE": "off"})
     assert "links unshaped (MPISTRAT_LINK_RATE=off)" in describe_run(meta)[3]
     meta["network"] = network({})
