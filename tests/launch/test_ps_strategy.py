@@ -20,6 +20,18 @@ def _last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
 
+def _raising_on_every_rank(code: str) -> list[str]:
+    """``python -c`` running ``code``, whose error each rank prints (``Name: message``)
+    and then waits for the others to print theirs before exiting with status 1: a rank
+    that exits first would have hydra kill the others mid-print."""
+    body = "".join(f"    {line}\n" for line in code.splitlines())
+    return [sys.executable, "-c",
+            "import sys\nfrom mpi4py import MPI\nimport mpistrat as ms\ntry:\n" + body +
+            "except Exception as exc:\n"
+            "    print(f'{type(exc).__name__}: {exc}', file=sys.stderr, flush=True)\n"
+            "    MPI.COMM_WORLD.Barrier()\n    sys.exit(1)\n"]
+
+
 @pytest.mark.parametrize(("ranks", "num_ps"), [(3, 1), (4, 2), (5, 1)])
 def test_training_features_across_ranks(mpirun, ranks, num_ps):
     """Variables on the ps (round-robin, sharded by the partitioner, colocated slots),
@@ -70,8 +82,7 @@ def test_tf_pattern_with_servers(mpirun):
     (2, {"MPISTRAT_NUM_PS": "1"}, "There must be at least one worker."),
 ])
 def test_missing_roles_fail_on_every_rank(mpirun, ranks, env, message):
-    result = mpirun(ranks, [sys.executable, "-c",
-                            "import mpistrat as ms; ms.ParameterServerStrategy()"],
+    result = mpirun(ranks, _raising_on_every_rank("ms.ParameterServerStrategy()"),
                     env=env, timeout=60)
     assert result.returncode != 0
     assert result.stderr.count(f"ValueError: {message}") == ranks, result.stderr
@@ -121,9 +132,8 @@ def test_workers_with_local_replicas(mpirun):
 
 
 def test_workers_with_different_replica_counts_fail_on_every_rank(mpirun):
-    code = ("from mpi4py import MPI\nimport mpistrat as ms\n"
-            "ms.ParameterServerStrategy(num_ps=1, local_replicas=1 + (MPI.COMM_WORLD.rank == 3))")
-    result = mpirun(4, [sys.executable, "-c", code], timeout=60)
+    code = "ms.ParameterServerStrategy(num_ps=1, local_replicas=1 + (MPI.COMM_WORLD.rank == 3))"
+    result = mpirun(4, _raising_on_every_rank(code), timeout=60)
     assert result.returncode != 0
     assert result.stderr.count("ValueError: Mismatched number of replicas per worker") == 4
 
@@ -174,10 +184,9 @@ def test_coordinator_failure_with_functions_running_aborts_the_job(mpirun, tmp_p
 
 
 def test_a_bad_argument_on_one_rank_fails_every_rank(mpirun):
-    code = ("from mpi4py import MPI\nimport mpistrat as ms\n"
-            "bad = 3 if MPI.COMM_WORLD.rank == 1 else None\n"
+    code = ("bad = 3 if MPI.COMM_WORLD.rank == 1 else None\n"
             "ms.ParameterServerStrategy(num_ps=1, variable_partitioner=bad)")
-    result = mpirun(3, [sys.executable, "-c", code], timeout=60)
+    result = mpirun(3, _raising_on_every_rank(code), timeout=60)
     assert result.returncode != 0
     assert "TypeError: variable_partitioner must be callable" in result.stderr
     assert result.stderr.count("CollectiveMismatchError: ParameterServerStrategy failed on "
