@@ -315,6 +315,19 @@ def _slurmd_pid_file(cluster, node: str) -> Path:
     return Path(cluster.control["CLUSTER_LOCAL_DIR"]) / "run" / f"slurmd-{node}.pid"
 
 
+def _stop_slurmd(cluster, node: str) -> None:
+    """SIGTERM ``node``'s slurmd and wait until it has exited (its jobs' processes stay)."""
+    for pid, cmd in _processes(cluster, node).items():
+        if cmd.startswith("slurmd "):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    _wait_for(lambda: not any(cmd.startswith("slurmd ")
+                              for cmd in _processes(cluster, node).values()),
+              30, f"{node}'s slurmd stopped")
+
+
 def _restart_slurmd(cluster, node: str) -> None:
     """Start ``node``'s slurmd again as bin/cluster-local does (inside the host, pid in
     its pid file so that `cluster-local down` stops it), and wait until it is idle."""
@@ -392,6 +405,9 @@ def test_slurm_node_lost_fails_the_job_and_the_next_run_resumes(slurm_cluster, t
     finally:
         if link_down:
             cluster.local("link", "node2", "up")
+            # a restarted slurmd registers at once; the running one waits for slurmctld's
+            # next ping to be seen again (about 12 s more)
+            _stop_slurmd(cluster, "node2")
         _restart_slurmd(cluster, "node2")
     output = out.read_text()
     assert re.search(r"\[0\] mpistrat\.errors\.PeerLostError: lost host node2 \(ranks 2, 3\): ",
