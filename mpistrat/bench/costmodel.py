@@ -7,15 +7,20 @@ per message and ``beta_net`` per byte **on the busiest link direction** (the mes
 inside hosts that run at the same time hide behind it). Summed over the steps of an
 algorithm's critical path::
 
-    t = alpha_in * L_in + beta_in * B_in * n + alpha_net * L_net + beta_net * B_net * n
+    t = alpha_in * L_in + beta_in * B_in * n + alpha_net * L_net
+        + beta_burst * min(x, b) + beta_net * max(0, x - b),    x = B_net * n
 
 ``L_in``/``L_net`` count messages (of the busiest rank, per step) and ``B_in``/``B_net``
 bytes per byte of the buffer (inside hosts: the busiest rank's larger direction; across
 hosts: the busiest link direction, so ``B_net`` counts every rank of a host whose
-message crosses the link in the same step). :func:`terms` derives them by laying each
-algorithm's messages out over the ranks' hosts, so any layout works (uneven hosts, one
-host, virtual nodes). For ``H > 1`` hosts of ``k`` ranks, ``p = H k``, in host-major
-order (the flat algorithms sort ranks by host; ``native`` keeps the launcher's order):
+message crosses the link in the same step). ``b`` is the links' burst: the bytes a link
+direction passes per call before its rate applies (a shaped link's token bucket that the
+barrier between timed calls refills, buffers in NICs and switches); without one (``b =
+0``) the last two terms are ``beta_net * B_net * n``. :func:`terms` derives the counts
+by laying each algorithm's messages out over the ranks' hosts, so any layout works
+(uneven hosts, one host, virtual nodes). For ``H > 1`` hosts of ``k`` ranks, ``p = H k``,
+in host-major order (the flat algorithms sort ranks by host; ``native`` keeps the
+launcher's order):
 
 * ``xring#s``: every one of its ``2(p-1)`` steps crosses links, one rank per link
   direction: ``L_net = 2(p-1)s``, ``B_net = 2(p-1)/p``.
@@ -34,7 +39,7 @@ order (the flat algorithms sort ranks by host; ``native`` keeps the launcher's o
 
 On one host every step stays inside it and the counts are the classic single-level ones.
 
-**Fitting.** Each algorithm's four numbers (all >= 0) are fitted on every point of the
+**Fitting.** Each algorithm's five numbers (all >= 0) are fitted on every point of the
 sweeps given (each with its own layout) by least absolute relative error: every size
 counts alike, and a few sizes disturbed by a busy machine do not drag the line (sweeps
 of one layout merge first, each point the median of their medians). One layout cannot
@@ -42,7 +47,8 @@ tell the levels apart (``L_in`` and ``L_net`` are then constants): a parameter t
 sweep separates serves both levels (marked ``=``), and ``a/b#s``, measurable only
 across nodes, takes its intra terms from ``a/b`` (marked ``*``). The documented recipe
 is one sweep on one host (``k`` ranks: the intra terms) plus one across two hosts
-(``2 x k``). Nothing here needs MPI.
+(``2 x k``). The burst is one number for all algorithms, the one of :data:`BURSTS` (0
+first) with the least total error (:func:`fit_sweeps`). Nothing here needs MPI.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ from .files import read_json
 from .report import format_us
 from .results import Point
 
-__all__ = ["Layout", "Terms", "Sweep", "Check", "Fit", "CostModel", "Prediction", "terms",
+__all__ = ["Layout", "Terms", "Sweep", "Check", "Fit", "CostModel", "Prediction", "BURSTS",
+           "terms",
            "fit_points", "fit", "fit_sweeps", "predict", "layout_from_meta",
            "model_for_run", "pipeline_pieces", "merge_repeats"]
 
@@ -506,6 +513,9 @@ def _nonnegative_lstsq(a: Any, y: Any) -> Any:
     """The ``x >= 0`` minimising ``|a x - y|^2``: the best of the unconstrained solutions
     on every support that come out non-negative (exact for this model's few columns)."""
     cols = a.shape[1]
+    x, *_ = np.linalg.lstsq(a, y, rcond=None)
+    if np.all(x * np.abs(a).max(axis=0) > 1e-9):
+        return x  # the unconstrained optimum is positive (not zero by rounding): the answer
     best, best_loss = np.zeros(cols), float(np.sum(y ** 2))  # all zero
     for size in range(1, cols + 1):
         for support in itertools.combinations(range(cols), size):
@@ -575,6 +585,8 @@ class Fit:
     shared: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
     intra_from: str | None = None  # the entry whose alpha_in/beta_in this one took
+    beta_burst: float = 0.0  # seconds per byte of a call's first `burst` bytes on a link
+    burst: float = 0.0  # bytes a link direction passes per call before beta_net applies
 
     @property
     def params(self) -> tuple[float, float, float, float]:
@@ -584,9 +596,16 @@ class Fit:
         return terms(self.alg, self.shards, layout, nbytes, params=self.params)
 
     def parts(self, nbytes: int, layout: Layout) -> tuple[float, float, float, float]:
-        """Seconds per term: intra messages, intra bytes, net messages, net bytes."""
-        f = self.terms(nbytes, layout).features(nbytes)
-        return tuple(x * y for x, y in zip(self.params, f))  # type: ignore[return-value]
+        """Seconds per term: intra messages, intra bytes, net messages, net bytes (the
+        bytes within the link's burst at ``beta_burst``, the rest at ``beta_net``)."""
+        return self.parts_of(self.terms(nbytes, layout), nbytes)
+
+    def parts_of(self, t: Terms, nbytes: int) -> tuple[float, float, float, float]:
+        """:meth:`parts` of the terms ``t`` of an ``nbytes`` call."""
+        l_in, b_in, l_net, b_net = t.features(nbytes)
+        within, beyond = _split_burst(b_net, self.burst)
+        return (self.alpha_in * l_in, self.beta_in * b_in, self.alpha_net * l_net,
+                self.beta_burst * within + self.beta_net * beyond)
 
     def time(self, nbytes: int, layout: Layout | int, nodes: int | None = None) -> float:
         if isinstance(layout, int):
@@ -612,15 +631,20 @@ class Fit:
             parts.append(f"{t.l_in:g} x {_us(self.alpha_in)} + {t.b_in:.4g} n x "
                          f"{_ns(self.beta_in)} inside hosts")
         if t.l_net or t.b_net:
-            parts.append(f"{t.l_net:g} x {_us(self.alpha_net)} + {t.b_net:.4g} n x "
-                         f"{_ns(self.beta_net)} across links ({t.share} rank(s) of a "
-                         f"host on its link at once)")
+            net = f"{t.b_net:.4g} n x {_ns(self.beta_net)}"
+            if self.burst > 0:
+                burst = format_bytes(int(self.burst))
+                net = (f"min(x, {burst}) x {_ns(self.beta_burst)} + max(0, x - {burst}) x "
+                       f"{_ns(self.beta_net)} with x = {t.b_net:.4g} n")
+            parts.append(f"{t.l_net:g} x {_us(self.alpha_net)} + {net} across links "
+                         f"({t.share} rank(s) of a host on its link at once)")
         return "t = " + (" + ".join(parts) if parts else "0 (nothing to exchange)")
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "alg": self.alg, "shards": self.shards,
                 "alpha_in_s": self.alpha_in, "beta_in_s_per_byte": self.beta_in,
                 "alpha_net_s": self.alpha_net, "beta_net_s_per_byte": self.beta_net,
+                "beta_burst_s_per_byte": self.beta_burst, "link_burst_bytes": self.burst,
                 "shared": list(self.shared), "intra_from": self.intra_from,
                 "median_rel_error": self.median_error,
                 "max_rel_error": self.max_error, "points": len(self.checks),
@@ -632,7 +656,9 @@ class Fit:
         return cls(data["label"], data["alg"], int(data["shards"]), data["alpha_in_s"],
                    data["beta_in_s_per_byte"], data["alpha_net_s"],
                    data["beta_net_s_per_byte"], tuple(data.get("shared", ())),
-                   intra_from=data.get("intra_from"))
+                   intra_from=data.get("intra_from"),
+                   beta_burst=float(data.get("beta_burst_s_per_byte", 0.0)),
+                   burst=float(data.get("link_burst_bytes", 0.0)))
 
 
 def _us(seconds: float) -> str:
@@ -643,66 +669,99 @@ def _ns(seconds: float) -> str:
     return f"{seconds * 1e9:.3g} ns/B"
 
 
+def _split_burst(net_bytes: float, burst: float) -> tuple[float, float]:
+    """A call's bytes on the busiest link direction within the link's burst, and beyond."""
+    return min(net_bytes, burst), max(0.0, net_bytes - burst)
+
+
 def _fit_group(label: str, alg: str, shards: int,
                group: Sequence[tuple[Point, Layout, str]],
-               intra: Fit | None = None) -> Fit:
+               intra: Fit | None = None, burst: float = 0.0) -> Fit:
     """Fit one algorithm's points (each with its layout), non-negative, on absolute
     relative errors (:func:`_nnls`), sharing a parameter between levels where the points cannot
     separate it, or taking alpha_in and beta_in from ``intra`` (the same stages inside
-    hosts, fitted on more layouts); pipelined points are refitted until their slowest
-    stage is stable."""
+    hosts, fitted on more layouts); with a ``burst``, the bytes of a call within it get
+    their own ``beta_burst``. Pipelined points are refitted until their slowest stage is
+    stable."""
     sizes = [p.nbytes for p, _, _ in group]
     times = [p.median for p, _, _ in group]
     params: Sequence[float] | None = None
     shared: tuple[str, ...] = ()
+    beta_burst = 0.0
+    feats: list[tuple[float, float, float, float]] = []
     for _ in range(6):
-        feats = [terms(alg, shards, lay, n, params=params).features(n)
-                 for n, (_, lay, _) in zip(sizes, group)]
+        previous, feats = feats, [terms(alg, shards, lay, n, params=params).features(n)
+                                  for n, (_, lay, _) in zip(sizes, group)]
+        if feats == previous:  # the same slowest stages: the same fit
+            break
+        # (within the burst, beyond it): the last feature split in two
+        split = [_split_burst(f[3], burst) for f in feats]
         if intra is not None:
             known = [intra.alpha_in * f[0] + intra.beta_in * f[1] for f in feats]
-            x = _nnls([[f[2], f[3]] for f in feats], times, known)
-            new = [intra.alpha_in, intra.beta_in, *x]
+            rows = [[f[2], beyond, within] for f, (within, beyond) in zip(feats, split)]
+            x = _nnls([r[:3 if burst else 2] for r in rows], times, known)
+            new = [intra.alpha_in, intra.beta_in, x[0], x[1]]
+            new_burst = x[2] if burst else 0.0
         else:
             # one layout never separates the levels (what differs between its sizes,
             # short messages or pipelining, is too small or too noisy to carry a level)
             several = len({lay for _, lay, _ in group}) > 1
             shared = tuple(name for name, i in (("alpha", 0), ("beta", 1))
                            if not (several and _separates([(f[i], f[i + 2]) for f in feats])))
-            # (which params a column sets, how to read it from features)
+            # (which params a column sets, how to read it from features + split); the
+            # bytes within the burst are a fifth parameter (index 4), never shared
             columns: list[tuple[tuple[int, ...], Callable[..., float]]] = []
+            net = (lambda f, s: f[2], lambda f, s: s[1])  # alpha_net, beta_net beyond
             for name, i in (("alpha", 0), ("beta", 1)):
                 if name in shared:
-                    columns.append(((i, i + 2), lambda f, i=i: f[i] + f[i + 2]))
+                    columns.append(((i, i + 2), lambda f, s, i=i: f[i] + net[i](f, s)))
                 else:
-                    columns += [((i,), lambda f, i=i: f[i]),
-                                ((i + 2,), lambda f, i=i: f[i + 2])]
-            x = _nnls([[read(f) for _, read in columns] for f in feats], times)
-            new = [0.0] * 4
+                    columns += [((i,), lambda f, s, i=i: f[i]),
+                                ((i + 2,), lambda f, s, i=i: net[i](f, s))]
+            if burst:
+                columns.append(((4,), lambda f, s: s[0]))
+            x = _nnls([[read(f, sp) for _, read in columns] for f, sp in zip(feats, split)],
+                      times)
+            values = [0.0] * 5
             for (targets, _), value in zip(columns, x):
                 for j in targets:
-                    new[j] = value
-        if params is not None and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-18)
-                                      for a, b in zip(params, new)):
+                    values[j] = value
+            new, new_burst = values[:4], values[4]
+        if params is not None and math.isclose(beta_burst, new_burst, rel_tol=1e-9,
+                                               abs_tol=1e-18) and all(
+                math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-18) for a, b in zip(params, new)):
             break
-        params = new
+        params, beta_burst = new, new_burst
     assert params is not None
-    checks = tuple(Check(name, n, t, terms(alg, shards, lay, n, params=params).time(params, n))
+    fitted = Fit(label, alg, shards, *params,  # type: ignore[misc, arg-type]  # 4 floats
+                 shared=shared, intra_from=intra.label if intra is not None else None,
+                 beta_burst=beta_burst, burst=burst)
+    checks = tuple(Check(name, n, t, fitted.time(n, lay))
                    for n, t, (_, lay, name) in zip(sizes, times, group))
-    return Fit(label, alg, shards, *params,  # type: ignore[misc, arg-type]  # 4 floats
-               shared=shared, checks=checks,
-               intra_from=intra.label if intra is not None else None)
+    return replace(fitted, checks=checks)
 
 
-def fit_sweeps(sweeps: Sequence[Sweep]) -> CostModel:
+# the link bursts tried: none, then 16 KiB .. 4 MiB (x2)
+BURSTS = (0, *(1 << k for k in range(14, 23)))
+
+
+def fit_sweeps(sweeps: Sequence[Sweep], bursts: Sequence[int] | None = None) -> CostModel:
     """Fit every single-algorithm entry over all ``sweeps`` together (only correct
-    points count; an algorithm is fitted on the sweeps that measured it)."""
+    points count; an algorithm is fitted on the sweeps that measured it).
+
+    Across hosts a link may pass a call's first bytes faster than its rate (a shaped
+    link's token bucket, a NIC's or switch's buffers, TCP windows that the barrier
+    between calls lets drain): each burst of ``bursts`` (default :data:`BURSTS` where
+    some sweep spans several hosts, else none) is tried for every algorithm at once,
+    and the one with the least total relative error is kept, so a link without one
+    fits as the plain model (burst 0)."""
     by_label: dict[str, list[tuple[Point, Layout, str]]] = {}
     for sweep in sweeps:
         name = sweep.layout.describe()
         for p in sweep.points:
             if p.kind == "algorithm" and p.correct and p.median > 0:
                 by_label.setdefault(p.label, []).append((p, sweep.layout, name))
-    fits, skipped = [], []
+    groups, skipped = {}, []
     for label, group in by_label.items():
         alg, shards = group[0][0].alg or label, group[0][0].shards
         try:
@@ -715,7 +774,24 @@ def fit_sweeps(sweeps: Sequence[Sweep]) -> CostModel:
             skipped.append(f"{label} (nothing crosses ranks at "
                            f"{group[0][1].ranks} rank(s))")
             continue
-        fits.append(_fit_group(label, alg, shards, keep))
+        groups[label] = (alg, shards, keep)
+    if bursts is None:
+        bursts = BURSTS if any(s.layout.hosts > 1 for s in sweeps) else (0,)
+    best: tuple[float, list[Fit]] | None = None
+    for burst in bursts:
+        fits = _fit_all(groups, float(burst))
+        errors = [abs(c.error) for f in fits for c in f.checks]
+        # a larger burst must do better by more than rounding (an exact fit stays at 0)
+        if best is None or sum(errors) < best[0] - 1e-6 * len(errors):
+            best = (sum(errors), fits)
+    return CostModel(tuple(best[1]) if best else (), tuple(skipped), _named_layouts(sweeps))
+
+
+def _fit_all(groups: Mapping[str, tuple[str, int, list[tuple[Point, Layout, str]]]],
+             burst: float) -> list[Fit]:
+    """:func:`fit_sweeps` with one link burst."""
+    fits = [_fit_group(label, alg, shards, keep, burst=burst)
+            for label, (alg, shards, keep) in groups.items()]
     # an entry measured only across hosts (a/b#2: shards need several nodes) takes the
     # terms inside hosts from the same algorithm with another shard count, fitted on
     # more layouts: the stages inside hosts do not depend on the shards
@@ -727,10 +803,9 @@ def fit_sweeps(sweeps: Sequence[Sweep]) -> CostModel:
     for i, f in enumerate(fits):
         sibling = separated.get(f.alg)
         if f.shared and sibling is not None and sibling is not f:
-            group = [g for g in by_label[f.label]
-                     if terms(f.alg, f.shards, g[1], g[0].nbytes).features(1.0) != (0, 0, 0, 0)]
-            fits[i] = _fit_group(f.label, f.alg, f.shards, group, intra=sibling)
-    return CostModel(tuple(fits), tuple(skipped), _named_layouts(sweeps))
+            fits[i] = _fit_group(f.label, f.alg, f.shards, groups[f.label][2], intra=sibling,
+                                 burst=burst)
+    return fits
 
 
 def _named_layouts(sweeps: Sequence[Sweep]) -> tuple[tuple[Layout, str], ...]:
@@ -792,15 +867,28 @@ class CostModel:
     def nodes(self) -> int:
         return max((lay.hosts for lay, _ in self.layouts), default=1)
 
+    @property
+    def burst(self) -> float:
+        """The link burst of the fit in bytes (0: none; one value serves every fit)."""
+        return max((f.burst for f in self.fits), default=0.0)
+
     def lines(self) -> list[str]:
         where = "; ".join(lay.describe() + (f" ({name})" if name else "")
                           for lay, name in self.layouts) or "?"
         how = (f"saved in {self.source}, checked against the medians of: {where}"
                if self.source else f"fitted on the medians of: {where}")
-        out = [f"# Cost model t = a_in*L_in + b_in*B_in*n + a_net*L_net + b_net*B_net*n "
+        burst = self.burst
+        if burst:
+            net = (f"b_burst*min(x, {format_bytes(int(burst))}) + b_net*max(0, x - "
+                   f"{format_bytes(int(burst))}) with x = B_net*n (the link's burst: "
+                   f"the least error of those tried)")
+        else:
+            net = "b_net*B_net*n"
+        out = [f"# Cost model t = a_in*L_in + b_in*B_in*n + a_net*L_net + {net} "
                f"(inside hosts / across links), {how}"]
         names = list(dict.fromkeys(lay.describe() for lay, _ in self.layouts))
-        rows = [("algorithm", "a_in(us)", "b_in(ns/B)", "a_net(us)", "b_net(ns/B)",
+        rows = [("algorithm", "a_in(us)", "b_in(ns/B)", "a_net(us)",
+                 *(("b_burst(ns/B)",) if burst else ()), "b_net(ns/B)",
                  "1/b_net(MB/s)", *(f"err {n}" for n in names), "points")]
         for f in self.fits:
             errs = []
@@ -811,7 +899,9 @@ class CostModel:
                     for n in ("alpha", "beta")}
             rows.append((f.label, f"{f.alpha_in * 1e6:.2f}" + mark["alpha"],
                          f"{f.beta_in * 1e9:.4g}" + mark["beta"],
-                         f"{f.alpha_net * 1e6:.2f}", f"{f.beta_net * 1e9:.4g}",
+                         f"{f.alpha_net * 1e6:.2f}",
+                         *((f"{f.beta_burst * 1e9:.4g}",) if burst else ()),
+                         f"{f.beta_net * 1e9:.4g}",
                          f"{1 / f.beta_net / 1e6:.4g}" if f.beta_net > 0 else "inf",
                          *errs, str(len(f.checks))))
         out += _table(rows, left=1)
@@ -914,6 +1004,7 @@ class Prediction:
     parts: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)  # 4 per size
     formulas: dict[str, str] = field(default_factory=dict)
     terms: dict[str, tuple[Terms, ...]] = field(default_factory=dict)
+    burst: float = 0.0  # the fitted link burst in bytes (net bytes within it cost less)
 
     def best(self) -> list[str]:
         return [min(self.times, key=lambda label: self.times[label][i])
@@ -922,7 +1013,8 @@ class Prediction:
     def header(self) -> str:
         layout = Layout.per_host(self.ranks, self.ranks_per_node)
         return (f"# Predicted time (us) at {self.ranks} ranks, {self.ranks_per_node} per host "
-                f"({layout.describe()}), every link like the measured ones")
+                f"({layout.describe()}), every link like the measured ones"
+                + (f" (burst {format_bytes(int(self.burst))} per call)" if self.burst else ""))
 
     def lines(self, detail: bool = True) -> list[str]:
         labels = list(self.times)
@@ -944,7 +1036,8 @@ class Prediction:
             return []
         out = [f"# {label}: {self.formulas.get(label, '')}  (at {format_bytes(self.sizes[-1])})"]
         rows: list[tuple[str, ...]] = [("size", "L_in", "B_in", "L_net", "B_net", "a_in*L_in",
-                                        "b_in*B_in*n", "a_net*L_net", "b_net*B_net*n",
+                                        "b_in*B_in*n", "a_net*L_net",
+                                        "b_net*B_net*n" if not self.burst else "net bytes",
                                         "total(us)", "net share")]
         for i, size in enumerate(self.sizes):
             t = self.terms[label][i]
@@ -959,7 +1052,7 @@ class Prediction:
         return {"ranks": self.ranks, "ranks_per_node": self.ranks_per_node,
                 "nodes": self.nodes, "sizes": list(self.sizes),
                 "times_s": {k: list(v) for k, v in self.times.items()}, "best": self.best(),
-                "formulas": dict(self.formulas),
+                "formulas": dict(self.formulas), "link_burst_bytes": self.burst,
                 "parts_s": {k: [list(x) for x in v] for k, v in self.parts.items()},
                 "terms": {k: [[t.l_in, t.b_in, t.l_net, t.b_net, t.share] for t in v]
                           for k, v in self.terms.items()}}
@@ -984,21 +1077,21 @@ def predict(model: CostModel, ranks: int, ranks_per_node: int,
     per_node = min(ranks_per_node, ranks)
     layout = Layout.per_host(ranks, per_node)
     sizes = tuple(sizes)
-    times, parts, formulas, all_terms = {}, {}, {}, {}
+    times, formulas, all_terms = {}, {}, {}
+    parts: dict[str, tuple[tuple[float, ...], ...]] = {}
     for f in model.fits:
         try:
             layers = [f.terms(n, layout) for n in sizes]
         except KeyError:  # (shm across hosts: a single-node algorithm)
             continue
-        parts[f.label] = tuple(tuple(x * y for x, y in zip(f.params, t.features(n)))
-                               for t, n in zip(layers, sizes))
+        parts[f.label] = tuple(f.parts_of(t, n) for t, n in zip(layers, sizes))
         times[f.label] = tuple(sum(p) for p in parts[f.label])
         formulas[f.label] = f.formula(layout, sizes[-1])
         all_terms[f.label] = tuple(layers)
     if not times:
         raise ValueError(f"no fitted algorithm runs on {layout.describe()} (shm needs one host)")
     return Prediction(ranks, per_node, layout.hosts, sizes, times, parts, formulas,
-                      all_terms)
+                      all_terms, model.burst)
 
 
 # ------------------------------------------------------------------ a run's model

@@ -204,6 +204,52 @@ def test_two_layouts_recover_both_levels():
     assert model.fits[0].beta_net == pytest.approx(2 * TRUE[3], rel=1e-3)
 
 
+def test_a_link_burst_is_found_and_kept():
+    # a shaped link passes each call's first 256 KiB at 2 ns/B, the rest at 8 ns/B
+    burst, beta_burst = 256 * KiB, 2e-9
+    labels = ["xring", "rechd", "pscpu/pscpu", "shm/rechd"]  # (a pipelined one too)
+    truth = {label: costmodel.Fit(label, *_alg_shards(label), *TRUE, beta_burst=beta_burst,
+                                  burst=burst) for label in labels}
+
+    def sweep(layout):
+        return Sweep(tuple(point(label, n, truth[label].time(n, layout))
+                           for label in labels for n in SIZES), layout)
+
+    sweeps = [sweep(TWO_HOSTS), sweep(ONE_HOST)]
+    model = costmodel.fit_sweeps(sweeps)
+    assert model.burst == burst
+    for f in model.fits:
+        assert f.params == pytest.approx(TRUE, rel=1e-6), f.label
+        assert f.beta_burst == pytest.approx(beta_burst, rel=1e-6), f.label
+        assert f.max_error < 1e-6, f.label
+    # without a burst the same points miss by far more (the 64 KiB..1 MiB calls)
+    plain = costmodel.fit_sweeps(sweeps, bursts=(0,))
+    assert plain.burst == 0 and max(f.max_error for f in plain.fits) > 0.2
+    text = "\n".join(model.lines())
+    assert "b_burst*min(x, 256 KiB) + b_net*max(0, x - 256 KiB)" in text
+    assert "b_burst(ns/B)" in text
+    rechd = next(f for f in model.fits if f.label == "rechd")
+    assert "min(x, 256 KiB) x 2 ns/B + max(0, x - 256 KiB) x 8 ns/B with x = 1 n" in \
+        rechd.formula(TWO_HOSTS, MiB)
+    # the burst is kept in the saved model and in predictions
+    loaded = costmodel.CostModel.from_dict(model.as_dict(), "fit.json")
+    assert loaded.burst == burst and loaded.fits[0].beta_burst == model.fits[0].beta_burst
+    prediction = costmodel.predict(loaded, 1024, 8, [4, MiB])
+    assert "(burst 256 KiB per call)" in prediction.lines()[0]
+    net = rechd.terms(MiB, Layout.per_host(1024, 8)).b_net * MiB
+    assert prediction.parts["rechd"][1][3] == pytest.approx(
+        beta_burst * burst + TRUE[3] * (net - burst))
+    # an exact plain fit stays without one
+    exact = costmodel.fit_sweeps([Sweep(tuple(synthetic(TWO_HOSTS, labels=labels)), TWO_HOSTS),
+                                  Sweep(tuple(synthetic(ONE_HOST, labels=labels)), ONE_HOST)])
+    assert exact.burst == 0 and "b_burst" not in "\n".join(exact.lines())
+
+
+def _alg_shards(label):
+    alg, _, shards = label.partition("#")
+    return alg, int(shards or 1)
+
+
 def test_a_disturbed_size_does_not_drag_the_fit():
     # two sizes measured while the machine was busy (5x): the absolute-error fit keeps
     # the line through the others, least squares would not
