@@ -2,7 +2,7 @@
 """Training-step time of PyTorch data-parallel recipes over MPI on the CPU, interleaved.
 
     mpiexec -n 2 python benchmarks/torch_train.py [--model resnet50,digits] [--rounds 15]
-        [--steps N] [--batch N] [--variants local,mpi4py,ddp,mpistrat]
+        [--steps N] [--batch N] [--variants local,mpi4py,ddp,mpistrat,mpistrat-hooks]
         [--bucket-bytes 8M[,25M...]] [--spec SPEC] [--json FILE]
 
 Variants, each on its own copy of the same model with SGD (momentum 0.9):
@@ -15,11 +15,16 @@ Variants, each on its own copy of the same model with SGD (momentum 0.9):
   rank 0 picks a free port and sends it through MPI), ``broadcast_buffers=False`` so it
   moves gradients only, like the others;
 * ``mpistrat``: :class:`mpistrat.torch.DistributedDataParallel` (``--spec``, default its
-  own choice; one variant per ``--bucket-bytes`` size).
+  own choice; one variant per ``--bucket-bytes`` size); ``mpistrat-hooks`` the same with
+  every gradient through its hook, also where the model would take the fused pass at
+  the end of backward (:data:`mpistrat.torch.FUSED_BYTES`), ``mpistrat-fused`` with the
+  fused pass for a model in one bucket of any size.
 
 Models: ``resnet50``, ResNet-50's bottleneck network built here (25.6 M parameters in 161
 tensors, 1000 classes) on 3x32x32 inputs; ``digits``, the CNN of
-``examples/digits_torch.py`` on 1x8x8 inputs. PyTorch runs one thread per rank.
+``examples/digits_torch.py`` on 1x8x8 inputs; ``mlp-1m``, ``mlp-4m``, ``mlp-16m``,
+three-layer perceptrons with about 1, 4 and 16 MiB of gradients. PyTorch runs one
+thread per rank.
 
 Each round runs every variant for ``--steps`` steps, in turn; a step is timed from a
 barrier to the end of ``optimizer.step()``, and its time is the slowest rank's. The
@@ -100,9 +105,19 @@ def digits_cnn() -> nn.Module:
     return module.make_model(0)
 
 
+def mlp(width: int) -> Callable[[], nn.Module]:
+    """A three-layer perceptron on ``width`` inputs: width, 2 width, width, 10."""
+    return lambda: nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(),
+                                 nn.Linear(2 * width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
     "resnet50": (resnet50, (3, 32, 32), 1000),
     "digits": (digits_cnn, (1, 8, 8), 10),
+    # about 1, 4 and 16 MiB of float32 gradients in 6 tensors each
+    "mlp-1m": (mlp(256), (256,), 10),
+    "mlp-4m": (mlp(512), (512,), 10),
+    "mlp-16m": (mlp(1024), (1024,), 10),
 }
 
 
@@ -134,8 +149,16 @@ class Variant:
             _gloo_group(comm)
             model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
         elif name.startswith("mpistrat"):
-            model = mt.DistributedDataParallel(model, comm=comm, spec=args.spec,
-                                               bucket_bytes=bucket_bytes)
+            fused = mt.FUSED_BYTES
+            if name.startswith("mpistrat-hooks"):  # every model through the hooks
+                mt.FUSED_BYTES = 0
+            elif name.startswith("mpistrat-fused"):  # a one-bucket model fused at any size
+                mt.FUSED_BYTES = bucket_bytes
+            try:
+                model = mt.DistributedDataParallel(model, comm=comm, spec=args.spec,
+                                                   bucket_bytes=bucket_bytes)
+            finally:
+                mt.FUSED_BYTES = fused
         self.model = model
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         self.reduce = name == "mpi4py" and size > 1
@@ -167,7 +190,7 @@ def measure(model_name: str, args: argparse.Namespace, comm: Any) -> dict[str, A
     y = torch.randint(0, classes, (args.batch,), generator=generator)
     variants = []
     for name in args.variants:
-        if name != "mpistrat":
+        if not name.startswith("mpistrat"):
             variants.append(Variant(name, copy.deepcopy(base), comm, args))
             continue
         for text in args.bucket_bytes.split(","):  # one variant per bucket size

@@ -157,6 +157,25 @@ def test_gradients_are_the_mean_and_identical_on_every_rank(comm, bucket_bytes):
     finish(comm, problems, digests)
 
 
+def test_fused_and_per_bucket_passes_give_the_same_bits(comm):
+    # one small bucket is filled and reduced at the end of backward in one pass; one
+    # bucket per parameter goes through the hooks: the gradients must be the same bits
+    models = [small_cnn(seed=0), small_cnn(seed=0)]
+    fused = mt.DistributedDataParallel(models[0], comm=comm)
+    hooked = mt.DistributedDataParallel(models[1], comm=comm, bucket_bytes=1)
+    assert fused._fused and not hooked._fused
+    problems: list[str] = []
+    for step in range(2):
+        x, y = batch(comm.rank + 3 * step)
+        for ddp in (fused, hooked):
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        for i, (a, b) in enumerate(zip(models[0].parameters(), models[1].parameters())):
+            if not torch.equal(a.grad, b.grad):
+                problems.append(f"step {step}: parameter {i} differs between the two passes")
+    finish(comm, problems, [])
+
+
 def test_op_sum_and_zero_grad_without_none(comm):
     model = small_cnn(seed=0)
     ddp = mt.DistributedDataParallel(model, comm=comm, op="sum", spec="rechd")
