@@ -25,6 +25,9 @@ source directly — step 1's even ranks send it, odd ranks receive their partner
 ``buf`` and add their own; otherwise the first halving step sends the given-away half from
 the source and receives the kept half into ``buf``. Short buffers copy the source first.
 
+Messages go through the backend's transport (:mod:`mpistrat.backends.transport`): straight
+to MPI for host buffers and CUDA-aware MPI, staged through pinned host memory otherwise.
+
 Every element is reduced by one rank per step and then copied, so all ranks end bitwise
 identical. Bytes sent per rank (halving-doubling, ``n = p``): ``2 (p - 1) / p`` of the
 buffer, in ``2 log2 p`` messages: fewer, larger messages than the ring. TensorFlow's
@@ -36,11 +39,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backends.capabilities import device_buffers_to_mpi
 from ..backends.protocol import ArrayBackend
-from ..errors import BackendUnavailable
 from ..ops import ReduceOp
-from ..runtime._mpi import Comm, mpi
+from ..runtime._mpi import Comm
 from ._chunks import capped, even_bounds
 from .source import Source
 
@@ -60,9 +61,7 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
         if source is not None:
             source.copy_into(buf, backend=backend)
         return
-    if backend.name == "cupy":
-        _require_direct(comm)
-    MPI = mpi()
+    transport = backend.transport(comm)
     rank = comm.Get_rank()
     p = 1 << (n.bit_length() - 1)
     rem = n - p
@@ -73,9 +72,9 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
     if rank < 2 * rem:
         if rank % 2 == 0:
             if source is not None:
-                MPI.Request.Waitall(source.isend(comm, 0, buf.size, rank + 1, _TAG, backend))
+                transport.waitall(source.isend(comm, 0, buf.size, rank + 1, _TAG, backend))
             else:
-                comm.Send([raw, MPI.BYTE], rank + 1, tag=_TAG)
+                transport.send(raw, rank + 1, _TAG)
             new_rank = -1
         elif source is not None:
             receives = source.irecv(comm, buf, 0, buf.size, rank - 1, _TAG, backend)
@@ -83,7 +82,7 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
             new_rank = rank // 2
         else:
             scratch = backend.scratch("rechd", buf.size, buf.dtype)
-            comm.Recv([backend.comm_view(scratch), MPI.BYTE], rank - 1, tag=_TAG)
+            transport.recv(backend.comm_view(scratch), rank - 1, _TAG)
             backend.combine(op, buf, scratch)
             new_rank = rank // 2
     else:
@@ -102,7 +101,7 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
             mask = 1
             while mask < p:
                 partner = real(new_rank ^ mask)
-                comm.Sendrecv([raw, MPI.BYTE], partner, _TAG, [scratch_raw, MPI.BYTE], partner, _TAG)
+                transport.sendrecv(raw, partner, _TAG, scratch_raw, partner, _TAG)
                 backend.combine(op, buf, scratch)
                 mask <<= 1
         else:
@@ -129,12 +128,13 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
                 # Source's many messages make that slower (measured), so it does not
                 last = 2 * mask == p and layout is None
                 if layout is None and not last:
-                    comm.Sendrecv([raw[g0 * size:g1 * size], MPI.BYTE], partner, _TAG,
-                                  [scratch_raw[:(k1 - k0) * size], MPI.BYTE], partner, _TAG)
+                    transport.sendrecv(raw[g0 * size:g1 * size], partner, _TAG,
+                                       scratch_raw[:(k1 - k0) * size], partner, _TAG)
                     backend.combine(op, buf[k0:k1], scratch[:k1 - k0])
                 else:
-                    _exchange(comm, buf, scratch, partner, (k0, k1), (g0, g1), op=op,
-                              backend=backend, layout=layout, pending=pending, last=last)
+                    _exchange(comm, transport, buf, scratch, partner, (k0, k1), (g0, g1),
+                              op=op, backend=backend, layout=layout, pending=pending,
+                              last=last)
                 layout, pending = None, False
                 if not last:  # the last step's doubling ran inside _exchange
                     history.append((partner, keep, give))
@@ -143,24 +143,15 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
             for partner, keep, give in reversed(history):
                 k0, k1 = bounds[keep[0]], bounds[keep[1]]
                 g0, g1 = bounds[give[0]], bounds[give[1]]
-                comm.Sendrecv([raw[k0 * size:k1 * size], MPI.BYTE], partner, _TAG,
-                              [raw[g0 * size:g1 * size], MPI.BYTE], partner, _TAG)
+                transport.sendrecv(raw[k0 * size:k1 * size], partner, _TAG,
+                                   raw[g0 * size:g1 * size], partner, _TAG)
 
     # 3. fold the extra ranks out
     if rank < 2 * rem:
         if rank % 2 == 0:
-            comm.Recv([raw, MPI.BYTE], rank + 1, tag=_TAG)
+            transport.recv(raw, rank + 1, _TAG)
         else:
-            comm.Send([raw, MPI.BYTE], rank - 1, tag=_TAG)
-
-
-def _require_direct(comm: Comm) -> None:
-    """Device buffers reach this algorithm's MPI calls as they are: only with CUDA-aware MPI."""
-    if not device_buffers_to_mpi(comm):
-        raise BackendUnavailable(
-            "'rechd' on GPU buffers needs a CUDA-aware MPI (its staged transport is not "
-            "written yet); use 'xring', 'psgpu' or 'nccl' on GPU buffers, or force "
-            "MPISTRAT_CUDA_AWARE_MPI=1 if your MPI library is CUDA-aware")
+            transport.send(raw, rank - 1, _TAG)
 
 
 def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
@@ -168,9 +159,9 @@ def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int, bool]]:
     return [(a, b, False) for a, b in capped(lo, hi, PIPELINE_BYTES // itemsize)]
 
 
-def _exchange(comm: Comm, buf: Any, scratch: Any, partner: int, keep: tuple[int, int],
-              give: tuple[int, int], *, op: ReduceOp, backend: ArrayBackend, layout: Source | None,
-              pending: bool, last: bool) -> None:
+def _exchange(comm: Comm, transport: Any, buf: Any, scratch: Any, partner: int,
+              keep: tuple[int, int], give: tuple[int, int], *, op: ReduceOp,
+              backend: ArrayBackend, layout: Source | None, pending: bool, last: bool) -> None:
     """One halving step in messages: send ``give``, receive and add ``keep``.
 
     The messages are the Source's (``layout``: the first step out of place) or even
@@ -179,7 +170,6 @@ def _exchange(comm: Comm, buf: Any, scratch: Any, partner: int, keep: tuple[int,
     ``last``, the step's doubling runs here too, piece by piece: each kept piece goes
     back to the partner as soon as it is reduced, while later pieces are still arriving.
     """
-    MPI = mpi()
     (k0, k1), (g0, g1) = keep, give
     raw = backend.comm_view(buf)
     size = buf.itemsize
@@ -192,10 +182,9 @@ def _exchange(comm: Comm, buf: Any, scratch: Any, partner: int, keep: tuple[int,
     else:
         kept, given = _pieces(k0, k1, size), _pieces(g0, g1, size)
         scratch_raw = backend.comm_view(scratch)
-        receives = [comm.Irecv([scratch_raw[(a - k0) * size:(b - k0) * size], MPI.BYTE],
-                               partner, tag=_TAG) for a, b, _ in kept]
-        sends = [comm.Isend([raw[a * size:b * size], MPI.BYTE], partner, tag=_TAG)
-                 for a, b, _ in given]
+        receives = [transport.irecv(scratch_raw[(a - k0) * size:(b - k0) * size], partner,
+                                    _TAG) for a, b, _ in kept]
+        sends = [transport.isend(raw[a * size:b * size], partner, _TAG) for a, b, _ in given]
     # the doubling: our reduced pieces go back, the partner's arrive in the range we gave
     # away; both cut by merging the step's messages up to PIPELINE_BYTES
     back_cuts = _merged(kept, size) if last else []
@@ -204,7 +193,7 @@ def _exchange(comm: Comm, buf: Any, scratch: Any, partner: int, keep: tuple[int,
     arriving: list[Any] = []
 
     def receive_back(a: int, b: int) -> None:
-        arriving.append(comm.Irecv([raw[a * size:b * size], MPI.BYTE], partner, tag=_TAG_BACK))
+        arriving.append(transport.irecv(raw[a * size:b * size], partner, _TAG_BACK))
 
     # (the messages each arriving piece covers end at ends[i]; sends[:done] are complete)
     ends = [sum(1 for a, _, _ in given if a < stop) for _, stop in arrive_cuts]
@@ -221,18 +210,17 @@ def _exchange(comm: Comm, buf: Any, scratch: Any, partner: int, keep: tuple[int,
             backend.combine(op, buf[a:b], scratch[a - k0:b - k0])
         if last and back_cuts[len(back)][1] == b:  # a whole back piece is reduced
             start, stop = back_cuts[len(back)]
-            back.append(comm.Isend([raw[start * size:stop * size], MPI.BYTE], partner,
-                                   tag=_TAG_BACK))
+            back.append(transport.isend(raw[start * size:stop * size], partner, _TAG_BACK))
         if len(arriving) < len(arrive_cuts):  # a piece of buf we sent may be received
             while done < len(sends) and sends[done].Test():  # into once its sends are done
                 done += 1
             while len(arriving) < len(arrive_cuts) and ends[len(arriving)] <= done:
                 receive_back(*arrive_cuts[len(arriving)])
-    MPI.Request.Waitall(sends)
+    transport.waitall(sends)
     if last:
         for a, b in arrive_cuts[len(arriving):]:
             receive_back(a, b)
-        MPI.Request.Waitall(back + arriving)
+        transport.waitall(back + arriving)
 
 
 def _merged(messages: list[tuple[int, int, bool]], itemsize: int) -> list[tuple[int, int]]:

@@ -101,10 +101,7 @@ def test_algorithm(name, op, n, dtype):
     if name.startswith("nccl") and not _distinct_gpus():
         pytest.skip("NCCL needs one GPU per rank of a node group")
     from mpistrat.backends import get_backend
-    from mpistrat.backends.capabilities import device_buffers_to_mpi
 
-    if name == "rechd" and comm.size > 1 and not device_buffers_to_mpi(comm):
-        pytest.skip("rechd on GPU buffers needs a CUDA-aware MPI (no staged form yet)")
     with cupy.cuda.Device(_device()):
         buf = cupy.asarray(_contribution(comm.rank, n, dtype))
         backend = get_backend(buf)

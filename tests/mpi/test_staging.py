@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpistrat import ReduceOp
-from mpistrat.algorithms import native, ring, shuffle
+from mpistrat.algorithms import halving_doubling, native, ring, shuffle
 from mpistrat.algorithms.source import Source
 from mpistrat.backends.transport import HostMover, StagedTransport, staged_allreduce
 from mpistrat.backends import NumpyBackend
@@ -153,3 +153,30 @@ def test_transport_choice_is_agreed(world, forced):
         assert device_buffers_to_mpi(sub, forced=True) is True
     finally:
         sub.Free()
+
+
+@pytest.mark.parametrize("pipeline", [4 << 20, 200])  # last step in one piece or many
+@pytest.mark.parametrize("n", [0, 1, 3, 300, 1001, 4099])  # 300+: halving-doubling
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MAX])
+def test_rechd_staged_equals_direct(comm, op, n, pipeline, monkeypatch):
+    """Recursive halving-doubling through the staged transport: folds for a non-power of
+    two, doubling for short buffers, the pipelined last step, in place and from a Source."""
+    monkeypatch.setattr(halving_doubling, "PIPELINE_BYTES", pipeline)
+    direct = _data(comm.rank, n)
+    staged = direct.copy()
+    halving_doubling.all_reduce(comm, direct, op=op, backend=NumpyBackend())
+    backend = StagedHostBackend()
+    copies = []
+    to_host = backend.mover.to_host
+    backend.mover.to_host = lambda host, device: copies.append(len(host)) or to_host(host, device)
+    halving_doubling.all_reduce(comm, staged, op=op, backend=backend)
+    assert np.array_equal(staged, direct) and _agree(comm, staged)
+    if comm.size > 1 and n > 0:  # the bytes went through the mover, in CHUNK pieces
+        assert copies and max(copies) <= CHUNK
+    whole = _data(comm.rank, n)
+    cuts = [0, n // 3, n // 3 + 1, n]
+    segments = [whole[a:b].copy() for a, b in zip(cuts[:-1], cuts[1:])]
+    out = np.empty(n, np.float32)
+    halving_doubling.all_reduce(comm, out, op=op, backend=StagedHostBackend(),
+                                source=Source(segments, coalesce_bytes=64))
+    assert np.array_equal(out, direct)
