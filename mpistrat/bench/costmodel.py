@@ -30,7 +30,10 @@ launcher's order):
   ranks of a host on its link at once (``B_net = 2(H-1)/H``). At or below 2 KiB:
   ``lg p`` steps of the whole buffer (``B_net = k lg H``).
 * ``pscpu#s``: gather and scatter overlap as one step; ``B_net`` is the most any host
-  link carries one way, ``(g(p-k) + (s-g)k)/s`` for ``g`` pieces gathered on the host.
+  link carries one way, ``(g(p-k) + (s-g)k)/s`` for ``g`` pieces gathered on the host,
+  but at least the two phases' busiest directions one after the other for the first of
+  a piece's ``m`` messages (a message goes back once it has arrived whole):
+  ``(G + S)/m + (m-1)/m max(G, S)`` (``pscpu#1`` on 2 x 2 at one message: 2 + 2).
 * ``a/b#s``: ``a``'s reduce onto the leader and a broadcast inside hosts, ``b#s`` over
   the ``H`` leaders across links (one rank per link). On several nodes with several
   ranks on some node and at least two :data:`~mpistrat.algorithms.hierarchical.
@@ -312,23 +315,39 @@ def _halving_doubling(hosts: Sequence[int], nbytes: int) -> Terms:
     return total
 
 
+def _serial(both: Terms, gather: float, scatter: float, messages: int) -> Terms:
+    """``both`` (gather and scatter as one step) with its link bytes at least those of
+    a gather rank that sends each message back only once it has all of it: the two
+    phases' busiest link directions (``gather``, ``scatter``) one after the other for the
+    first message of a piece's ``messages``, then overlapping."""
+    if not both.l_net or messages < 1:
+        return both
+    serial = (gather + scatter) / messages + (messages - 1) / messages * max(gather, scatter)
+    return replace(both, b_net=max(both.b_net, serial))
+
+
 def _shuffle_group(hosts: Sequence[int], owners: Sequence[int],
-                   destinations: Sequence[int] | None = None) -> Terms:
+                   destinations: Sequence[int] | None = None, messages: int = 0) -> Terms:
     """One shuffle: pieces to their gather ranks, reduced pieces back to
     ``destinations`` (every rank by default), gather and scatter as one step: the
-    gather rank sends each message back as it is added, and the socket buffers overlap
-    the two even for a piece of one message."""
+    gather rank sends each message back as it is added. With ``messages`` (per piece),
+    a message goes back only once it has arrived whole, so across links the scatter of
+    a piece of one message waits for its gather (:func:`_serial`)."""
     p, s = len(hosts), len(owners)
     targets = range(p) if destinations is None else destinations
     frac = 1 / s
-    transfers: list[tuple[int, int, float, int]] = []
+    gather: list[tuple[int, int, float, int]] = []
+    scatter: list[tuple[int, int, float, int]] = []
     for owner in owners:
-        transfers += [(r, owner, frac, 1) for r in range(p) if r != owner]
-        transfers += [(owner, d, frac, 1) for d in targets if d != owner]
-    return _step(transfers, hosts)
+        gather += [(r, owner, frac, 1) for r in range(p) if r != owner]
+        scatter += [(owner, d, frac, 1) for d in targets if d != owner]
+    both = _step(gather + scatter, hosts)
+    if not messages:
+        return both
+    return _serial(both, _step(gather, hosts).b_net, _step(scatter, hosts).b_net, messages)
 
 
-def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int]) -> Terms:
+def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int], messages: int = 0) -> Terms:
     """:func:`_shuffle_group` for every rank as destination, counted per host instead
     of per message (large jobs: p x s messages)."""
     p, s = len(hosts), len(owners)
@@ -352,25 +371,41 @@ def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int]) -> Terms:
                for h, k in per_host.items())
     count = max(pieces.get(r, 0) * (p - per_host[hosts[r]])
                 + (s - on_host.get(hosts[r], 0)) for r in range(p))
-    return Terms(l_net=count, b_net=load, share=max(per_host.values()))
+    both = Terms(l_net=count, b_net=load, share=max(per_host.values()))
+    if not messages:
+        return both
+    # each phase alone: into a host its pieces' remote contributions, out of it its
+    # ranks' contributions to remote pieces (the scatter mirrors it)
+    phase = max(max(on_host.get(h, 0) * (p - k), (s - on_host.get(h, 0)) * k) / s
+                for h, k in per_host.items())
+    return _serial(both, phase, phase, messages)
 
 
-def _shuffle(hosts: Sequence[int], shards: int) -> Terms:
+def _shuffle(hosts: Sequence[int], shards: int, nbytes: int | None = None) -> Terms:
+    """``pscpu#shards``; with ``nbytes``, a call on its own (each piece's first message
+    gathered whole before it goes back, :func:`_serial`), without, a pipeline stage
+    whose phases overlap those of the pieces before and after it."""
     p = len(hosts)
     if p <= 1:
         return Terms()
     groups = gather_groups(p, max(1, min(shards, p)))
     if len(groups) > _GROUP_SAMPLES:  # rotation walks the groups: a spread of them
         groups = [groups[i * len(groups) // _GROUP_SAMPLES] for i in range(_GROUP_SAMPLES)]
+    piece_bytes = getattr(sys.modules.get("mpistrat.algorithms.shuffle"), "PIECE_BYTES",
+                          4 << 20)
+    messages = 0 if nbytes is None else \
+        max(1, -(-nbytes // (len(groups[0]) * piece_bytes)))
     count = _shuffle_counted if p * len(groups[0]) > 4096 else _shuffle_group
-    parts = [count(hosts, g) for g in groups]
+    parts = [count(hosts, g, messages=messages) for g in groups]
     mean = sum(parts[1:], parts[0]).scaled(1 / len(parts), 1 / len(parts))
     return replace(mean, share=max(t.share for t in parts))
 
 
-def _flat(alg: str, hosts: Sequence[int], shards: int, nbytes: int) -> Terms:
+def _flat(alg: str, hosts: Sequence[int], shards: int, nbytes: int,
+          alone: bool = True) -> Terms:
     """Terms of a flat algorithm on ranks with these hosts (in the communicator's
-    order; all but ``native`` run host-major)."""
+    order; all but ``native`` run host-major); ``alone``: a call of its own, not a
+    stage of a pipeline."""
     if alg == "shm":
         k = len(hosts)
         if len(set(hosts)) > 1:
@@ -382,7 +417,7 @@ def _flat(alg: str, hosts: Sequence[int], shards: int, nbytes: int) -> Terms:
     if alg in _HALVING:
         return _halving_doubling(order, nbytes)
     if alg in _SHUFFLES:
-        return _shuffle(order, shards)
+        return _shuffle(order, shards, nbytes if alone else None)
     raise KeyError(alg)
 
 
@@ -409,8 +444,10 @@ def _broadcast(alg: str, k: int, nbytes: int) -> Terms:
     return Terms(l_in=_lg(k) + k - 1, b_in=2 * (k - 1) / k)
 
 
-def _stages(info: Any, shards: int, layout: Layout, nbytes: int) -> list[Terms]:
-    """The stages of ``a/b`` at ``nbytes`` bytes (one stage on a single node)."""
+def _stages(info: Any, shards: int, layout: Layout, nbytes: int,
+            alone: bool = True) -> list[Terms]:
+    """The stages of ``a/b`` at ``nbytes`` bytes (one stage on a single node);
+    ``alone``: not pipelined."""
     groups = layout.node_groups
     k = max(len(g) for g in groups)
     hosts = layout.host_of_rank
@@ -422,7 +459,7 @@ def _stages(info: Any, shards: int, layout: Layout, nbytes: int) -> list[Terms]:
                       k if info.intra in _SHUFFLES else 1, nbytes)]
     leaders = [hosts[g[0]] for g in groups]
     return [_reduce_to_leader(info.intra, k, nbytes),
-            _flat(info.inter, leaders, shards, nbytes),
+            _flat(info.inter, leaders, shards, nbytes, alone),
             _broadcast(info.intra, k, nbytes)]
 
 
@@ -445,7 +482,9 @@ def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
     """The critical path of ``alg#shards`` for ``nbytes`` bytes on ``layout`` (or a
     rank count, spread evenly over ``nodes`` hosts).
 
-    For pipelined ``a/b`` the slowest stage on one piece counts ``m - 1`` more times;
+    For pipelined ``a/b`` the slowest stage on one piece (in the stream, where a
+    shuffle's gather and scatter overlap those of the pieces around it) counts ``m - 1``
+    more times after the first piece's stages;
     ``params`` (alpha_in, beta_in, alpha_net, beta_net) decide which stage is slowest
     (without them: the stage with the most bytes across links, else the most bytes).
 
@@ -466,11 +505,15 @@ def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
     stages = _stages(info, shards, layout, -(-nbytes // pieces))
     if pieces == 1:
         return sum(stages[1:], stages[0])
+    # the first piece runs its stages as a call of its own; in the stream of pieces
+    # after it each stage overlaps its neighbours' (a shuffle's gather and scatter)
     piece = [s.scaled(1, 1 / pieces) for s in stages]
+    steady = [s.scaled(1, 1 / pieces) for s in
+              _stages(info, shards, layout, -(-nbytes // pieces), alone=False)]
     if params is None:
-        slowest = max(piece, key=lambda s: (s.b_net, s.l_net, s.b_in, s.l_in))
+        slowest = max(steady, key=lambda s: (s.b_net, s.l_net, s.b_in, s.l_in))
     else:
-        slowest = max(piece, key=lambda s: s.time(params, nbytes))
+        slowest = max(steady, key=lambda s: s.time(params, nbytes))
     return sum(piece[1:], piece[0]) + slowest.scaled(pieces - 1, pieces - 1)
 
 

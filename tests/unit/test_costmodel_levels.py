@@ -100,9 +100,15 @@ def test_halving_doubling_levels_depend_on_rank_order():
 
 def test_shuffle_link_load():
     # pscpu#1 on 2 x 2: the gather rank's host link carries both remote contributions in
-    # and both results out, the two directions at once (gather and scatter overlap)
+    # and both results out; a piece of one message goes back only once it has arrived
+    # whole, so the two directions take turns (2 + 2)
     t = terms("pscpu", 1, TWO_HOSTS, PIECE_BYTES)
-    assert as_tuple(t) == approx_terms(l_net=2, b_net=2.0) and t.share == 2
+    assert as_tuple(t) == approx_terms(l_net=2, b_net=4.0) and t.share == 2
+    # in 4 messages the scatter of one overlaps the gather of the next: 4/4 + 3/4 x 2
+    assert terms("pscpu", 1, TWO_HOSTS, 4 * PIECE_BYTES).b_net == pytest.approx(2.5)
+    # as a stage of a pipeline (pscpu/pscpu's leaders, pieces in flight): 2 at once
+    lone = costmodel._flat("pscpu", [0, 0, 1, 1], 1, PIECE_BYTES, alone=False)
+    assert lone.b_net == pytest.approx(2.0)
     # pscpu#2: a gather rank on each host, n/2 + n/2 each way
     assert as_tuple(terms("pscpu", 2, TWO_HOSTS, MiB)) == approx_terms(l_net=3, b_net=2.0)
     # 3 + 1: the lone rank's link carries its piece's 3 contributions and 3 results
@@ -117,8 +123,9 @@ def test_shuffle_link_load():
         counts = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
         hosts = [h for h, c in enumerate(counts) for _ in range(c)]
         owners = rng.sample(range(len(hosts)), rng.randint(1, len(hosts)))
-        assert as_tuple(costmodel._shuffle_counted(hosts, owners)) == pytest.approx(
-            as_tuple(costmodel._shuffle_group(hosts, owners)))
+        messages = rng.choice([0, 1, 3])
+        assert as_tuple(costmodel._shuffle_counted(hosts, owners, messages)) == \
+            pytest.approx(as_tuple(costmodel._shuffle_group(hosts, owners, None, messages)))
 
 
 def test_hierarchical_sends_only_from_leaders():
