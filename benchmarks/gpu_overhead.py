@@ -5,6 +5,9 @@
 2. the staged ring on 2 ranks vs a naive ``asnumpy`` + native ``Allreduce`` + copy back at
    1-256 MiB (target: >= 1.5x faster at >= 16 MiB):
        MPISTRAT_CUDA_AWARE_MPI=0 mpiexec -n 2 python benchmarks/gpu_overhead.py staged
+3. ``NcclAllReduce.batch_reduce`` of ResNet-50's 161 gradient tensors (CuPy, in place) vs
+   one NCCL all-reduce of a flat buffer of the same 97.5 MiB (target: <= 1.1x):
+       mpiexec -n 1 python benchmarks/gpu_overhead.py batch
 
 Timing: barrier, warm-up iterations dropped, ``MPI.Wtime`` around ``iters`` calls, the
 max over ranks, the median of ``repeats`` such runs.
@@ -88,8 +91,33 @@ def bench_staged():
                  f"{t_staged * 1e3:8.2f} ms  speedup {t_naive / t_staged:5.2f}x")
 
 
+def bench_batch():
+    from mpistrat import NcclAllReduce, PerReplica
+    from mpistrat.bench.shapes import resnet50_gradient_shapes
+
+    device = COMM.rank % cupy.cuda.runtime.getDeviceCount()
+    with cupy.cuda.Device(device):
+        grads = [cupy.ones(shape, dtype=cupy.float32) for shape in resnet50_gradient_shapes()]
+        flat = cupy.ones(sum(g.size for g in grads), dtype=cupy.float32)
+        backend = get_backend(flat)
+        ops = NcclAllReduce(comm=COMM)
+        # each gradient is this rank's one GPU replica, reduced into itself
+        pairs = [(PerReplica([g], ["/gpu:0"]), "/gpu:0") for g in grads]
+
+        def batched():
+            ops.batch_reduce(ReduceOp.SUM, pairs, inplace=True)
+
+        def one_buffer():
+            nccl.all_reduce(COMM, flat, op=ReduceOp.SUM, backend=backend)
+
+        t_flat, t_batch = _time(one_buffer, iters=10), _time(batched, iters=10)
+        _say(f"batch {len(grads)} tensors, {flat.nbytes / 2**20:.1f} MiB  one buffer "
+             f"{t_flat * 1e3:8.2f} ms  batch_reduce {t_batch * 1e3:8.2f} ms  ratio "
+             f"{t_batch / t_flat:5.2f}x")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["nccl", "staged"])
+    parser.add_argument("which", choices=["nccl", "staged", "batch"])
     args = parser.parse_args()
-    {"nccl": bench_nccl, "staged": bench_staged}[args.which]()
+    {"nccl": bench_nccl, "staged": bench_staged, "batch": bench_batch}[args.which]()
