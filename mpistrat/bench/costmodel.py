@@ -508,8 +508,9 @@ def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
     # the first piece runs its stages as a call of its own; in the stream of pieces
     # after it each stage overlaps its neighbours' (a shuffle's gather and scatter)
     piece = [s.scaled(1, 1 / pieces) for s in stages]
-    steady = [s.scaled(1, 1 / pieces) for s in
-              _stages(info, shards, layout, -(-nbytes // pieces), alone=False)]
+    steady = piece if info.inter not in _SHUFFLES else \
+        [s.scaled(1, 1 / pieces) for s in
+         _stages(info, shards, layout, -(-nbytes // pieces), alone=False)]
     if params is None:
         slowest = max(steady, key=lambda s: (s.b_net, s.l_net, s.b_in, s.l_in))
     else:
