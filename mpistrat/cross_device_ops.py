@@ -29,9 +29,9 @@ import numpy as np
 
 from . import engine
 from ._nest import flatten
-from .backends import get_backend
+from .backends import NumpyBackend, get_backend
 from .backends.capabilities import probe_gpus
-from .backends.interop import is_native, is_writeable, restore, to_native
+from .backends.interop import is_native, is_writeable, restore, to_host, to_native
 from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
@@ -515,17 +515,20 @@ def _add_n(arrays: list[Any]) -> Any:
     return total.reshape(np.shape(arrays[0]))
 
 
+_HOST = NumpyBackend()
+
+
 def _gather_rows(comm: Comm, parts: Sequence[Any], root: int) -> Any:
     """Every rank's components gathered on ``root`` as rows (global replica order,
-    rank-major), an array of shape ``(size * G, elements)``; None on the other ranks."""
-    backend = get_backend(parts[0])
-    local = np.concatenate([np.reshape(p, -1) for p in parts])
+    rank-major), a host array of shape ``(size * G, elements)``; None on the other ranks.
+    (Device components are read to the host: this reduction runs on the host.)"""
+    local = np.concatenate([np.reshape(to_host(p), -1) for p in parts])
     rows = None
     if comm.Get_rank() == root:
         rows = np.empty((comm.Get_size() * len(parts), local.size // len(parts)),
                         dtype=local.dtype)
-    comm.Gather(backend.comm_view(local),
-                backend.comm_view(rows.reshape(-1)) if rows is not None else None, root=root)
+    comm.Gather(_HOST.comm_view(local),
+                _HOST.comm_view(rows.reshape(-1)) if rows is not None else None, root=root)
     return rows
 
 
@@ -535,7 +538,8 @@ class ReductionToOneDevice(CrossDeviceOps):
     The reduce device is ``reduce_to_device`` or the first destination device; a device
     without a task is rank 0's. Its rank receives every component (in global replica
     order, rank-major), applies ``accumulation_fn`` (default: add them in order), divides
-    by the number of components for MEAN, and broadcasts.
+    by the number of components for MEAN, and broadcasts. The sums run in host memory;
+    device components (GPU replicas) get their result back on their own devices.
 
     Args:
         reduce_to_device: the device to reduce on (default: the first destination).
@@ -561,20 +565,19 @@ class ReductionToOneDevice(CrossDeviceOps):
                 f"{comm.Get_size()} ranks (tasks 0..{comm.Get_size() - 1})"
             )
         arrays = _as_arrays(value)
-        backend = get_backend(arrays[0])
-        shape, dtype = arrays[0].shape, arrays[0].dtype
+        shape, dtype = tuple(arrays[0].shape), arrays[0].dtype
         rows = _gather_rows(comm, arrays, root)
         is_root = rows is not None
         failure = None
         if is_root:
             try:
-                total = np.asarray(self.accumulation_fn([row.reshape(shape) for row in rows]))
+                total = to_host(self.accumulation_fn([row.reshape(shape) for row in rows]))
                 if total.shape != shape:
                     raise ValueError(f"accumulation_fn returned shape {total.shape}, "
                                      f"expected {shape}")
-                total = backend.flat_copy(total.astype(dtype, copy=False))
+                total = _HOST.flat_copy(total.astype(dtype, copy=False))
                 if op is ReduceOp.MEAN:
-                    total = backend.divide(total, len(rows))
+                    total = _HOST.divide(total, len(rows))
             except Exception as exc:  # reported on every rank below
                 failure = exc
         # every rank learns whether the reduce device succeeded (no rank left waiting)
@@ -585,9 +588,15 @@ class ReductionToOneDevice(CrossDeviceOps):
         if status is not None:
             raise ValueError(f"the reduction on rank {root} ({device}) failed: {status}")
         result = total if is_root else np.empty(arrays[0].size, dtype=op.result_dtype(dtype))
-        comm.Bcast(backend.comm_view(result), root=root)
+        comm.Bcast(_HOST.comm_view(result), root=root)
         result = result.reshape(shape)
-        return Mirrored([result] + [result.copy() for _ in dest[1:]], [str(d) for d in dest])
+        if isinstance(arrays[0], np.ndarray):
+            copies = [result] + [result.copy() for _ in dest[1:]]
+        else:  # device components: each destination's copy on the matching local device
+            backends = [get_backend(a) for a in arrays]
+            copies = [backends[min(i, len(backends) - 1)].clone(result)
+                      for i in range(len(dest))]
+        return Mirrored(copies, [str(d) for d in dest])
 
 
 # --------------------------------------------------------------- batched all-reduce
@@ -723,6 +732,8 @@ def _hierarchical_copy_reducer(comm: Comm, op: ReduceOp, replicas: int) -> engin
     half = devices // 2
 
     def reduce(sources: list[Any], index: int) -> Any:
+        # the sums run in host memory (rows come gathered there); device buffers get the
+        # total back on their device
         backend = get_backend(sources[0].segments[0])
         parts = [s.segments[0] if s.contiguous else engine.local_sum(op, [s], backend)
                  for s in sources]
@@ -734,15 +745,15 @@ def _hierarchical_copy_reducer(comm: Comm, op: ReduceOp, replicas: int) -> engin
                 (range(half, devices), range(0, half))
             total = rows[first[0]].copy()
             for d in first[1:]:
-                backend.combine(op, total, rows[d])
+                _HOST.combine(op, total, rows[d])
             other = rows[second[0]].copy()
             for d in second[1:]:
-                backend.combine(op, other, rows[d])
-            backend.combine(op, total, other)
+                _HOST.combine(op, other, rows[d])
+            _HOST.combine(op, total, other)
         else:
             total = np.empty(parts[0].size, dtype=parts[0].dtype)
-        comm.Bcast(backend.comm_view(total), root=owner)
-        return total
+        comm.Bcast(_HOST.comm_view(total), root=owner)
+        return total if isinstance(parts[0], np.ndarray) else backend.asarray(total)
 
     return reduce
 

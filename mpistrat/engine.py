@@ -213,8 +213,10 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
                 backend = get_backend(tensor)
                 tensor = backend.divide(backend.flat_copy(tensor), contributions) \
                     .reshape(tensor.shape)
+            # every other local device gets its own copy, on that device
             results[i] = (tensor,) if replicas == 1 else \
-                [tensor] + [tensor.copy() for _ in range(replicas - 1)]
+                [tensor] + [get_backend(components[i][d]).clone(tensor)
+                            for d in range(1, replicas)]
     return results
 
 

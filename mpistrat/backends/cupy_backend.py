@@ -55,12 +55,15 @@ class CupyBackend:
         return self.xp.cuda.Device(self.device)
 
     def asarray(self, value: Any) -> Any:
-        """``value`` as a CuPy array on this device: no copy for CuPy arrays and objects
-        exposing ``__cuda_array_interface__`` (e.g. PyTorch CUDA tensors); DLPack
-        producers are imported with ``cupy.from_dlpack`` (also zero-copy)."""
+        """``value`` as a CuPy array on this device: no copy for CuPy arrays of this device
+        and objects exposing ``__cuda_array_interface__`` (e.g. PyTorch CUDA tensors);
+        DLPack producers are imported with ``cupy.from_dlpack`` (also zero-copy). Arrays
+        of another device and host arrays are copied here."""
         xp = self.xp
         with self._on():
-            if isinstance(value, xp.ndarray) or hasattr(value, "__cuda_array_interface__"):
+            if isinstance(value, xp.ndarray):
+                return value if value.device.id == self.device else value.copy()
+            if hasattr(value, "__cuda_array_interface__"):
                 return xp.asarray(value)
             if hasattr(value, "__dlpack__"):
                 return xp.from_dlpack(value)
@@ -92,10 +95,17 @@ class CupyBackend:
         with self._on():
             return self.xp.empty(count, dtype=dtype)
 
+    def _local(self, src: Any) -> Any:
+        """``src``, copied onto this device first when it lies on another one (a kernel
+        reads only its own device's memory without peer access)."""
+        if isinstance(src, self.xp.ndarray) and src.device.id != self.device:
+            return src.copy()  # (called on this device: the copy lands here)
+        return src
+
     def combine(self, op: ReduceOp, dst: Any, src: Any) -> None:
         """``dst = op(dst, src)`` element-wise, in place, on the current stream."""
         with self._on():
-            self._ufuncs[op.primitive](dst, src, out=dst)
+            self._ufuncs[op.primitive](dst, self._local(src), out=dst)
 
     def divide(self, array: Any, count: int) -> Any:
         """``array / count``: in place for inexact dtypes, a new float64 array for integers."""
@@ -107,9 +117,18 @@ class CupyBackend:
             return xp.true_divide(array, count, dtype=xp.float64)
 
     def copy(self, dst: Any, src: Any) -> None:
-        """``dst[...] = src`` (device to device, on the current stream)."""
+        """``dst[...] = src`` (device to device, on the current stream; host arrays and
+        other devices' arrays are copied over)."""
         with self._on():
-            self.xp.copyto(dst, src)
+            if not isinstance(src, self.xp.ndarray):
+                src = self.xp.asarray(src)
+            self.xp.copyto(dst, self._local(src))
+
+    def clone(self, array: Any) -> Any:
+        """A new array on this device equal to ``array`` (from any device or the host)."""
+        with self._on():
+            return array.copy() if isinstance(array, self.xp.ndarray) else \
+                self.xp.array(array, copy=True)
 
     def comm_view(self, array: Any) -> Any:
         """The bytes of a contiguous 1-D device array (a ``uint8`` view)."""

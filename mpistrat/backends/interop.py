@@ -22,7 +22,7 @@ import numpy as np
 
 from . import is_cuda_array
 
-__all__ = ["to_native", "restore", "is_native", "is_writeable", "describe_type",
+__all__ = ["to_native", "to_host", "restore", "is_native", "is_writeable", "describe_type",
            "NATIVE_TYPES"]
 
 NATIVE_TYPES = (np.ndarray, np.generic)
@@ -81,6 +81,15 @@ def to_native(value: Any, what: str = "reduce") -> Any:
             return array
     raise TypeError(f"cannot {what} a value of type {describe_type(value)}: "
                     f"expected {_ACCEPTED}")
+
+
+def to_host(array: Any) -> np.ndarray:
+    """``array`` (any value :func:`to_native` takes) as a NumPy array: the same memory
+    for host arrays, a copy for device arrays (which synchronises their stream)."""
+    native = to_native(array)
+    if isinstance(native, (np.ndarray, np.generic)):
+        return np.asarray(native)
+    return native.get()  # a CuPy array
 
 
 def _from_dlpack(value: Any, what: str) -> np.ndarray:

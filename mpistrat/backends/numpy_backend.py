@@ -100,6 +100,11 @@ class NumpyBackend:
         np.copyto(dst, src)
 
     @staticmethod
+    def clone(array: np.ndarray) -> np.ndarray:
+        """A new array equal to ``array``."""
+        return np.array(array, copy=True)
+
+    @staticmethod
     def comm_view(array: np.ndarray) -> np.ndarray:
         """The bytes of a contiguous 1-D array, as mpi4py sends and receives them."""
         return array.view(np.uint8)

@@ -61,6 +61,9 @@ class ArrayBackend(Protocol):
     def copy(self, dst: Any, src: Any) -> None:
         """Copy ``src`` into ``dst`` (same shape)."""
 
+    def clone(self, array: Any) -> Any:
+        """A new array on this backend's device equal to ``array`` (from anywhere)."""
+
     def comm_view(self, array: Any) -> Any:
         """The bytes of a contiguous 1-D array, as the transport sends and receives them."""
 
