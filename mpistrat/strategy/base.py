@@ -18,6 +18,8 @@ import numpy as np
 
 from . import context
 from .._nest import flatten, map_structure, pack_sequence_as
+from ..backends import get_backend, is_cuda_array
+from ..backends.interop import to_host, to_native
 from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, make_numpy_dataset
@@ -26,6 +28,7 @@ from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
 from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
                       select_replica)
+from .placement import HostPlacement, Placement
 from .replica import ReplicaContext, ValueContext, run_replicas
 from .variables import DistributedVariable, MirroredVariable
 
@@ -52,6 +55,12 @@ def _as_destinations(destinations: Any) -> Any:
         else destinations
 
 
+def _in_host_memory(value: Any) -> bool:
+    """True when ``value`` (or its first component) is not a CUDA array."""
+    first = components_of(value)[0] if isinstance(value, DistributedValues) else value
+    return is_cuda_array(first) is None
+
+
 def _require_cross_replica(strategy: Strategy, what: str) -> None:
     entry = context._current()
     if entry.replica_context is not None and not getattr(entry.strategy, "_is_default", False):
@@ -63,10 +72,14 @@ class StrategyExtended:
 
     def __init__(self, strategy: Strategy, cross_device_ops: Any, devices: Sequence[str],
                  num_workers: int, worker_index: int, is_chief: bool,
-                 options: CommunicationOptions | None = None) -> None:
+                 options: CommunicationOptions | None = None,
+                 placement: Placement | None = None) -> None:
         self._strategy = strategy
         self._cross_device_ops = cross_device_ops
         self._devices = tuple(devices)
+        # where each local replica's arrays live (GPU replicas: its CUDA device)
+        self._placement = placement if placement is not None else HostPlacement(devices)
+        self._host_ops: Any = None  # GPU replicas' reductions of host values (_ops_for)
         self._num_workers = num_workers
         self._worker_index = worker_index
         self._is_chief = is_chief
@@ -77,6 +90,11 @@ class StrategyExtended:
     def worker_devices(self) -> tuple[str, ...]:
         """This rank's local devices, one per local replica."""
         return self._devices
+
+    @property
+    def placement(self) -> Placement:
+        """Where the local replicas keep their arrays (host memory, or one GPU each)."""
+        return self._placement
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
@@ -134,7 +152,7 @@ class StrategyExtended:
         value = _as_values(value)
         if isinstance(value, Mirrored) and op is ReduceOp.MEAN and out is None:
             return value
-        return self._cross_device_ops.reduce(op, value, _as_destinations(destinations),
+        return self._ops_for([value]).reduce(op, value, _as_destinations(destinations),
                                              options=self._with_options(options),
                                              inplace=inplace, out=out)
 
@@ -152,10 +170,23 @@ class StrategyExtended:
                 (_as_values(pair[0]), *map(_as_destinations, pair[1:]))
                 if isinstance(pair, tuple) else pair
                 for pair in value_destination_pairs]
-        return self._cross_device_ops.batch_reduce(ReduceOp.parse(reduce_op),
-                                                   value_destination_pairs,
-                                                   options=self._with_options(options),
-                                                   inplace=inplace, out=out)
+        values = [pair[0] for pair in value_destination_pairs if isinstance(pair, tuple)] \
+            if isinstance(value_destination_pairs, list) else []
+        return self._ops_for(values).batch_reduce(ReduceOp.parse(reduce_op),
+                                                  value_destination_pairs,
+                                                  options=self._with_options(options),
+                                                  inplace=inplace, out=out)
+
+    def _ops_for(self, values: Sequence[Any]) -> Any:
+        """The strategy's ops; for GPU replicas, values held in host memory (a loss as a
+        NumPy number, say) are reduced on the host by :class:`~mpistrat.
+        ReductionToOneDevice` instead (NCCL reads only device memory). A rank whose values
+        lie elsewhere than its peers' fails the ops' agreement on every rank."""
+        if not self._placement.gpu or not values or not all(map(_in_host_memory, values)):
+            return self.cross_device_ops
+        if self._host_ops is None:
+            self._host_ops = ReductionToOneDevice(comm=self._strategy.comm)
+        return self._host_ops
 
     def update(self, var: Any, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: dict[str, Any] | None = None, group: bool = True) -> Any:
@@ -334,7 +365,7 @@ class Strategy:
             if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
                 raise TypeError(f"Expected `axis` to be an integer not: {axis!r}")
         parts = list(value.values) if isinstance(value, DistributedValues) else [value]
-        parts = [np.asarray(p) for p in parts]
+        parts = [to_native(p) for p in parts]
         signature = error = None
         try:  # the rank of the values is data: agree on it, so every rank raises alike
             normalised = []
@@ -353,29 +384,32 @@ class Strategy:
                   hint="values of the same rank (number of dimensions) and the same axis")
         elif error is not None:
             raise error
-        # NumPy's sum widens small integers (int32 -> int64); TF keeps the dtype
-        sums = [np.sum(p, axis=axes, dtype=p.dtype if p.dtype.kind in "iu" else None)
+        # NumPy's sum widens small integers (int32 -> int64); TF keeps the dtype (each
+        # part is summed by its own library: CuPy's on a GPU replica's device)
+        sums = [get_backend(p).xp.sum(p, axis=axes,
+                                      dtype=p.dtype if p.dtype.kind in "iu" else None)
                 for p in parts]
         devices = value.devices if isinstance(value, DistributedValues) else None
         numer = PerReplica(sums, devices)
         if op is ReduceOp.SUM:
             total = self._extended.reduce_to(ReduceOp.SUM, numer, numer)
             return components_of(total)[0]
-        counts = [np.asarray(int(np.prod([p.shape[a] for a in axes])), dtype=np.int64)
-                  for p in parts]
+        counts = [get_backend(p).asarray(
+            np.asarray(int(np.prod([p.shape[a] for a in axes])), dtype=np.int64))
+            for p in parts]
         denom = PerReplica(counts, devices)
         total, count = self._extended.batch_reduce_to(ReduceOp.SUM,
                                                       [(numer, numer), (denom, denom)])
         result = components_of(total)[0]
         dtype = result.dtype if np.issubdtype(result.dtype, np.inexact) else np.float64
-        return (result / np.asarray(components_of(count)[0]).astype(dtype)).astype(dtype)
+        return (result / components_of(count)[0].astype(dtype)).astype(dtype)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext],
                                                                               Any]) -> Any:
         """Call ``value_fn(ValueContext)`` once for each of this rank's replicas (in local
-        order, with its global replica id) and return the values as a :class:`PerReplica`
-        (a nest of them when ``value_fn`` returns a nest), even with one replica, as TF
-        does. No communication.
+        order, with its global replica id, its device current) and return the values as a
+        :class:`PerReplica` (a nest of them when ``value_fn`` returns a nest), even with
+        one replica, as TF does. No communication.
 
         Raises:
             TypeError: ``value_fn`` is not callable.
@@ -386,7 +420,11 @@ class Strategy:
                             f"{type(value_fn).__name__}")
         devices = self._extended.worker_devices
         count = self.num_replicas_in_sync
-        values = [value_fn(ValueContext(j, count)) for j in self._replica_ids()]
+        placement = self._extended.placement
+        values = []
+        for index, j in enumerate(self._replica_ids()):
+            with placement.on(index):  # (a GPU replica's arrays are made on its GPU)
+                values.append(value_fn(ValueContext(j, count)))
         try:
             return map_structure(lambda *leaves: PerReplica(list(leaves), devices), *values)
         except ValueError as exc:
@@ -411,7 +449,11 @@ class Strategy:
         return self._gather(value, axis)
 
     def _gather(self, value: Any, axis: int) -> Any:
-        parts = [np.asarray(p) for p in self.experimental_local_results(value)]
+        """:meth:`gather` on the host; device values give the result on the first local
+        replica's device."""
+        local_results = self.experimental_local_results(value)
+        on_device = any(is_cuda_array(p) for p in local_results)
+        parts = [to_host(p) for p in local_results]
         everyone = self._comm.allgather([(p.shape, p.dtype.str) for p in parts]) \
             if self._extended.num_workers > 1 else [[(p.shape, p.dtype.str) for p in parts]]
         dtypes = {d for rank in everyone for _, d in rank}
@@ -424,9 +466,9 @@ class Strategy:
             raise ValueError(f"gather along axis {axis}: the replicas' values have shapes "
                              f"{shapes}, which must agree in every dimension but that axis")
         local = np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
-        if self._extended.num_workers == 1:
-            return local
-        return np.concatenate(self._comm.allgather(local), axis=axis)
+        result = local if self._extended.num_workers == 1 else \
+            np.concatenate(self._comm.allgather(local), axis=axis)
+        return self._extended.placement.put(result, 0) if on_device else result
 
     # -- input
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None) -> Any:
@@ -475,8 +517,11 @@ class Strategy:
 
     def _input_arguments(self) -> dict[str, Any]:
         devices = self._extended.worker_devices
+        placement = self._extended.placement
 
         def wrap(parts: list[Any]) -> Any:
+            if placement.gpu:  # each replica's batch onto its GPU
+                parts = [placement.put_nest(part, i) for i, part in enumerate(parts)]
             return parts[0] if len(parts) == 1 else PerReplica(parts, devices)
 
         workers = self._extended.num_workers

@@ -2,8 +2,11 @@
 ``MirroredStrategy`` (one process, its local devices) and ``OneDeviceStrategy``.
 
 Local devices: CPU replicas ``/cpu:0 .. /cpu:K-1`` (``local_replicas=K``, default 1 or
-``MPISTRAT_LOCAL_REPLICAS``). GPU replicas hold CuPy arrays and need the GPU backend;
-on a host without CuPy and a GPU, asking for them is a clear error.
+``MPISTRAT_LOCAL_REPLICAS``), or GPU replicas (``gpus_per_rank=G``): the rank's ``G``
+GPUs from :func:`~mpistrat.runtime.devices.node_assignment`, named ``/gpu:<ordinal>``,
+each replica running with its GPU current and holding CuPy arrays there (its batches,
+its copy of every variable, its results). On a host without CuPy and a GPU, asking for
+them is a clear error on every rank.
 
 Communication (``MultiWorkerMirroredStrategy``): RING is mpistrat's host all-reduce —
 ``rechd`` for tensors up to 64 KiB (latency), ``xring`` above (a ring, as the name
@@ -11,7 +14,9 @@ promises) — over one pack per batch (``num_packs=1``: the fastest packing meas
 docs/batch_reduce.md). AUTO on host replicas picks by topology: on one node the
 shared-memory ``shm`` where it measured fastest (:data:`AUTO_SPEC_ONE_NODE`); across
 nodes with several ranks per node ``shm/rechd`` (:data:`AUTO_SPEC_NODES`); otherwise
-RING's spec. GPU replicas are the GPU backend's (NCCL).
+RING's spec. GPU replicas: AUTO and NCCL all-reduce with NCCL over every GPU of every
+rank (spec ``nccl``); AUTO takes RING's algorithms on the device buffers instead where
+NCCL cannot run (CuPy without NCCL, or ranks sharing a GPU, which NCCL refuses).
 Any :class:`~mpistrat.CrossDeviceOps` may be given instead (e.g. a
 ``MultiWorkerAllReduce`` with a spec from ``mpistrat bench --recommend``).
 """
@@ -24,16 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.capabilities import probe_gpus
+from ..backends.capabilities import GpuProbe, probe_gpus
 from ..cluster import ClusterResolver, resolve_cluster
 from ..communication import CommunicationImplementation, CommunicationOptions
 from ..cross_device_ops import CrossDeviceOps, MultiWorkerAllReduce, ReductionToOneDevice
 from ..errors import BackendUnavailable, TopologyError
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import agree
+from ..runtime.devices import (DeviceAssignment, duplicate_devices, node_assignment,
+                               require_distinct_devices)
 from ..runtime.topology import get_topology
 from ..values import default_devices, parse_device
 from .base import Strategy, StrategyExtended
+from .placement import GpuPlacement
 
 __all__ = ["MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy",
            "RING_SPEC", "AUTO_SPEC_ONE_NODE", "AUTO_SPEC_NODES", "LOCAL_REPLICAS"]
@@ -68,17 +76,36 @@ def _local_replicas(value: int | None, env: Mapping[str, str] | None = None) -> 
     return int(value)
 
 
-def _require_gpu_replicas(count: int) -> None:
+def _require_gpu_replicas(count: int) -> GpuProbe:
+    """What this host has for ``count`` GPU replicas; BackendUnavailable when it has none."""
     probe = probe_gpus()
     if not probe.usable:
         raise BackendUnavailable(
             f"{count} GPU replica(s) per rank were asked for, but this host cannot run them "
             f"({probe.reason}); use CPU replicas (local_replicas=K / --local-replicas K) or "
             f"run on GPU nodes with CuPy installed (pip install 'mpistrat[gpu]')")
-    raise BackendUnavailable(
-        f"GPU replicas (gpus_per_rank={count}) need the CuPy array backend, which this "
-        f"version of mpistrat does not ship yet; use CPU replicas (local_replicas=K) — "
-        f"GPUs were found ({len(probe.devices)}) but strategies reduce host arrays only")
+    return probe
+
+
+def _gpu_spec(comm: Comm, implementation: CommunicationImplementation,
+              assignment: DeviceAssignment, nccl: bool) -> str:
+    """The all-reduce spec of GPU replicas (collective: every rank gets the same):
+    ``nccl`` unless RING was asked for or NCCL cannot run; NCCL asked for but impossible
+    raises on every rank."""
+    spec = RING_SPEC
+    if implementation is not CommunicationImplementation.RING:
+        claims = comm.allgather((mpi().Get_processor_name(), assignment.physical))
+        shared = duplicate_devices(claims)
+        usable = bool(comm.allreduce(int(nccl), op=mpi().MIN))
+        if implementation is CommunicationImplementation.NCCL:
+            if not usable:
+                raise BackendUnavailable(
+                    "communication=NCCL needs NCCL through CuPy on every rank, and some rank "
+                    "has CuPy without NCCL; use RING or AUTO, or install a CuPy built with NCCL")
+            require_distinct_devices(comm, assignment.physical, purpose="communication=NCCL")
+        if usable and not shared:
+            spec = "nccl"
+    return spec
 
 
 def _host_ops(comm: Comm, implementation: CommunicationImplementation) -> Any:
@@ -115,7 +142,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             ``implementation`` overrides ``communication``); the default options of
             every reduction.
         local_replicas: CPU replicas per rank (default ``MPISTRAT_LOCAL_REPLICAS`` or 1).
-        gpus_per_rank: GPU replicas per rank (needs the GPU backend).
+        gpus_per_rank: GPU replicas per rank (CuPy and CUDA GPUs on every rank); excludes
+            ``local_replicas``. ``mpistrat run --gpus-per-rank G`` sets it.
 
     Creating the strategy is collective: every rank must create it, with the same
     number of local replicas (checked).
@@ -128,6 +156,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         comm = world() if comm is None else comm
         signature = error = None
         devices: tuple[str, ...] = ()
+        probe: GpuProbe | None = None
+        replicas = 1
+        implementation = CommunicationImplementation.AUTO
+        if isinstance(gpus_per_rank, int) and not isinstance(gpus_per_rank, bool) \
+                and gpus_per_rank == 0:
+            gpus_per_rank = None  # (TF's num_gpus_per_worker=0: CPU replicas)
         try:
             if communication_options is not None and not isinstance(communication_options,
                                                                     CommunicationOptions):
@@ -154,35 +188,62 @@ class MultiWorkerMirroredStrategy(Strategy):
                     f"{cross_device_ops.comm.Get_size()} rank(s) that is not the strategy's "
                     f"({comm.Get_size()} rank(s)); build it with comm=<the strategy's "
                     f"communicator>")
-            if gpus_per_rank:
-                _require_gpu_replicas(gpus_per_rank)
-            if implementation is CommunicationImplementation.NCCL:
-                raise BackendUnavailable(
-                    "communication=NCCL needs GPU replicas (CuPy and GPUs with NCCL) on every "
-                    "rank; these ranks reduce host arrays — use RING or AUTO")
-            replicas = _local_replicas(local_replicas)
-            devices = default_devices(replicas)
-            signature = f"MultiWorkerMirroredStrategy G={replicas} {implementation.name}"
+            if gpus_per_rank is not None:
+                if local_replicas is not None:
+                    raise ValueError(
+                        f"local_replicas={local_replicas!r} (CPU replicas) and gpus_per_rank="
+                        f"{gpus_per_rank!r} (GPU replicas) exclude each other: give one")
+                if isinstance(gpus_per_rank, bool) or not isinstance(gpus_per_rank, int) \
+                        or gpus_per_rank < 1:
+                    raise ValueError(f"gpus_per_rank must be an integer >= 1 (GPU replicas "
+                                     f"per rank), got {gpus_per_rank!r}")
+                probe = _require_gpu_replicas(gpus_per_rank)
+                replicas = gpus_per_rank
+            else:
+                if implementation is CommunicationImplementation.NCCL:
+                    raise BackendUnavailable(
+                        "communication=NCCL needs GPU replicas (gpus_per_rank=G, or mpistrat "
+                        "run --gpus-per-rank G) with CuPy and NCCL on every rank; these ranks "
+                        "reduce host arrays — use RING or AUTO")
+                replicas = _local_replicas(local_replicas)
+                devices = default_devices(replicas)
+            kind = "GPU" if probe is not None else "CPU"
+            signature = f"MultiWorkerMirroredStrategy {replicas} {kind} {implementation.name}"
         except (ValueError, TypeError, BackendUnavailable) as exc:
             error = exc
         agree(comm, signature, error, "MultiWorkerMirroredStrategy()",
-              hint="the same number of local replicas and the same communication")
+              hint="the same number and kind of local replicas and the same communication")
+        placement = None
+        communication = implementation
+        if probe is not None:  # every rank asked for GPUs and has some (agreed above)
+            assignment = node_assignment(comm, replicas)  # (raises alike on every rank)
+            placement = GpuPlacement(assignment.ordinals)
+            devices = placement.devices
+            spec = _gpu_spec(comm, implementation, assignment, probe.nccl is not None)
+            if cross_device_ops is None:
+                cross_device_ops = MultiWorkerAllReduce(
+                    all_reduce_spec=spec, num_gpus_per_worker=replicas, num_packs=1, comm=comm)
+            if implementation is CommunicationImplementation.AUTO:
+                communication = CommunicationImplementation.NCCL if spec == "nccl" \
+                    else CommunicationImplementation.RING
+        elif implementation is CommunicationImplementation.AUTO:
+            communication = CommunicationImplementation.RING  # AUTO on host replicas
         info = resolve_cluster(cluster_resolver, comm)
         if cross_device_ops is None:
             cross_device_ops = _host_ops(comm, implementation)
         self._cluster_resolver = info.resolver
         self._cluster = info
-        self._communication = (CommunicationImplementation.RING
-                               if implementation is CommunicationImplementation.AUTO
-                               else implementation)  # AUTO on host replicas: RING
+        self._communication = communication
         self._seed: int | None = None
         extended = StrategyExtended(self, cross_device_ops, devices, info.num_workers,
-                                    info.worker_index, info.is_chief, communication_options)
+                                    info.worker_index, info.is_chief, communication_options,
+                                    placement)
         super().__init__(extended, comm)
 
     @property
     def communication(self) -> CommunicationImplementation:
-        """The implementation AUTO resolved to (RING on host replicas)."""
+        """The implementation AUTO resolved to: RING on host replicas; on GPU replicas NCCL
+        where every rank has NCCL and its own GPUs, else RING."""
         return self._communication
 
     def _shuffle_seed(self) -> int | None:
@@ -196,10 +257,12 @@ class MirroredStrategy(Strategy):
     """One process over its local devices (TF's ``MirroredStrategy``).
 
     Args:
-        devices: device names (``["/cpu:0", "/cpu:1"]`` for two CPU replicas); default
-            ``/cpu:0`` (GPUs need the GPU backend).
-        cross_device_ops: default :class:`~mpistrat.ReductionToOneDevice` (TF's choice
-            without NCCL).
+        devices: device names (``["/cpu:0", "/cpu:1"]`` for two CPU replicas, ``["/gpu:0",
+            "/gpu:1"]`` for two GPUs by CUDA ordinal: CuPy arrays, each replica with its
+            GPU current); all CPUs or all GPUs; default ``/cpu:0``.
+        cross_device_ops: default :class:`~mpistrat.ReductionToOneDevice` on CPUs (TF's
+            choice without NCCL); on GPUs the replicas' values summed on the first GPU
+            and copied back (``MultiWorkerAllReduce`` over this one process).
         comm: the communicator the reductions run on (default ``COMM_SELF``: this
             process alone).
     """
@@ -213,9 +276,23 @@ class MirroredStrategy(Strategy):
         if len(set(parsed)) != len(parsed):
             raise ValueError(f"MirroredStrategy devices repeat: {list(names)}")
         gpus = [d for d in parsed if d.kind == "gpu"]
-        if gpus:
-            _require_gpu_replicas(len(gpus))
+        placement = None
         comm = mpi().COMM_SELF if comm is None else comm
+        if gpus:
+            if len(gpus) != len(parsed):
+                raise ValueError(f"MirroredStrategy devices mix CPUs and GPUs: {list(names)}; "
+                                 f"give only GPUs (CuPy replicas) or only CPUs")
+            probe = _require_gpu_replicas(len(gpus))
+            missing = sorted({d.index for d in gpus} - {i for i, _ in probe.devices})
+            if missing:
+                raise ValueError(f"MirroredStrategy devices {list(names)} name GPU ordinal(s) "
+                                 f"{missing}, but this process sees {len(probe.devices)} "
+                                 f"GPU(s); name visible GPUs (check CUDA_VISIBLE_DEVICES)")
+            placement = GpuPlacement([d.index for d in gpus], [str(d) for d in parsed])
+            if cross_device_ops is None:
+                cross_device_ops = MultiWorkerAllReduce(
+                    all_reduce_spec=RING_SPEC, num_gpus_per_worker=len(gpus), num_packs=1,
+                    comm=comm)
         if cross_device_ops is None:
             cross_device_ops = ReductionToOneDevice(comm=comm)
         elif not isinstance(cross_device_ops, CrossDeviceOps):
@@ -223,7 +300,8 @@ class MirroredStrategy(Strategy):
                              f"ReductionToOneDevice() or MultiWorkerAllReduce(...)), got "
                              f"{cross_device_ops!r}")
         extended = StrategyExtended(self, cross_device_ops, [str(d) for d in parsed],
-                                    comm.Get_size(), comm.Get_rank(), comm.Get_rank() == 0)
+                                    comm.Get_size(), comm.Get_rank(), comm.Get_rank() == 0,
+                                    placement=placement)
         super().__init__(extended, comm)
 
     def _shuffle_seed(self) -> int | None:

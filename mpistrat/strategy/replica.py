@@ -130,8 +130,8 @@ class ReplicaContext:
         def merge_fn(strategy: Any, *per_replica: Any) -> Any:
             # one copy per local replica, as TF gives each device its own tensor: strategy.run
             # then returns a PerReplica of them, not one shared array
-            return tuple(_per_device(strategy._gather(_contributions(v, devices), axis), devices)
-                         for v in per_replica)
+            return tuple(_per_device(strategy._gather(_contributions(v, devices), axis),
+                                     strategy.extended.placement) for v in per_replica)
 
         leaves = flatten(value)
         gathered = self.merge_call(merge_fn, args=tuple(leaves))
@@ -199,12 +199,15 @@ class ValueContext:
                 f"num_replicas_in_sync={self._num_replicas})")
 
 
-def _per_device(array: Any, devices: Sequence[str]) -> Any:
-    """``array`` for the first local replica and a copy for each other one (a Mirrored), or
-    the array itself with one replica."""
+def _per_device(array: Any, placement: Any) -> Any:
+    """``array`` on the first local replica's device and a copy on each other one's (a
+    Mirrored), or the array itself (on the replica's device) with one replica."""
+    devices = placement.devices
+    first = placement.put(array, 0) if placement.gpu else array
     if len(devices) == 1:
-        return array
-    return Mirrored([array] + [array.copy() for _ in devices[1:]], devices)
+        return first
+    return Mirrored([first] + [placement.clone(first, i) for i in range(1, len(devices))],
+                    devices)
 
 
 def _contributions(value: Any, devices: Sequence[str]) -> DistributedValues:
@@ -244,9 +247,10 @@ def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dic
     """Run ``fn`` once per local replica, in lock-step (see the module docstring);
     return each replica's result, in local order."""
     count = len(replica_ids)
+    placement = strategy.extended.placement
     if count == 1:
         ctx = ReplicaContext(strategy, replica_ids[0], 0)
-        with context._entered(strategy, ctx):
+        with context._entered(strategy, ctx), placement.on(0):
             return [fn(*select_replica(0, args), **select_replica(0, kwargs))]
 
     slots = [_Replica() for _ in range(count)]
@@ -269,7 +273,9 @@ def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dic
         slot.go.clear()
         try:
             if not slot.abort:
-                slot.result = fn(*select_replica(index, args), **select_replica(index, kwargs))
+                with placement.on(index):  # (a GPU replica's device, current in its thread)
+                    slot.result = fn(*select_replica(index, args),
+                                     **select_replica(index, kwargs))
         except _Abort:
             pass
         except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.interop import to_native
+from ..backends import get_backend
+from ..backends.interop import to_host, to_native
 from ..ops import ReduceOp
 from ..runtime.agreement import agree
 from ..values import Mirrored, PerReplica, components_of, select_replica
@@ -136,22 +137,31 @@ class Variable(metaclass=_VariableMeta):
         return self._value
 
     def numpy(self) -> np.ndarray:
-        """A copy of the current value."""
-        return np.array(self._read_array(), copy=True)
+        """A copy of the current value, as a NumPy array (in host memory)."""
+        return np.array(to_host(self._read_array()), copy=True)
 
-    def read_value(self) -> np.ndarray:
-        return self.numpy()
+    def read_value(self) -> Any:
+        """A copy of the current value where it lives: a NumPy array, or a CuPy array on
+        the replica's GPU for GPU replicas."""
+        return self._read_array().copy()
 
-    def value(self) -> np.ndarray:
-        return self.numpy()
+    def value(self) -> Any:
+        """As :meth:`read_value`."""
+        return self.read_value()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         array = self._read_array()
-        if copy:
-            return np.array(array, dtype=dtype, copy=True)
+        if copy or not isinstance(array, np.ndarray):  # a device copy: read to the host
+            return np.array(to_host(array), dtype=dtype, copy=True)
         view = array.view()
         view.flags.writeable = False  # never modify a variable through np.asarray(v)
         return view if dtype is None else view.astype(dtype, copy=False)
+
+    def _operand(self) -> Any:
+        """The value as an operand of arithmetic: a read-only NumPy view, or the device
+        array itself (whose operations make new arrays)."""
+        array = self._read_array()
+        return np.asarray(self) if isinstance(array, np.ndarray) else array
 
     # -- writing
     def assign(self, value: Any, use_locking: bool = False, name: Any = None,
@@ -161,47 +171,59 @@ class Variable(metaclass=_VariableMeta):
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: Any = None,
                    read_value: bool = True) -> Any:
-        self._set(self._value, self._value + _as_array(delta))
+        self._add(self._value, delta, +1)
         return self
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: Any = None,
                    read_value: bool = True) -> Any:
-        self._set(self._value, self._value - _as_array(delta))
+        self._add(self._value, delta, -1)
         return self
 
-    def _set(self, target: np.ndarray, value: Any) -> None:
-        np.copyto(target, self._shaped(_as_array(value), target.shape), casting="unsafe")
+    def _set(self, target: Any, value: Any) -> None:
+        """Write ``value`` into the copy ``target`` (moved to where ``target`` lives)."""
+        backend = get_backend(target)
+        source = _beside(target, _as_array(value))
+        backend.xp.copyto(target, self._shaped(source, tuple(target.shape), backend.xp),
+                          casting="unsafe")
 
-    def _shaped(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    def _add(self, target: Any, delta: Any, sign: int) -> None:
+        """``target += sign * delta`` (``delta`` moved to where ``target`` lives)."""
+        delta = _beside(target, _as_array(delta))
+        self._set(target, target + delta if sign > 0 else target - delta)
+
+    def _shaped(self, array: Any, shape: tuple[int, ...], xp: Any = np) -> Any:
         """``array`` broadcast to the variable's ``shape``; ValueError naming both."""
-        if array.shape == shape:
+        if tuple(array.shape) == shape:
             return array
         try:
-            return np.broadcast_to(array, shape)
+            return xp.broadcast_to(array, shape)
         except ValueError:
-            raise ValueError(f"cannot assign a value of shape {array.shape} to variable "
-                             f"{self._name!r} of shape {shape}") from None
+            raise ValueError(f"cannot assign a value of shape {tuple(array.shape)} to "
+                             f"variable {self._name!r} of shape {shape}") from None
 
     # -- arithmetic reads the value
-    def __add__(self, other: Any) -> Any: return np.asarray(self) + other
-    def __radd__(self, other: Any) -> Any: return other + np.asarray(self)
-    def __sub__(self, other: Any) -> Any: return np.asarray(self) - other
-    def __rsub__(self, other: Any) -> Any: return other - np.asarray(self)
-    def __mul__(self, other: Any) -> Any: return np.asarray(self) * other
-    def __rmul__(self, other: Any) -> Any: return other * np.asarray(self)
-    def __truediv__(self, other: Any) -> Any: return np.asarray(self) / other
-    def __rtruediv__(self, other: Any) -> Any: return other / np.asarray(self)
-    def __matmul__(self, other: Any) -> Any: return np.asarray(self) @ other
-    def __rmatmul__(self, other: Any) -> Any: return other @ np.asarray(self)
-    def __neg__(self) -> Any: return -np.asarray(self)
-    def __getitem__(self, key: Any) -> Any: return np.asarray(self)[key]
-    def __len__(self) -> int: return len(np.asarray(self))
-    def __float__(self) -> float: return float(np.asarray(self))
-    def __int__(self) -> int: return int(np.asarray(self))
+    def __add__(self, other: Any) -> Any: return self._operand() + other
+    def __radd__(self, other: Any) -> Any: return other + self._operand()
+    def __sub__(self, other: Any) -> Any: return self._operand() - other
+    def __rsub__(self, other: Any) -> Any: return other - self._operand()
+    def __mul__(self, other: Any) -> Any: return self._operand() * other
+    def __rmul__(self, other: Any) -> Any: return other * self._operand()
+    def __truediv__(self, other: Any) -> Any: return self._operand() / other
+    def __rtruediv__(self, other: Any) -> Any: return other / self._operand()
+    def __matmul__(self, other: Any) -> Any: return self._operand() @ other
+    def __rmatmul__(self, other: Any) -> Any: return other @ self._operand()
+    def __neg__(self) -> Any: return -self._operand()
+    def __len__(self) -> int: return len(self._read_array())
+    def __float__(self) -> float: return float(self._read_array())
+    def __int__(self) -> int: return int(self._read_array())
+
+    def __getitem__(self, key: Any) -> Any:
+        part = self._operand()[key]
+        return part if isinstance(part, (np.ndarray, np.generic)) else part.copy()
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
-                f"numpy={np.array2string(np.asarray(self._read_array()), threshold=6)}>")
+                f"numpy={np.array2string(to_host(self._read_array()), threshold=6)}>")
 
 
 def _merge_op(variable: Variable) -> ReduceOp:
@@ -217,22 +239,41 @@ def _merge_op(variable: Variable) -> ReduceOp:
     return ReduceOp.MEAN
 
 
-def _as_array(value: Any) -> np.ndarray:
+def _as_array(value: Any) -> Any:
+    """``value`` as a NumPy or CuPy array (a variable: a copy of its value where it lives)."""
     if isinstance(value, Mirrored):  # e.g. a reduce_to result: every copy is the same
         value = value.primary
     if isinstance(value, Variable):
-        return value.numpy()
+        return value.read_value()
     if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(value, (list, tuple)):
         return np.asarray(value)
     return to_native(value, "use as a variable's value")  # other libraries' arrays
 
 
+def _beside(target: Any, array: Any) -> Any:
+    """``array`` where the copy ``target`` lives: host values onto its GPU, values of
+    another GPU copied over, device values read to the host for a host copy."""
+    if isinstance(target, np.ndarray):
+        return to_host(array)
+    return get_backend(target).asarray(array)
+
+
+def _placed(parts: list[Any], strategy: Any) -> list[Any]:
+    """Each replica's part of an update on that replica's device, to be reduced there."""
+    placement = strategy.extended.placement
+    if not placement.gpu:
+        return [np.asarray(p) if isinstance(p, np.generic) else p for p in parts]
+    return [placement.put(p, i) for i, p in enumerate(parts)]
+
+
 def _initial(initial_value: Any, dtype: Any) -> np.ndarray:
+    """The initial value as a new host array (device values are read to the host: a
+    distributed variable places its copies itself)."""
     if initial_value is None:
         raise ValueError("initial_value must be given (an array-like or a function returning "
                          "one)")
     value = initial_value() if callable(initial_value) else initial_value
-    return np.array(_as_array(value), dtype=dtype, copy=True, order="C")
+    return np.array(to_host(_as_array(value)), dtype=dtype, copy=True, order="C")
 
 
 class _Component:
@@ -242,27 +283,30 @@ class _Component:
         self._owner, self._index = owner, index
 
     @property
-    def _array(self) -> np.ndarray:
+    def _array(self) -> Any:
         return self._owner._components[self._index]
 
     def numpy(self) -> np.ndarray:
+        return np.array(to_host(self._array), copy=True)
+
+    def read_value(self) -> Any:
         return self._array.copy()
 
-    read_value = value = numpy
+    value = read_value
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.array(self._array, dtype=dtype, copy=True)
+        return np.array(to_host(self._array), dtype=dtype, copy=True)
 
     def assign(self, value: Any, *args: Any, **kwargs: Any) -> _Component:
         self._owner._set(self._array, value)
         return self
 
     def assign_add(self, delta: Any, *args: Any, **kwargs: Any) -> _Component:
-        self._owner._set(self._array, self._array + _as_array(delta))
+        self._owner._add(self._array, delta, +1)
         return self
 
     def assign_sub(self, delta: Any, *args: Any, **kwargs: Any) -> _Component:
-        self._owner._set(self._array, self._array - _as_array(delta))
+        self._owner._add(self._array, delta, -1)
         return self
 
 
@@ -274,8 +318,12 @@ class DistributedVariable(Variable):
     def __init__(self, strategy: Any, initial: np.ndarray, name: str | None, trainable: bool,
                  synchronization: Any, aggregation: Any) -> None:
         self._strategy = strategy
+        placement = strategy.extended.placement
         count = len(strategy.extended.worker_devices)
-        self._components = [initial] + [initial.copy() for _ in range(count - 1)]
+        if placement.gpu:  # one copy on each replica's GPU
+            self._components = [placement.clone(initial, i) for i in range(count)]
+        else:
+            self._components = [initial] + [initial.copy() for _ in range(count - 1)]
         self._init_common(name, trainable, synchronization, aggregation)
         # the same on every rank (creation is collective), unlike default names
         self._creation_index = strategy._variables_created
@@ -340,7 +388,8 @@ class DistributedVariable(Variable):
 
     def _first_replica_value(self, value: Any) -> np.ndarray:
         """Global replica 0's value (rank 0's first local replica), on every rank."""
-        local = np.array(_as_array(value.values[0] if isinstance(value, PerReplica) else value),
+        local = np.array(to_host(_as_array(value.values[0] if isinstance(value, PerReplica)
+                                           else value)),
                          dtype=self.dtype, copy=True, order="C")
         comm = self._strategy.comm
         if comm.Get_size() == 1:
@@ -354,7 +403,7 @@ class DistributedVariable(Variable):
         return local
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{d}: {np.array2string(c, threshold=6)}"
+        parts = ", ".join(f"{d}: {np.array2string(to_host(c), threshold=6)}"
                           for d, c in zip(self.devices, self._components))
         return f"<{type(self).__name__} {self._name!r} shape={self.shape} {{{parts}}}>"
 
@@ -398,7 +447,7 @@ class MirroredVariable(DistributedVariable):
         kind = kind if isinstance(kind, str) else kind.values[0]
         devices = self.devices
         parts = list(value.values) if isinstance(value, PerReplica) else [value] * len(devices)
-        parts = [np.asarray(_as_array(p)) for p in parts]
+        parts = _placed([_as_array(p) for p in parts], strategy)
         aggregation = self._aggregation
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             reduced = self._first_replica_value(parts[0])
@@ -408,13 +457,12 @@ class MirroredVariable(DistributedVariable):
             reduced = components_of(strategy.extended.reduce_to(op, per_replica, per_replica))[0]
         self._apply(kind, reduced)
 
-    def _apply(self, kind: str, value: np.ndarray) -> None:
+    def _apply(self, kind: str, value: Any) -> None:
         if kind == "assign":
             self._set_all(value)
         else:
             for component in self._components:
-                self._set(component, component + value if kind == "assign_add"
-                          else component - value)
+                self._add(component, value, +1 if kind == "assign_add" else -1)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -469,8 +517,7 @@ class SyncOnReadVariable(DistributedVariable):
                 f"aggregation is set to `tf.VariableAggregation.SUM`: use assign, or "
                 f"{kind} inside strategy.run")
         for i in targets:
-            component = self._components[i]
-            self._set(component, component + sign * _as_array(delta))
+            self._add(self._components[i], delta, sign)
         return self
 
 
@@ -534,7 +581,8 @@ class OneCopyVariable(Variable):
         use_locking = bool(components_of(use_locking)[0])
         devices = strategy.extended.worker_devices
         # each replica's part; a list of numbers comes regrouped as a list of PerReplica
-        parts = [np.asarray(_as_array(select_replica(i, value))) for i in range(len(devices))]
+        parts = _placed([_as_array(select_replica(i, value)) for i in range(len(devices))],
+                        strategy)
         aggregation = self._aggregation
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             self._apply(kind, parts[0], use_locking)
@@ -542,7 +590,7 @@ class OneCopyVariable(Variable):
         op = _merge_op(self)
         reduced = strategy.extended.reduce_to(op, PerReplica(parts, devices),
                                               self._merge_device())
-        self._apply(kind, np.asarray(components_of(reduced)[0]), use_locking)
+        self._apply(kind, components_of(reduced)[0], use_locking)
 
 
 def _create_distributed(initial_value: Any = None, trainable: bool | None = None,

@@ -108,6 +108,9 @@ def test_bad_arguments_raise_on_every_rank(world):
         ({"local_replicas": 0}, "local_replicas must be an integer >= 1"),
         ({"local_replicas": True}, "local_replicas must be an integer >= 1"),
         ({"gpus_per_rank": 1}, "GPU replica"),
+        ({"gpus_per_rank": 1, "local_replicas": 2}, "exclude each other"),
+        ({"gpus_per_rank": -1}, "gpus_per_rank must be an integer >= 1"),
+        ({"communication": "nccl"}, "communication=NCCL needs GPU replicas"),
         ({"communication": TFConfigClusterResolver(env={})}, "pass it by keyword"),
     ]
     for kwargs, match in cases:
@@ -126,8 +129,20 @@ def test_bad_arguments_raise_on_every_rank(world):
 def test_different_local_replicas_on_different_ranks_raise_everywhere(world):
     if world.size == 1:
         pytest.skip("needs two ranks")
-    with pytest.raises(ms.CollectiveMismatchError, match="the same number of local replicas"):
+    with pytest.raises(ms.CollectiveMismatchError,
+                       match="the same number and kind of local replicas"):
         ms.MultiWorkerMirroredStrategy(comm=world, local_replicas=1 + world.rank % 2)
+    still_in_step(world)
+
+
+def test_gpu_replicas_asked_for_on_one_rank_raise_everywhere(world):
+    """Rank 0 asks for GPU replicas, the others for CPU replicas: every rank raises (on a
+    host without GPUs rank 0's own error, on a GPU host the mismatch), none waits."""
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    kwargs = {"gpus_per_rank": 1} if world.rank == 0 else {}
+    with pytest.raises((ms.CollectiveMismatchError, BackendUnavailable, ValueError)):
+        ms.MultiWorkerMirroredStrategy(comm=world, **kwargs)
     still_in_step(world)
 
 
