@@ -357,7 +357,7 @@ class Strategy:
     def _destinations_of(self, value: Any) -> Any:
         if isinstance(value, DistributedValues):
             return value
-        return PerReplica([np.asarray(value)])
+        return PerReplica([to_native(value)])
 
     def _reduce_along(self, op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
         axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
