@@ -1,15 +1,20 @@
-"""Data-parallel training of a NumPy MLP on scikit-learn's bundled digits (8x8 images, 10
-classes; no download).
+"""Data-parallel training of an MLP on scikit-learn's bundled digits (8x8 images, 10
+classes; no download), in NumPy on CPU replicas or CuPy on GPU replicas.
 
     mpistrat run -n 2 examples/digits_mlp.py                 # 2 ranks, 1 replica each
     mpirun -n 4 mpistrat run examples/digits_mlp.py --epochs 30
     mpistrat run -n 2 --local-replicas 2 examples/digits_mlp.py
+    mpistrat run -n 2 --gpus-per-rank 1 examples/digits_mlp.py       # CuPy, NCCL
     mpistrat run -n 2 examples/digits_mlp.py --checkpoint-dir ckpt   # resumes if restarted
 
 Every replica computes the gradient of its part of each global batch; one batched
 all-reduce sums them; every rank applies the same update. The gradient is the mean over
 the global batch whatever the number of ranks, so 1, 2 or 4 ranks with the same global
 batch train the same model (up to float rounding). Rank 0 prints one line per epoch.
+
+The same code runs on both kinds of replica: on GPU replicas the strategy hands each
+replica its batches and its copy of every variable as CuPy arrays on its GPU, so the
+math below (written against the array's own module, ``xp``) runs there.
 """
 
 from __future__ import annotations
@@ -23,15 +28,24 @@ import numpy as np
 import mpistrat as ms
 
 
-def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Digits scaled to [0, 1], split 80/20 with a fixed permutation."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        sys.exit("this example reads scikit-learn's bundled digits: pip install 'mpistrat[examples]'")
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
+def load_data(seed: int, path: str | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Digits scaled to [0, 1], split 80/20 with a fixed permutation: scikit-learn's
+    bundled copy, or ``path``, a file in its format (``digits.csv.gz``: 64 pixels and the
+    label per row)."""
+    if path is not None:
+        rows = np.loadtxt(path, delimiter=",")
+        data, target = rows[:, :-1], rows[:, -1]
+    else:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            sys.exit("this example reads scikit-learn's bundled digits: pip install "
+                     "'mpistrat[examples]', or give --data digits.csv.gz")
+        digits = load_digits()
+        data, target = digits.data, digits.target
+    x = (data / 16.0).astype(np.float32)
+    y = target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(x))
     cut = int(0.8 * len(x))
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
@@ -45,27 +59,34 @@ def init_params(hidden: int, seed: int) -> list[np.ndarray]:
             np.zeros(10, np.float32)]
 
 
-def forward(params: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def array_module(array):
+    """NumPy for host arrays, CuPy for device arrays (imported only when one is seen)."""
+    return sys.modules["cupy"] if type(array).__module__.startswith("cupy") else np
+
+
+def forward(params: list, x):
+    xp = array_module(x)
     w1, b1, w2, b2 = params
-    h = np.maximum(x @ w1 + b1, 0)
+    h = xp.maximum(x @ w1 + b1, 0)
     logits = h @ w2 + b2
     logits -= logits.max(axis=1, keepdims=True)
-    p = np.exp(logits)
+    p = xp.exp(logits)
     return h, p / p.sum(axis=1, keepdims=True)
 
 
-def loss_and_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray):
-    """Sums over this replica's examples: (loss, correct, gradients)."""
+def loss_and_grads(params: list, x, y):
+    """Sums over this replica's examples: (loss, correct, gradients), arrays of x's kind."""
+    xp = array_module(x)
     w1, _, w2, _ = params
     h, p = forward(params, x)
     n = len(x)
-    loss = -np.log(p[np.arange(n), y] + 1e-12).sum()
-    correct = np.float32((p.argmax(axis=1) == y).sum())
+    loss = -xp.log(p[xp.arange(n), y] + 1e-12).sum()
+    correct = (p.argmax(axis=1) == y).sum().astype(np.float32)
     d = p.copy()
-    d[np.arange(n), y] -= 1
+    d[xp.arange(n), y] -= 1
     dh = (d @ w2.T) * (h > 0)
     grads = [x.T @ dh, dh.sum(axis=0), h.T @ d, d.sum(axis=0)]
-    return np.float32(loss), correct, [g.astype(np.float32) for g in grads]
+    return loss.astype(np.float32), correct, [g.astype(np.float32) for g in grads]
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -79,11 +100,14 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save every epoch here and resume from the last checkpoint")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--data", default=None,
+                        help="digits in scikit-learn's digits.csv.gz format, instead of "
+                             "scikit-learn's own copy")
     args = parser.parse_args(argv)
 
     strategy = ms.get_strategy() if ms.has_strategy() else ms.MultiWorkerMirroredStrategy()
     chief = strategy.extended.should_checkpoint
-    x_train, y_train, x_test, y_test = load_data(args.seed)
+    x_train, y_train, x_test, y_test = load_data(args.seed, args.data)
 
     with strategy.scope():
         params = [ms.Variable(p, name=n) for p, n in
@@ -116,20 +140,25 @@ def main(argv: list[str] | None = None) -> float:
         return strategy.experimental_distribute_dataset(dataset)
 
     def apply_gradients(strategy: ms.Strategy, grads: tuple) -> None:
-        """Cross-replica: the same summed gradients on every rank -> the same update."""
+        """Cross-replica: the same summed gradients on every rank -> the same update
+        (read_value(): the first replica's copy, where it lives; assigning updates every
+        replica's copy)."""
         for p, v, g in zip(params, velocity, grads):
             g = strategy.experimental_local_results(g)[0] / args.batch_size
-            v.assign(args.momentum * v.numpy() - args.lr * g)
-            p.assign_add(v.numpy())
+            v.assign(args.momentum * v.read_value() - args.lr * g)
+            p.assign_add(v.read_value())
 
     def train_step(batch: tuple) -> tuple:
-        x, y = batch
-        loss, correct, grads = loss_and_grads([np.asarray(p) for p in params], x, y)
+        x, y = batch  # this replica's part of the global batch, on its device
+        loss, correct, grads = loss_and_grads([p.read_value() for p in params], x, y)
         ctx = ms.get_replica_context()
         grads = ctx.all_reduce(ms.ReduceOp.SUM, tuple(grads))  # one batched all-reduce
         ctx.merge_call(apply_gradients, args=(grads,))
         return loss, correct
 
+    # the test set where the first replica computes (its GPU for GPU replicas)
+    placement = strategy.extended.placement
+    x_eval, y_eval = placement.put(x_test, 0), placement.put(y_test, 0)
     epochs = range(int(epoch_done.numpy()), args.epochs)
     progress = _progress(epochs, chief and not args.no_progress)
     accuracy = 0.0
@@ -140,8 +169,9 @@ def main(argv: list[str] | None = None) -> float:
             loss, correct = strategy.run(train_step, args=(batch,))
             loss_sum += float(strategy.reduce(ms.ReduceOp.SUM, loss))
             correct_sum += float(strategy.reduce(ms.ReduceOp.SUM, correct))
-        _, p = forward([np.asarray(v) for v in params], x_test)
-        accuracy = float((p.argmax(axis=1) == y_test).mean())
+        with placement.on(0):
+            _, p = forward([v.read_value() for v in params], x_eval)
+            accuracy = float((p.argmax(axis=1) == y_eval).mean())
         epoch_done.assign(epoch + 1)
         if manager is not None:
             manager.save()

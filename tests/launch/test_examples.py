@@ -113,3 +113,20 @@ def test_digits_parameter_servers_preempted_resume_with_more_ps(tmp_path):
     assert f"(epoch {saved})" in again and "epoch   1/" not in again, again
     assert "2 workers, 2 ps" in again
     assert _accuracy(again) >= 0.85
+
+
+def test_digits_from_a_data_file_is_scikit_learns_data():
+    """``--data`` (for machines without scikit-learn, e.g. a GPU image) reads its file
+    format into the same split as scikit-learn's own copy."""
+    import importlib.util
+
+    import numpy as np
+    import sklearn.datasets
+
+    spec = importlib.util.spec_from_file_location("digits_mlp",
+                                                  ROOT / "examples" / "digits_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz"
+    for ours, theirs in zip(module.load_data(3, str(path)), module.load_data(3)):
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
