@@ -22,11 +22,11 @@ import numpy as np
 
 from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
+from ..errors import BackendUnavailable
 from ..runtime._mpi import mpi
 from ..values import parse_device
 from . import context
 from .base import Strategy, StrategyExtended
-from .mirrored import _require_gpu_replicas
 from .variables import (
     OneCopyVariable,
     VariableAggregation,
@@ -152,7 +152,9 @@ class CentralStorageStrategy(Strategy):
         ValueError: no compute devices, a repeated device, a name that is not a device,
             or a device of another task.
         TypeError: a device name that is not a str.
-        BackendUnavailable: a GPU device (this version reduces host arrays only).
+        BackendUnavailable: a GPU device: this strategy computes on CPU replicas (GPU
+            replicas: ``MirroredStrategy(["/gpu:0", ...])`` or
+            ``MultiWorkerMirroredStrategy(gpus_per_rank=G)``).
     """
 
     def __init__(self, compute_devices: Sequence[str] | None = None,
@@ -171,7 +173,12 @@ class CentralStorageStrategy(Strategy):
         parameter = _local_device(parameter_device, "parameter_device")
         gpus = sum(1 for d in [*devices, parameter] if d.startswith("/gpu"))
         if gpus:
-            _require_gpu_replicas(gpus)
+            raise BackendUnavailable(
+                f"CentralStorageStrategy computes on CPU replicas and keeps its variables in "
+                f"host memory; {gpus} of its devices are GPUs ({list(names)}, parameter "
+                f"device {parameter_device!r}). For GPU replicas use MirroredStrategy("
+                f"['/gpu:0', ...]) or MultiWorkerMirroredStrategy(gpus_per_rank=G), whose "
+                f"variables live on the GPUs")
         extended = CentralStorageExtended(self, devices, parameter)
         super().__init__(extended, mpi().COMM_SELF)
 
