@@ -357,7 +357,9 @@ class Strategy:
     def _destinations_of(self, value: Any) -> Any:
         if isinstance(value, DistributedValues):
             return value
-        return PerReplica([to_native(value)])
+        # (never raises: a value no backend takes is refused by the ops' agreement, on
+        # every rank)
+        return PerReplica([value if is_cuda_array(value) else np.asarray(value)])
 
     def _reduce_along(self, op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
         axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
@@ -365,9 +367,9 @@ class Strategy:
             if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
                 raise TypeError(f"Expected `axis` to be an integer not: {axis!r}")
         parts = list(value.values) if isinstance(value, DistributedValues) else [value]
-        parts = [to_native(p) for p in parts]
         signature = error = None
         try:  # the rank of the values is data: agree on it, so every rank raises alike
+            parts = [to_native(p) for p in parts]
             normalised = []
             for a in axes:
                 ndim = parts[0].ndim
@@ -377,7 +379,7 @@ class Strategy:
                 normalised.append(int(a) % ndim)
             axes = tuple(normalised)
             signature = f"reduce {op.name} along {axes} of rank {parts[0].ndim}"
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             error = exc
         if self._extended.num_workers > 1:
             agree(self._comm, signature, error, "Strategy.reduce",
@@ -453,7 +455,8 @@ class Strategy:
         replica's device."""
         local_results = self.experimental_local_results(value)
         on_device = any(is_cuda_array(p) for p in local_results)
-        parts = [to_host(p) for p in local_results]
+        # (np.asarray never raises, so every rank reaches the allgather below)
+        parts = [to_host(p) if is_cuda_array(p) else np.asarray(p) for p in local_results]
         everyone = self._comm.allgather([(p.shape, p.dtype.str) for p in parts]) \
             if self._extended.num_workers > 1 else [[(p.shape, p.dtype.str) for p in parts]]
         dtypes = {d for rank in everyone for _, d in rank}
