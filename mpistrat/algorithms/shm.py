@@ -11,10 +11,11 @@ Steps of one call (``n`` ranks, every rank publishing in its own control segment
    call) and where its input and output live, then its arrival epoch. It waits until
    every peer has arrived at the same epoch and checks that all asked the same (a
    mismatch raises :class:`~mpistrat.CollectiveMismatchError` on every rank).
-2. **Small buffers** (up to :data:`SMALL_BYTES`) end here in one step: each rank copied
-   its input into its slot of the control segment before arriving, and now every rank
-   reduces the whole buffer from all slots, in rank order (the same operations on every
-   rank, so the results are bitwise identical). The slots are double-buffered by the
+2. **Small buffers** (up to :func:`small_limit` of the node group: 256 KiB on 2 ranks,
+   less on more, as every rank reads all ``n`` slots) end here in one step: each rank
+   copied its input into its slot of the control segment before arriving, and now every
+   rank reduces the whole buffer from all slots, in rank order (the same operations on
+   every rank, so the results are bitwise identical). The slots are double-buffered by the
    parity of the epoch, so no second synchronisation is needed: a rank can only
    overwrite a slot two calls later, after every peer has arrived at the call between,
    that is, finished reading.
@@ -113,9 +114,14 @@ from ..runtime._commcache import comm_cache
 from ..runtime._mpi import Comm
 from .source import Source
 
-__all__ = ["all_reduce", "reduce_to_root", "broadcast", "SMALL_BYTES", "CHUNK_BYTES"]
+__all__ = ["all_reduce", "reduce_to_root", "broadcast", "SMALL_BYTES", "SMALL_TOTAL_BYTES",
+           "small_limit", "CHUNK_BYTES"]
 
-SMALL_BYTES = 32 * 1024  # up to this, one step: every rank reduces the whole buffer
+# The one-step path (every rank reduces the whole buffer from every rank's slot) against
+# the pipelined one, 2 ranks on 2 cores, zero-copy buffers: 38 vs 104 us at 48 KiB, 82 vs
+# 128 us at 150 KiB, even at 256 KiB, slower from 512 KiB (docs/notes/shm-history.md)
+SMALL_BYTES = 256 * 1024  # a slot's size: the most a one-step call (or broadcast) carries
+SMALL_TOTAL_BYTES = 512 * 1024  # the most a one-step reduce reads from all slots together
 CHUNK_BYTES = 1 << 20  # bytes of a slice per pipeline step: the best of 64 KiB - 4 MiB measured
 _MIN_SCRATCH = 1 << 20
 
@@ -303,6 +309,13 @@ class _SmallPlan:
         self.ufunc = UFUNCS[op.primitive]
 
 
+def small_limit(ranks: int) -> int:
+    """The largest all-reduce (bytes) that takes the one-step path in a node group of
+    ``ranks``: :data:`SMALL_BYTES`, or less where reading ``ranks`` slots of it would pass
+    :data:`SMALL_TOTAL_BYTES` (128 KiB on 4 ranks, 32 KiB on 16)."""
+    return min(SMALL_BYTES, SMALL_TOTAL_BYTES // max(ranks, 1) // 64 * 64)
+
+
 def _small(node: _Node, kind: int, x: np.ndarray, out: np.ndarray, op: ReduceOp,
            root: int) -> None:
     """One step: publish the input in this epoch's slot, wait for every peer's, and
@@ -457,7 +470,7 @@ def _reduce(node: _Node, x: np.ndarray | None, out: np.ndarray, op: ReduceOp,
     kind = _KIND_ALL if root is None else _KIND_ROOT
     nbytes = out.nbytes
     epoch = node.epoch
-    if nbytes <= SMALL_BYTES:
+    if nbytes <= small_limit(n):
         if src is not None:
             x = node.chunk_tmp(nbytes).view(out.dtype)
             for a, b, piece in _pieces(None, src, 0, out.size):

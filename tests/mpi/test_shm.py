@@ -33,7 +33,7 @@ BACKEND = get_backend(np.zeros(1))
 def _lengths(n: int, dtype: np.dtype) -> list[int]:
     """Element counts around the small limit, one chunk per slice, and several chunks."""
     item = dtype.itemsize
-    small = shm.SMALL_BYTES // item
+    small = shm.small_limit(n) // item
     chunk = shm.CHUNK_BYTES // item
     return sorted({small, small + 1, n * chunk - 1, n * chunk + 1, 3 * n * chunk + 17,
                    n * (2 * chunk + 5) + 3})
@@ -429,7 +429,7 @@ def test_a_rank_raising_inside_the_reduction_does_not_hang_the_others(world, mon
         elif isinstance(got, CollectiveAbortedError):
             if failing not in got.failed:
                 problems.append(f"rank {world.rank}: {got.failed} named, not {failing}")
-        elif got is not None or length * 4 > shm.SMALL_BYTES:
+        elif got is not None or length * 4 > shm.small_limit(world.size):
             problems.append(f"rank {world.rank}: the failed call gave {got!r}")
         got = call(comm)
         if not (isinstance(got, CollectiveAbortedError) and "fresh communicator" in str(got)):
