@@ -42,7 +42,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -437,22 +437,65 @@ def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, 
     if call is None:
         agree_exchange(comm, None, error, _WHAT, _HINT)  # raises, on every rank
     assert call is not None
+    plannable = key is not None and type(op) in (str, ReduceOp) \
+        and type(spec) in (str, AllReduceSpec)  # (a tuple spec ("xring", True) would
+    #                                             find the plan of ("xring", 1))
     if isinstance(call, _Call) and call.small:
         plan = _small_plan(comm, door, call, check)
-        if key is not None and type(op) in (str, ReduceOp) \
-                and type(spec) in (str, AllReduceSpec):
-            door.plans[key] = plan  # (a tuple spec ("xring", True) would find ("xring", 1))
-            door.last = (*key, plan)
+        if plannable:
+            _keep(door, key, plan)
         first = call.arrays[0]
         result = plan(first, call.outs[0] if call.outs is not None else None)
         if inplace or call.outs is not None:
             return call.likes[0] if inplace else call.out_likes[0]
         return restore(result, call.likes[0])
+    if plannable and isinstance(call, _Call) and not call.replicas:
+        # (key is set only for one NumPy array without out=)
+        plan = _large_plan(comm, door, call, check)
+        _keep(door, key, plan)
+        return plan(call.arrays[0])
     if check:
         agree_exchange(comm, call.signature, None, _WHAT, _HINT)
     if isinstance(call, _Batch):
         return _reduce_batch(comm, call)
     return _reduce_one(comm, door, call)
+
+
+_MAX_PLANS = 256  # plans kept per communicator (a loop over ever new shapes starts over)
+
+
+def _keep(door: _Door, key: Any, plan: Callable[..., Any]) -> None:
+    if len(door.plans) >= _MAX_PLANS:
+        door.plans.clear()
+    door.plans[key] = plan
+    door.last = (*key, plan)
+
+
+def _large_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[..., Any]:
+    """The plan of a one-array NumPy call above the small size: what :func:`_prepare`
+    and the signature work out (the spec entry, the agreement's code) done once;
+    ``plan(array)`` agrees (when checking) and runs the entry's algorithm as
+    :func:`_reduce_one` does — or returns None, without communicating, when the node
+    grouping it agreed on has changed."""
+    info = algorithms.get(call.entry.alg)
+    grouping = info.hierarchical or info.single_node
+    agreed_env = _grouping_env() if grouping else None
+    signature = call.signature if check else ""
+    code = signature_code(signature) if check else 0
+    ex = exchange(comm) if check else None
+    expected = ex.expected(code) if ex is not None else b""
+
+    def plan(array: Any, into: Any = None) -> Any:
+        if grouping and _grouping_env() != agreed_env:
+            return None
+        if ex is not None:
+            if ex.run(comm, code, _WHAT) != expected:
+                ex.disagree(comm, signature, None, _WHAT, _HINT)
+        elif check:  # (above FUSED_RANKS ranks: the plain agreement)
+            agree_exchange(comm, signature, None, _WHAT, _HINT)
+        return _reduce_one(comm, door, replace(call, arrays=[array], likes=[array]))
+
+    return plan
 
 
 def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[..., Any]:

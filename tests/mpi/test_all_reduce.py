@@ -433,6 +433,33 @@ def test_mismatch_check_survives_and_next_call_works(comm):
     assert np.array_equal(out, np.full(3, float(comm.size)))
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_repeated_large_calls_run_planned_and_still_check(comm, inplace):
+    """Above the small size a repeated call runs from its plan (parsed and signed once):
+    each call gives the exact result in the caller's memory or a new array, and a rank
+    that then changes its op or shape is caught on every rank, after which the
+    communicator works."""
+    n = 3000  # 12 KB of float32: above the small size
+    x = np.empty(n, np.float32)
+    for step in range(4):
+        x[:] = np.arange(n, dtype=np.float32) % 7 + comm.rank + step
+        got = all_reduce(x, "sum", "xring", comm, inplace=inplace)
+        assert (got is x) == inplace
+        want = (np.arange(n) % 7 * comm.size + comm.size * (comm.size - 1) / 2
+                + comm.size * step).astype(np.float32)
+        assert np.array_equal(got, want)
+    if comm.size < 2:
+        return
+    op = "max" if comm.rank == 1 else "sum"
+    with pytest.raises(CollectiveMismatchError, match="op=MAX"):
+        all_reduce(x, op, "xring", comm, inplace=inplace)
+    y = np.ones(n + (comm.rank == 1), np.float32)
+    with pytest.raises(CollectiveMismatchError, match=rf"shape=\({n + 1},\)"):
+        all_reduce(y, "sum", "xring", comm, inplace=inplace)
+    assert np.array_equal(all_reduce(np.ones(n, np.float32), "sum", "xring", comm),
+                          np.full(n, comm.size, np.float32))
+
+
 @pytest.mark.parametrize(
     ("spec_a", "spec_b"),
     [("rechd", ("rechd",)), ("pscpu:1:-1", ("pscpu", 1, -1)), ("native", "native#1")],

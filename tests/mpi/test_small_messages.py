@@ -159,9 +159,11 @@ def test_topology_errors_still_raise_on_small_calls(comm):
     assert np.all(all_reduce(np.ones(3), "sum", "pscpu", comm) == comm.size)
 
 
-def test_a_change_of_ranks_per_node_retires_a_plan(world, monkeypatch):
-    """A planned small shm call fits one node; after MPISTRAT_RANKS_PER_NODE=1 makes every
-    rank a node of its own (on every rank), the same call raises the topology error."""
+@pytest.mark.parametrize("n", [3, 3000], ids=["small", "large"])
+def test_a_change_of_ranks_per_node_retires_a_plan(world, monkeypatch, n):
+    """A planned shm call (small: inside the exchange; large: through the algorithm) fits
+    one node; after MPISTRAT_RANKS_PER_NODE=1 makes every rank a node of its own (on every
+    rank), the same call raises the topology error."""
     if world.size < 2:
         pytest.skip("one rank is one node either way")
     monkeypatch.delenv("MPISTRAT_RANKS_PER_NODE", raising=False)
@@ -170,12 +172,12 @@ def test_a_change_of_ranks_per_node_retires_a_plan(world, monkeypatch):
         if mpistrat.runtime.topology.get_topology(fresh).num_nodes > 1:
             pytest.skip("shm runs on one node")
         for _ in range(2):
-            assert np.all(all_reduce(np.ones(3), "sum", "shm", fresh) == world.size)
+            assert np.all(all_reduce(np.ones(n), "sum", "shm", fresh) == world.size)
         monkeypatch.setenv("MPISTRAT_RANKS_PER_NODE", "1")
         with pytest.raises(mpistrat.errors.TopologyError):
-            all_reduce(np.ones(3), "sum", "shm", fresh)
+            all_reduce(np.ones(n), "sum", "shm", fresh)
         monkeypatch.delenv("MPISTRAT_RANKS_PER_NODE")
-        assert np.all(all_reduce(np.ones(3), "sum", "shm", fresh) == world.size)
+        assert np.all(all_reduce(np.ones(n), "sum", "shm", fresh) == world.size)
     finally:
         fresh.Free()
 
