@@ -62,7 +62,7 @@ class CupyBackend:
         xp = self.xp
         with self._on():
             if isinstance(value, xp.ndarray):
-                return value if value.device.id == self.device else value.copy()
+                return value if value.device.id == self.device else xp.copy(value)
             if hasattr(value, "__cuda_array_interface__"):
                 return xp.asarray(value)
             if hasattr(value, "__dlpack__"):
@@ -99,7 +99,7 @@ class CupyBackend:
         """``src``, copied onto this device first when it lies on another one (a kernel
         reads only its own device's memory without peer access)."""
         if isinstance(src, self.xp.ndarray) and src.device.id != self.device:
-            return src.copy()  # (called on this device: the copy lands here)
+            return self.xp.copy(src)  # (called on this device: the copy lands here)
         return src
 
     def combine(self, op: ReduceOp, dst: Any, src: Any) -> None:
@@ -127,7 +127,7 @@ class CupyBackend:
     def clone(self, array: Any) -> Any:
         """A new array on this device equal to ``array`` (from any device or the host)."""
         with self._on():
-            return array.copy() if isinstance(array, self.xp.ndarray) else \
+            return self.xp.copy(array) if isinstance(array, self.xp.ndarray) else \
                 self.xp.array(array, copy=True)
 
     def comm_view(self, array: Any) -> Any:

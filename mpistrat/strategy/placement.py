@@ -101,10 +101,10 @@ class GpuPlacement(Placement):
         return self.clone(native, index)
 
     def clone(self, array: Any, index: int) -> Any:
-        # ndarray.copy() and cupy.array() copy onto the current device, also from another
-        # device or from host memory
+        # cupy.copy and cupy.array make the array on the current device, copying from
+        # another device or from host memory
         native = to_native(array)
         with self.on(index):
             if isinstance(native, self._cupy.ndarray):
-                return native.copy()
+                return self._cupy.copy(native)
             return self._cupy.array(native, copy=True)
