@@ -50,8 +50,8 @@ def all_reduce(comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backend: 
     transport = backend.transport(comm)
     pipelines = shards
     rank = comm.Get_rank()
-    if pipelines == 1 and source is None:
-        _in_place(comm, buf, op, backend, transport, n, rank)
+    if pipelines == 1:
+        _one_pipeline(comm, buf, op, backend, transport, n, rank, source)
         return
     right, left = (rank + 1) % n, (rank - 1) % n
     bounds = even_bounds(buf.size, n * pipelines)
@@ -141,25 +141,39 @@ def _schedule(count: int, n: int, rank: int) -> tuple[tuple[tuple[int, int, int,
     return tuple(steps), max(bounds[i + 1] - bounds[i] for i in range(n))
 
 
-def _in_place(comm: Comm, buf: Any, op: ReduceOp, backend: ArrayBackend, transport: Any,
-              n: int, rank: int) -> None:
-    """The ring of one pipeline in place (the common case), its steps worked out once per
-    buffer length: the same messages and additions as the general loop, with a fifth of
-    its Python per step, which every step pays on the critical path."""
+def _one_pipeline(comm: Comm, buf: Any, op: ReduceOp, backend: ArrayBackend, transport: Any,
+                  n: int, rank: int, source: Source | None) -> None:
+    """The ring of one pipeline (the common case), its steps worked out once per buffer
+    length: the same messages and additions as the general loop, with a fraction of its
+    Python per step, which every step pays on the critical path. In place, a
+    reduce-scatter step receives into a scratch slot and adds it to ``buf``; from a
+    ``source``, the first step sends the source's own piece and every reduce-scatter
+    receive lands in ``buf``, where the source's piece is added."""
     steps, widest = _schedule(buf.size, n, rank)
     right, left = (rank + 1) % n, (rank - 1) % n
-    slots = backend.scratch("xring", widest, buf.dtype)
-    raw, slots_raw, size = backend.comm_view(buf), backend.comm_view(slots), buf.itemsize
+    slots = None if source is not None else backend.scratch("xring", widest, buf.dtype)
+    raw, size = backend.comm_view(buf), buf.itemsize
+    slots_raw = None if slots is None else backend.comm_view(slots)
     scatter = n - 1  # the reduce-scatter's steps; the all-gather's follow
     sends: list[Any] = []
     for t, (slo, shi, rlo, rhi) in enumerate(steps):
         if t == scatter:  # entering all-gather: earlier sends read what we now overwrite
             transport.waitall(sends)
             sends = []
+        if source is not None and t == 0:  # our own piece, straight from the source
+            sends.extend(source.isend(comm, slo, shi, right, 0, backend))
+            source.receive_and_combine(op, source.irecv(comm, buf, rlo, rhi, left, 0, backend),
+                                       buf, rlo, rhi, backend)
+            continue
         sends.append(transport.isend(raw[slo * size:shi * size], right, 0))
-        if t < scatter:
+        if t >= scatter:
+            transport.irecv(raw[rlo * size:rhi * size], left, 0).Wait()
+        elif slots is not None:
+            assert slots_raw is not None
             transport.irecv(slots_raw[:(rhi - rlo) * size], left, 0).Wait()
             backend.combine(op, buf[rlo:rhi], slots[:rhi - rlo])
         else:
+            assert source is not None
             transport.irecv(raw[rlo * size:rhi * size], left, 0).Wait()
+            source.combine_into(op, buf, rlo, rhi, backend)
     transport.waitall(sends)
