@@ -42,7 +42,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -493,7 +493,7 @@ def _large_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
                 ex.disagree(comm, signature, None, _WHAT, _HINT)
         elif check:  # (above FUSED_RANKS ranks: the plain agreement)
             agree_exchange(comm, signature, None, _WHAT, _HINT)
-        return _reduce_one(comm, door, replace(call, arrays=[array], likes=[array]))
+        return _reduce_one(comm, door, call, array)
 
     return plan
 
@@ -626,9 +626,13 @@ def _grouping_env() -> Any:
     return os.environ.get(RANKS_PER_NODE)
 
 
-def _reduce_one(comm: Comm, door: _Door, call: _Call) -> Any:
-    """One tensor (or its replicas) through the spec's algorithm."""
+def _reduce_one(comm: Comm, door: _Door, call: _Call, array: Any = None) -> Any:
+    """One tensor (or its replicas) through the spec's algorithm; ``array``: a planned
+    call's array, in place of the call's own (one NumPy array, shaped as planned)."""
     arrays, backend, reduce_op = call.arrays, call.backend, call.op
+    likes = call.likes
+    if array is not None:
+        arrays = likes = [array]
     replicas = len(arrays)
     workers = door.size
     inplace, ranks_per_node = call.inplace, call.ranks_per_node
@@ -645,7 +649,7 @@ def _reduce_one(comm: Comm, door: _Door, call: _Call) -> Any:
         if into is not None and not inplace:
             backend.copy(targets[0], first)
     sources = [] if into is not None else \
-        [algorithms.Source.of(engine.flat(array, backend)) for array in arrays]
+        [algorithms.Source.of(engine.flat(item, backend)) for item in arrays]
     buf = engine.reduce_sources(comm, reduce_op, call.entry.alg, call.entry.shards, sources,
                                 door.calls, checked=True, ranks_per_node=ranks_per_node,
                                 into=into, backend=backend)
@@ -657,10 +661,10 @@ def _reduce_one(comm: Comm, door: _Door, call: _Call) -> Any:
         for index, target in enumerate(targets):
             if index or into is None:
                 backend.copy(target, result)
-        handed = call.likes if inplace else call.out_likes
+        handed = likes if inplace else call.out_likes
     else:
         outputs = [result] + [result.copy() for _ in arrays[1:]]
-        handed = [restore(o, like) for o, like in zip(outputs, call.likes)]
+        handed = [restore(o, like) for o, like in zip(outputs, likes)]
     if call.replicas:
         return list(handed)
     return handed[0]

@@ -101,8 +101,17 @@ class Source:
 
     @classmethod
     def of(cls, array: Any) -> Source:
-        """A Source over one contiguous 1-D array."""
-        return cls([array])
+        """A Source over one contiguous 1-D array (what ``cls([array])`` builds, without
+        its general bookkeeping: every out-of-place call makes one)."""
+        source = cls.__new__(cls)
+        source.segments = [array]
+        source.offsets = [0, array.size]
+        source.size = array.size
+        source.dtype = array.dtype
+        source._small = [False]
+        source._stage_at = [0]
+        source._stage_size = 0
+        return source
 
     @property
     def contiguous(self) -> bool:
