@@ -168,9 +168,11 @@ class StrategyExtended:
         if isinstance(value_destination_pairs, (list, tuple)):
             value_destination_pairs = [
                 (_as_values(pair[0]), *map(_as_destinations, pair[1:]))
-                if isinstance(pair, tuple) else pair
+                if isinstance(pair, tuple) and pair else pair
                 for pair in value_destination_pairs]
-        values = [pair[0] for pair in value_destination_pairs if isinstance(pair, tuple)] \
+        # (an empty or malformed pair is left for the ops, which refuse it on every rank)
+        values = [pair[0] for pair in value_destination_pairs
+                  if isinstance(pair, tuple) and pair] \
             if isinstance(value_destination_pairs, list) else []
         return self._ops_for(values).batch_reduce(ReduceOp.parse(reduce_op),
                                                   value_destination_pairs,
