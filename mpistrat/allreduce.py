@@ -485,7 +485,7 @@ def _large_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
     ex = exchange(comm) if check else None
     expected = ex.expected(code) if ex is not None else b""
 
-    def plan(array: Any, into: Any = None) -> Any:
+    def plan(array: Any) -> Any:
         if grouping and _grouping_env() != agreed_env:
             return None
         if ex is not None:
