@@ -47,12 +47,12 @@ __all__ = ["MultiWorkerMirroredStrategy", "MirroredStrategy", "OneDeviceStrategy
            "RING_SPEC", "AUTO_SPEC_ONE_NODE", "AUTO_SPEC_NODES", "LOCAL_REPLICAS"]
 
 RING_SPEC = "rechd:64K:xring"
-# AUTO on host replicas. One node: shared memory where it measured faster than the MPI
-# library and the rings (16 KiB - 16 MiB, 1.1-1.2x native on 2 ranks; docs/benchmarks.md);
-# rechd below (latency) and above (MPICH's single-copy point-to-point beats shm's copy-in
-# and copy-out there). Several nodes with several ranks on a node: shared memory inside
-# each node, rechd across node leaders.
-AUTO_SPEC_ONE_NODE = "rechd:16K:shm:16M:rechd"
+# AUTO on host replicas. One node: shared memory up to 16 MiB, where it measured fastest
+# (from a Source, 2-4 ranks: 2.0-5.9x rechd's speed at 1-64 KiB, its one-step path;
+# 1.1-1.2x native's at 512 KiB - 8 MiB; docs/benchmarks.md), rechd above (MPICH's
+# single-copy point-to-point beats shm's copy-in and copy-out there). Several nodes with
+# several ranks on a node: shared memory inside each node, rechd across node leaders.
+AUTO_SPEC_ONE_NODE = "shm:16M:rechd"
 AUTO_SPEC_NODES = "rechd:16K:shm/rechd"
 LOCAL_REPLICAS = "MPISTRAT_LOCAL_REPLICAS"
 

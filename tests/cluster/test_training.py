@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpistrat.strategy import mirrored
+
 pytestmark = pytest.mark.cluster
 
 HERE = Path(__file__).resolve().parent
@@ -74,10 +76,11 @@ def test_digits_trained_on_two_hosts_is_the_same_model_as_on_one(cluster, tmp_pa
     checkpointing every epoch: the last checkpoints hold the same weights, momentum
     velocities and epoch, bit for bit, and rank 0 printed the same losses and accuracies.
 
-    Bitwise equality is what to expect, not luck: the default (AUTO) spec is
-    ``rechd:16K:shm:16M:rechd`` on one node and ``rechd:16K:shm/rechd`` across nodes, and
-    every gradient of this model is at most 16 KiB, so both runs sum the packed gradients
-    with ``rechd`` over 4 ranks, whose order of operations depends on the ranks only."""
+    Bitwise equality is what to expect, not luck, once both runs use one spec: the
+    default (AUTO) spec across nodes is ``rechd:16K:shm/rechd`` (on one node it is
+    ``shm:16M:rechd``, so the one-host run is given the two-host run's spec), and every
+    gradient of this model is at most 16 KiB, so both runs sum the packed gradients with
+    ``rechd`` over 4 ranks, whose order of operations depends on the ranks only."""
     epochs = 2
     runs = {}
     for name in ("two hosts", "one host"):
@@ -89,6 +92,7 @@ def test_digits_trained_on_two_hosts_is_the_same_model_as_on_one(cluster, tmp_pa
             result = cluster.run(argv, timeout=100)
             moved = cluster.moved(before)
         else:
+            argv[2:2] = ["--spec", mirrored.AUTO_SPEC_NODES]  # (AUTO's choice across nodes)
             env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_ONLY)}
             env["PATH"] = f"{MPISTRAT.parent}:{env.get('PATH', '')}"
             result = subprocess.run([str(a) for a in argv], env=env, cwd=ROOT, timeout=100,
