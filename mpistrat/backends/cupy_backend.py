@@ -65,6 +65,8 @@ class CupyBackend:
                 return value if value.device.id == self.device else xp.copy(value)
             if hasattr(value, "__cuda_array_interface__"):
                 return xp.asarray(value)
+            if isinstance(value, (np.ndarray, np.generic)):  # host memory: copied over
+                return xp.asarray(value)
             if hasattr(value, "__dlpack__"):
                 return xp.from_dlpack(value)
             return xp.asarray(value)
