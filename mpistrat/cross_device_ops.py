@@ -29,7 +29,7 @@ import numpy as np
 
 from . import engine
 from ._nest import flatten
-from .backends import NumpyBackend, get_backend
+from .backends import get_backend, host_backend
 from .backends.capabilities import probe_gpus
 from .backends.interop import is_native, is_writeable, restore, to_host, to_native
 from .communication import CommunicationImplementation, CommunicationOptions
@@ -515,7 +515,7 @@ def _add_n(arrays: list[Any]) -> Any:
     return total.reshape(np.shape(arrays[0]))
 
 
-_HOST = NumpyBackend()
+_HOST = host_backend()
 
 
 def _gather_rows(comm: Comm, parts: Sequence[Any], root: int) -> Any:

@@ -15,7 +15,8 @@ from ..errors import BackendUnavailable
 from .numpy_backend import NumpyBackend
 from .protocol import ArrayBackend
 
-__all__ = ["ArrayBackend", "NumpyBackend", "get_backend", "as_array", "is_cuda_array"]
+__all__ = ["ArrayBackend", "NumpyBackend", "get_backend", "host_backend", "device_backend",
+           "as_array", "is_cuda_array"]
 
 _NUMPY = NumpyBackend()
 _CUPY: dict[int, Any] = {}  # device id -> CupyBackend
@@ -55,11 +56,24 @@ def _cupy_backend(array: Any, how: str) -> Any:
             f"CUDA device array ({how}), and device arrays need CuPy, which is not "
             f"installed; install it with {_INSTALL}, or pass host (NumPy) arrays"
         )
-    from .cupy_backend import CupyBackend  # (its module is only needed for device arrays)
+    return device_backend(_device_of(array, how))
 
-    device = _device_of(array, how)
+
+def host_backend() -> NumpyBackend:
+    """The backend of host (NumPy) arrays."""
+    return _NUMPY
+
+
+def device_backend(device: int) -> Any:
+    """The CuPy backend of CUDA device ``device`` (one per device, made on first use).
+
+    Raises:
+        BackendUnavailable: CuPy is installed but fails to import.
+    """
     backend = _CUPY.get(device)
     if backend is None:
+        from .cupy_backend import CupyBackend  # (its module is only needed for devices)
+
         try:  # the backend imports CuPy, which fails when CuPy is installed but broken
             backend = CupyBackend(device)
         except ImportError as exc:

@@ -33,11 +33,10 @@ from ..backends.capabilities import GpuProbe, probe_gpus
 from ..cluster import ClusterResolver, resolve_cluster
 from ..communication import CommunicationImplementation, CommunicationOptions
 from ..cross_device_ops import CrossDeviceOps, MultiWorkerAllReduce, ReductionToOneDevice
-from ..errors import BackendUnavailable, TopologyError
+from ..errors import BackendUnavailable, DuplicateDeviceError, TopologyError
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import agree
-from ..runtime.devices import (DeviceAssignment, duplicate_devices, node_assignment,
-                               require_distinct_devices)
+from ..runtime.devices import DeviceAssignment, node_assignment, require_distinct_devices
 from ..runtime.topology import get_topology
 from ..values import default_devices, parse_device
 from .base import Strategy, StrategyExtended
@@ -92,20 +91,20 @@ def _gpu_spec(comm: Comm, implementation: CommunicationImplementation,
     """The all-reduce spec of GPU replicas (collective: every rank gets the same):
     ``nccl`` unless RING was asked for or NCCL cannot run; NCCL asked for but impossible
     raises on every rank."""
-    spec = RING_SPEC
-    if implementation is not CommunicationImplementation.RING:
-        claims = comm.allgather((mpi().Get_processor_name(), assignment.physical))
-        shared = duplicate_devices(claims)
-        usable = bool(comm.allreduce(int(nccl), op=mpi().MIN))
+    if implementation is CommunicationImplementation.RING:
+        return RING_SPEC
+    usable = bool(comm.allreduce(int(nccl), op=mpi().MIN))
+    if not usable and implementation is CommunicationImplementation.NCCL:
+        raise BackendUnavailable(
+            "communication=NCCL needs NCCL through CuPy on every rank, and some rank has "
+            "CuPy without NCCL; use RING or AUTO, or install a CuPy built with NCCL")
+    try:  # (collective: every rank raises or none)
+        require_distinct_devices(comm, assignment.physical, purpose="communication=NCCL")
+    except DuplicateDeviceError:  # ranks share a GPU, which NCCL refuses
         if implementation is CommunicationImplementation.NCCL:
-            if not usable:
-                raise BackendUnavailable(
-                    "communication=NCCL needs NCCL through CuPy on every rank, and some rank "
-                    "has CuPy without NCCL; use RING or AUTO, or install a CuPy built with NCCL")
-            require_distinct_devices(comm, assignment.physical, purpose="communication=NCCL")
-        if usable and not shared:
-            spec = "nccl"
-    return spec
+            raise
+        return RING_SPEC
+    return "nccl" if usable else RING_SPEC
 
 
 def _host_ops(comm: Comm, implementation: CommunicationImplementation) -> Any:

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from .._nest import map_structure
+from ..backends import device_backend
 from ..backends.interop import to_host, to_native
 
-__all__ = ["Placement", "HostPlacement", "GpuPlacement", "to_host"]
+__all__ = ["Placement", "HostPlacement", "GpuPlacement"]
 
 
 class Placement(abc.ABC):
@@ -80,31 +81,17 @@ class GpuPlacement(Placement):
     gpu = True
 
     def __init__(self, ordinals: Sequence[int], devices: Sequence[str] | None = None) -> None:
-        import cupy  # (CuPy on demand: import mpistrat starts no CUDA)
-
-        self._cupy = cupy
         self.ordinals = tuple(int(o) for o in ordinals)
+        # each replica's device backend: it moves arrays there (CuPy imported here)
+        self._backends = [device_backend(o) for o in self.ordinals]
         super().__init__(devices if devices is not None
                          else tuple(f"/gpu:{o}" for o in self.ordinals))
 
     def on(self, index: int) -> contextlib.AbstractContextManager:
-        return self._cupy.cuda.Device(self.ordinals[index])
-
-    def _here(self, array: Any, index: int) -> bool:
-        return isinstance(array, self._cupy.ndarray) and \
-            int(array.device.id) == self.ordinals[index]
+        return self._backends[index].xp.cuda.Device(self.ordinals[index])
 
     def put(self, value: Any, index: int) -> Any:
-        native = to_native(value)
-        if self._here(native, index):
-            return native
-        return self.clone(native, index)
+        return self._backends[index].asarray(to_native(value))
 
     def clone(self, array: Any, index: int) -> Any:
-        # cupy.copy and cupy.array make the array on the current device, copying from
-        # another device or from host memory
-        native = to_native(array)
-        with self.on(index):
-            if isinstance(native, self._cupy.ndarray):
-                return self._cupy.copy(native)
-            return self._cupy.array(native, copy=True)
+        return self._backends[index].clone(to_native(array))

@@ -530,3 +530,15 @@ def test_flat_arrays_are_views_of_one_buffer_in_order():
     assert joined is not None and joined.size == 13
     with pytest.raises(ValueError, match=r"negative dimensions .* \(2, -1\)"):
         mpistrat.flat_arrays([(3,), (2, -1)])
+
+
+@pytest.mark.parametrize("array", [np.arange(7, dtype=np.float32), np.zeros(0),
+                                   np.ones(3, np.int64)], ids=["float32", "empty", "int64"])
+def test_source_of_one_array_is_the_general_constructor_s_source(array):
+    """``Source.of`` fills its fields by hand (every out-of-place call makes one): they must
+    stay what ``Source([array])`` computes."""
+    from mpistrat.algorithms import Source
+
+    quick, general = Source.of(array), Source([array])
+    for name in Source.__slots__:
+        assert repr(getattr(quick, name)) == repr(getattr(general, name)), name
