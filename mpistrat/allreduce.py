@@ -39,7 +39,6 @@ every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,12 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, dispatch, engine
+from . import algorithms, dispatch, engine, fused
 from .backends import get_backend
 from .backends.interop import describe_type, is_writeable, restore, to_native
-from .backends.numpy_backend import UFUNCS
 from .backends.protocol import ArrayBackend
-from .config import RANKS_PER_NODE
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
 from .runtime._commcache import comm_cache
@@ -441,7 +438,7 @@ def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, 
         and type(spec) in (str, AllReduceSpec)  # (a tuple spec ("xring", True) would
     #                                             find the plan of ("xring", 1))
     if isinstance(call, _Call) and call.small:
-        plan = _small_plan(comm, door, call, check)
+        plan = _small_plan(comm, call, check)
         if plannable:
             _keep(door, key, plan)
         first = call.arrays[0]
@@ -479,14 +476,14 @@ def _large_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
     grouping it agreed on has changed."""
     info = algorithms.get(call.entry.alg)
     grouping = info.hierarchical or info.single_node
-    agreed_env = _grouping_env() if grouping else None
+    agreed_env = fused.grouping_env() if grouping else None
     signature = call.signature if check else ""
     code = signature_code(signature) if check else 0
     ex = exchange(comm) if check else None
     expected = ex.expected(code) if ex is not None else b""
 
     def plan(array: Any) -> Any:
-        if grouping and _grouping_env() != agreed_env:
+        if grouping and fused.grouping_env() != agreed_env:
             return None
         if ex is not None:
             if ex.run(comm, code, _WHAT) != expected:
@@ -498,132 +495,12 @@ def _large_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[.
     return plan
 
 
-def _small_plan(comm: Comm, door: _Door, call: _Call, check: bool) -> Callable[..., Any]:
-    """The plan of a small call (see the module docstring): ``plan(array, into=None)``
-    reduces ``array`` (shaped and typed as planned, any layout) across the ranks, into
-    ``into`` (``out``), into ``array`` itself (``inplace``) or into a new array, and
-    returns the result — or None, without communicating, when the plan no longer applies
-    (the node grouping it agreed on has changed).
-
-    Checked, the data rides in the exchange's blocks when they have room for it; when
-    not (the first small call of this size on the communicator), the agreement goes
-    first and the data follows in a second allgather, after which the blocks have room.
-    Unchecked, one allgather of the data alone."""
+def _small_plan(comm: Comm, call: _Call, check: bool) -> Callable[..., Any]:
+    """The plan of a small call (see the module docstring and :func:`mpistrat.fused.plan`)."""
     first = call.arrays[0]
-    shape, dtype, op, inplace, nbytes = first.shape, first.dtype, call.op, call.inplace, \
-        first.nbytes
-    size = door.size
-    ex = exchange(comm)
-    assert ex is not None  # (small calls run on up to FUSED_RANKS ranks)
-    send = ex.payload(shape, dtype)
-    packed = ex.packed(nbytes)
-    combine = UFUNCS[op.primitive]
-    divisor = size if op is ReduceOp.MEAN else 0
-    integer_mean = bool(divisor) and dtype.kind in "iu"
-    scale = None if not divisor or integer_mean else dtype.type(divisor)
-    # a new result straight from the ufunc (for shape (), a ufunc would give a scalar)
-    plain = not divisor and size > 1 and shape != ()
-    info = algorithms.get(call.entry.alg)
-    # the node grouping is part of what hierarchical calls agree on, and shared-memory
-    # entries fit only one node: a change of MPISTRAT_RANKS_PER_NODE retires the plan
-    grouping = info.hierarchical or info.single_node
-    agreed_env = _grouping_env() if grouping else None
-    signature = call.signature if check else ""
-    code = signature_code(signature) if check else 0
-    expected = ex.expected(code)
-    entry, ranks_per_node = call.entry, call.ranks_per_node
-    gather, code_word, words = ex.gather, ex.code, ex.words
-    # [the block size the rows were read for (0: packed, -1: not yet steady), rank 0's
-    # data, rank 1's (None with one rank), the others']. Steady: the entry has been
-    # fitted, the data fits the blocks, the rows are views of the blocks as they are.
-    state: list[Any] = [-1, None, None, ()]
-
-    def read(source: list[Any], block: int) -> None:
-        state[:] = [block, source[0], source[1] if size > 1 else None, tuple(source[2:])]
-
-    def unsteady() -> None:
-        """A checked call that is not steady yet: exchange (then the data alone if the
-        blocks have no room), grow the blocks, fit the entry, read the rows."""
-        fits = nbytes <= ex.capacity
-        agreed = ex.run(comm, code, _WHAT) == expected
-        if not agreed:
-            ex.disagree(comm, signature, None, _WHAT, _HINT)
-        if not fits:
-            comm.Allgather(*packed)
-            ex.grow(nbytes)  # (every rank agreed on this call: they all grow alike)
-        fit()
-        if fits:
-            read(ex.rows(shape, dtype), ex.block)
-        else:
-            read(ex.rows(shape, dtype, packed=True), -1)
-
-    def fit() -> None:  # after the agreement: every rank checks the same entry
-        dispatch.fit(entry.alg, comm, entry.shards, ranks_per_node=ranks_per_node)
-
-    def plan(array: Any, into: Any = None) -> Any:
-        if grouping and _grouping_env() != agreed_env:
-            return None
-        send[...] = array
-        if not check:
-            comm.Allgather(*packed)
-            if state[0]:
-                fit()
-                read(ex.rows(shape, dtype, packed=True), 0)
-        elif state[0] == ex.block:  # steady: the exchange is the whole call
-            code_word[0] = code
-            gather(comm, _WHAT)
-            if (words[0] != code or words[state[0] >> 3] != code) if size == 2 \
-                    else ex.codes.tobytes() != expected:
-                ex.disagree(comm, signature, None, _WHAT, _HINT)
-        else:
-            unsteady()
-        _, r0, r1, others = state
-        if inplace:
-            into = array
-        elif into is None and plain:
-            into = combine(r0, r1)
-            for row in others:
-                combine(into, row, out=into)
-            return into
-        if into is None:
-            into = np.empty(shape, np.float64 if integer_mean else dtype)
-        if integer_mean:
-            total = r0.copy()
-            if r1 is not None:
-                combine(total, r1, out=total)
-            for row in others:
-                combine(total, row, out=total)
-            np.true_divide(total, divisor, out=into)
-            return into
-        if r1 is None:  # one rank
-            into[...] = r0
-        else:
-            combine(r0, r1, out=into)
-        for row in others:
-            combine(into, row, out=into)
-        if scale is not None:
-            np.true_divide(into, scale, out=into)
-        return into
-
-    return plan
-
-
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEY: Any = RANKS_PER_NODE
-if _ENV_DATA is not None:
-    try:
-        _ENV_KEY = os.environ.encodekey(RANKS_PER_NODE)  # type: ignore[attr-defined]
-    except AttributeError:
-        _ENV_DATA = None
-
-
-def _grouping_env() -> Any:
-    """``MPISTRAT_RANKS_PER_NODE`` as the environment holds it (compared, not parsed): read
-    from ``os.environ``'s own store where CPython has one (``os.environ.get`` and the
-    parse cost 1.5 µs per call, as much as the rest of a small call)."""
-    if _ENV_DATA is not None:
-        return _ENV_DATA.get(_ENV_KEY)
-    return os.environ.get(RANKS_PER_NODE)
+    return fused.plan(comm, first.shape, first.dtype, call.op, call.inplace, call.entry,
+                      call.ranks_per_node, call.signature if check else "", _WHAT, _HINT,
+                      check)
 
 
 def _reduce_one(comm: Comm, door: _Door, call: _Call, array: Any = None) -> Any:
