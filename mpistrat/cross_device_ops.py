@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import engine
+from . import engine, fused
 from ._nest import flatten
 from .backends import get_backend, host_backend
 from .backends.capabilities import probe_gpus
@@ -37,8 +37,8 @@ from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
 from .packing import PackPlan
 from .runtime._mpi import Comm, world
-from .runtime.agreement import agree
-from .spec import AllReduceSpec, parse_spec
+from .runtime.agreement import FUSED_BYTES, FUSED_RANKS, agree
+from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
 from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device, single
 
 __all__ = [
@@ -164,6 +164,22 @@ def _signature_text(key: tuple) -> str:
                     for entry in key)
 
 
+_DEFAULT_OPTIONS = CommunicationOptions()
+_OPTIONS_TEXT = [(_DEFAULT_OPTIONS, repr(_DEFAULT_OPTIONS))]  # the last options seen
+
+
+def _options_text(options: CommunicationOptions) -> str:
+    """``repr(options)``, kept for the options object last seen (a strategy passes the
+    same one on every call). By identity: equal options may print differently
+    (``timeout_seconds=60`` and ``60.0``), and ranks agree on the text."""
+    last = _OPTIONS_TEXT[0]  # (one read: another thread may replace it)
+    if last[0] is options:
+        return last[1]
+    text = repr(options)
+    _OPTIONS_TEXT[0] = (options, text)
+    return text
+
+
 def _same_devices(values: Sequence[Device], dest: Sequence[Device], comm: Comm) -> bool:
     """Are the destinations the value's devices (TF's condition for an all-reduce)?
 
@@ -267,6 +283,7 @@ class CrossDeviceOps(abc.ABC):
 
     def __init__(self, comm: Comm | None = None) -> None:
         self._comm = comm
+        self._fused: dict[str, Callable[..., Any]] = {}  # small-call plans by signature
 
     @property
     def comm(self) -> Any:
@@ -291,7 +308,7 @@ class CrossDeviceOps(abc.ABC):
             single destination device, the array itself (as TF returns the tensor).
         """
         comm = self.comm
-        signature = error = None
+        signature = error = small = None
         timeout = self._timeout(options)
         where = f"{type(self).__name__}.reduce"
         try:
@@ -303,9 +320,16 @@ class CrossDeviceOps(abc.ABC):
             match = _same_devices(value.device_set, dest, comm)
             targets = _targets(op, given, value, dest, match, inplace, out, where)
             signature = (f"{where} op={op.name} value={_describe(value)} "
-                         f"match={match} options={options}")
+                         f"match={match} options={_options_text(options)}")
+            if match and targets is None and timeout is None:
+                # (its agreement's signature says so: a rank that differs disagrees)
+                small = self._fused_plan(comm, op, value, signature, where)
         except (ValueError, TypeError) as exc:
             error = exc
+        if small is not None:  # the agreement carries the data: one collective in all
+            assert signature is not None and options is not None
+            return _restored(self._run_fused(small, comm, op, value, signature, where,
+                                             options), like)
         agree(comm, signature, error, where, timeout=timeout)
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
@@ -334,7 +358,7 @@ class CrossDeviceOps(abc.ABC):
             where a pair has a single destination device).
         """
         comm = self.comm
-        signature = error = None
+        signature = error = small = None
         timeout = self._timeout(options)
         where = f"{type(self).__name__}.batch_reduce"
         try:
@@ -344,9 +368,16 @@ class CrossDeviceOps(abc.ABC):
             match = self._all_match(pairs, comm)
             targets = self._batch_targets(comm, op, pairs, givens, inplace, out, where)
             signature = (f"{where} op={op.name} match={match} "
-                         f"options={options} " + _batch_signature([v for v, _ in pairs]))
+                         f"options={_options_text(options)} "
+                         + _batch_signature([v for v, _ in pairs]))
+            if len(pairs) == 1 and match and targets is None and timeout is None:
+                small = self._fused_plan(comm, op, pairs[0][0], signature, where)
         except (ValueError, TypeError) as exc:
             error = exc
+        if small is not None:  # one small value: reduced inside the agreement
+            assert signature is not None and options is not None
+            return [_restored(self._run_fused(small, comm, op, pairs[0][0], signature, where,
+                                              options), likes[0])]
         agree(comm, signature, error, where, timeout=timeout)
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
@@ -392,6 +423,56 @@ class CrossDeviceOps(abc.ABC):
 
     # -- hooks for subclasses
 
+    def _fused_entry(self, nbytes: int) -> AllReduceSpecTuple | None:
+        """The spec entry a small all-reduce of ``nbytes`` would take (checked against
+        the job's layout), for ops that reduce small host values inside their agreement
+        (:mod:`mpistrat.fused`); None (the default): this op runs its own algorithm."""
+        return None
+
+    def _check_layout(self, comm: Comm, replicas: int) -> None:
+        """Raise (after the agreement, on every rank) when this op cannot serve a value
+        of ``replicas`` components per rank on ``comm``."""
+
+    def _fused_plan(self, comm: Comm, op: ReduceOp, value: DistributedValues,
+                    signature: str, where: str) -> Callable[..., Any] | None:
+        """The plan of an all-reduce of ``value`` inside its agreement (see
+        :mod:`mpistrat.fused`), or None where it does not apply: several components,
+        device or non-numeric arrays, more than ``FUSED_BYTES``, one rank or more than
+        ``FUSED_RANKS``, or an op that runs its own algorithm. Kept per signature."""
+        values = value.values
+        array = values[0]
+        size = comm.Get_size()
+        if len(values) != 1 or type(array) is not np.ndarray or array.nbytes > FUSED_BYTES \
+                or not 1 < size <= FUSED_RANKS or array.dtype.kind not in "fiuc":
+            return None
+        plans = self._fused
+        found = plans.get(signature)
+        if found is None:
+            entry = self._fused_entry(array.nbytes)
+            if entry is None:
+                return None
+            if len(plans) >= 256:
+                plans.clear()
+            found = plans[signature] = fused.plan(
+                comm, array.shape, array.dtype, op, False, entry, None,
+                f"{signature} via=exchange", where, "the same call")
+        return found
+
+    def _run_fused(self, small: Callable[..., Any], comm: Comm, op: ReduceOp,
+                   value: DistributedValues, signature: str, where: str,
+                   options: CommunicationOptions) -> Any:
+        """Run a plan of :meth:`_fused_plan` on ``value``'s array (agreement and data in
+        one collective); the reduced array."""
+        result = small(value.values[0])
+        if result is None:  # the node grouping changed since the plan was made
+            self._fused.clear()
+            again = self._fused_plan(comm, op, value, signature, where)
+            assert again is not None
+            result = again(value.values[0])
+        self._check_implementation(options)
+        self._check_layout(comm, 1)
+        return result
+
     @abc.abstractmethod
     def reduce_implementation(self, op: ReduceOp, value: DistributedValues,
                               dest: tuple[Device, ...], options: CommunicationOptions) -> Mirrored:
@@ -427,7 +508,7 @@ class CrossDeviceOps(abc.ABC):
     @staticmethod
     def _options(options: Any) -> CommunicationOptions:
         if options is None:
-            return CommunicationOptions()
+            return _DEFAULT_OPTIONS
         if not isinstance(options, CommunicationOptions):
             raise TypeError(f"options must be a CommunicationOptions, got {options!r}")
         return options
@@ -801,9 +882,11 @@ class MultiWorkerAllReduce(_AllReduceBase):
         self.agg_small_grads_max_bytes = agg_small_grads_max_bytes
         self.agg_small_grads_max_group = agg_small_grads_max_group
 
-    def _batch(self, op, values, options):
-        comm = self.comm
-        size, replicas = comm.Get_size(), len(values[0])
+    def _fused_entry(self, nbytes):
+        return None if self.num_gpus_per_worker else self.spec.route(nbytes)
+
+    def _check_layout(self, comm, replicas):
+        size = comm.Get_size()
         if self.worker_devices is not None and len(self.worker_devices) != size:
             raise TopologyError(
                 f"MultiWorkerAllReduce got {len(self.worker_devices)} worker_devices but the "
@@ -814,6 +897,11 @@ class MultiWorkerAllReduce(_AllReduceBase):
                 f"num_gpus_per_worker={self.num_gpus_per_worker} but the values have "
                 f"{replicas} component(s) per rank"
             )
+
+    def _batch(self, op, values, options):
+        comm = self.comm
+        replicas = len(values[0])
+        self._check_layout(comm, replicas)
         groups = engine.fitted_groups(
             comm, op, [_first_array(v) for v in values], self.spec, self.num_packs,
             self.agg_small_grads_max_bytes, self.agg_small_grads_max_group,

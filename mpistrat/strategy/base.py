@@ -353,7 +353,12 @@ class Strategy:
                 "from, or use MEAN")
         if axis is not None:
             return self._reduce_along(op, value, axis)
-        reduced = self._extended.reduce_to(op, value, self._destinations_of(value))
+        if type(value) is np.ndarray or isinstance(value, (float, int, np.generic)):
+            # one value per rank, on the value's own device: the value is its destinations
+            value = PerReplica([value if type(value) is np.ndarray else np.asarray(value)])
+            reduced = self._extended.reduce_to(op, value, value)
+        else:
+            reduced = self._extended.reduce_to(op, value, self._destinations_of(value))
         return components_of(reduced)[0]
 
     def _destinations_of(self, value: Any) -> Any:

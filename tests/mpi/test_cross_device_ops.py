@@ -942,6 +942,82 @@ def test_rank0_differs_raises_on_every_rank(comm, kind):
     assert not any(everyone), everyone
 
 
+# --- one small value per rank: reduced inside the agreement ----------------------------
+
+SMALL_VALUES = [((), F64), ((3,), F32), ((2, 5), I32), ((7,), F16), ((1024,), F32)]
+
+
+@pytest.mark.parametrize("reduce_op", ["sum", "mean"])
+def test_small_values_travel_inside_the_agreement(comm, reduce_op, monkeypatch):
+    """MultiWorkerAllReduce's reduce, and a batch_reduce of one pair, of one component of
+    at most FUSED_BYTES per rank: no algorithm runs (the agreement's collective carries
+    the data), the result is the exact reference in the right dtype, the same bits on
+    every rank, and stays so as the exchange's blocks grow to fit (each shape three times,
+    new data each time, up to 4 KiB)."""
+    seen = spy_algorithms(monkeypatch)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ops = MultiWorkerAllReduce(all_reduce_spec=TWO_ENTRY, comm=comm)
+    problems: list[str] = []
+    digests: list[tuple[str, str]] = []
+    for shape, dtype in SMALL_VALUES:
+        for salt in range(3):
+            value = per_replica(rank, 1, shape, dtype, salt)
+            ref, tol, want = reference(reduce_op, size, 1, shape, dtype, salt)
+            label = f"{reduce_op} {shape} {dtype} #{salt}"
+            for how, call in (("reduce", lambda: ops.reduce(reduce_op, value, value)),  # noqa: B023
+                              ("batch", lambda: ops.batch_reduce(  # noqa: B023
+                                  reduce_op, [(value, value)])[0])):
+                out, exc = outcome(call)
+                check_call(f"{label} {how}", "shortcut" if size == 1 else "reduce", out, exc,
+                           value, ["/cpu:0"], ref, tol, want, problems, digests)
+    if size > 1 and seen:
+        problems.append(f"small values ran algorithms {sorted(set(seen))}")
+    finish(comm, problems, digests)
+
+
+SMALL_MISMATCHES = ["shape", "timeout", "all_reduce", "bad op", "over 4 KiB"]
+
+
+@pytest.mark.parametrize("kind", SMALL_MISMATCHES)
+def test_a_rank_that_calls_otherwise_than_a_small_reduce_fails_everywhere(world, kind):
+    """Rank 0 calls otherwise while the others reduce a small value inside the agreement
+    (another shape, a timeout, mpistrat.all_reduce of the same array, an invalid op, a
+    value too large to ride along): every rank raises — rank 0 its own ValueError for the
+    invalid op — and none waits; the communicator stays usable."""
+    if world.Get_size() < 2:
+        pytest.skip("a mismatch needs two ranks")
+    dup = world.Dup()
+    try:
+        rank = world.Get_rank()
+        ops = MultiWorkerAllReduce(all_reduce_spec=TWO_ENTRY, comm=dup)
+        value = per_replica(rank, 1, (5,), F32)
+        ops.reduce("sum", value, value)  # the plan exists: rank 0 deviates from a steady loop
+        odd = rank == 0
+        if odd and kind == "shape":
+            call = lambda: ops.reduce("sum", per_replica(rank, 1, (6,), F32), value)  # noqa: E731
+        elif odd and kind == "timeout":
+            call = lambda: ops.reduce(  # noqa: E731
+                "sum", value, value, options=CommunicationOptions(timeout_seconds=30))
+        elif odd and kind == "all_reduce":
+            call = lambda: mpistrat.all_reduce(value.values[0], "sum", TWO_ENTRY,  # noqa: E731
+                                               comm=dup)
+        elif odd and kind == "bad op":
+            call = lambda: ops.reduce("max", value, value)  # noqa: E731
+        elif odd and kind == "over 4 KiB":
+            big = per_replica(rank, 1, (5000,), F32)
+            call = lambda: ops.reduce("sum", big, big)  # noqa: E731
+        else:
+            call = lambda: ops.reduce("sum", value, value)  # noqa: E731
+        out, exc = outcome(call)
+        want = ValueError if odd and kind == "bad op" else CollectiveMismatchError
+        assert type(exc) is want, f"{exc!r} / {out!r}"
+        again = ops.reduce("sum", value, value)
+        ref = reference("sum", world.Get_size(), 1, (5,), F32)[0]
+        assert np.array_equal(again, ref), "the communicator is not usable afterwards"
+    finally:
+        dup.Free()
+
+
 # --- errors raised after the agreement, on every rank ----------------------------------
 
 
