@@ -103,9 +103,13 @@ def _restored(result: Any, like: Any) -> Any:
 
 
 def _destinations(destinations: Any) -> tuple[Device, ...]:
-    """The destination devices: a DistributedValues', one device name, or a list of names."""
+    """The destination devices: a DistributedValues', one device name, a list of names, or
+    an array's (TF takes a tensor's device): a plain array is one value on ``/cpu:0``, as
+    :func:`_per_replica` places it."""
     if isinstance(destinations, DistributedValues):
         return destinations.device_set
+    if hasattr(destinations, "shape") and hasattr(destinations, "dtype"):
+        return PerReplica([destinations]).device_set
     if isinstance(destinations, (str, Device)):
         if isinstance(destinations, str) and not destinations.strip():
             raise ValueError("destinations can not be empty")
@@ -116,8 +120,9 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
         if all(isinstance(d, (str, Device)) for d in destinations):
             return tuple(parse_device(d) for d in destinations)
     raise ValueError(
-        f"destinations must be one of a `DistributedValues` object, a device string, or a "
-        f"list of device strings, got {destinations!r} ({type(destinations).__name__})"
+        f"destinations must be one of a `DistributedValues` object, an array, a device "
+        f"string, or a list of device strings, got {destinations!r} "
+        f"({type(destinations).__name__})"
     )
 
 

@@ -371,7 +371,8 @@ PLAIN = {
 
 def test_plain_arrays_and_scalars_are_one_component_on_cpu0(world):
     """A value that is not a DistributedValues is one component on /cpu:0 (TF's
-    conversion): an ndarray, a NumPy scalar or a Python number, in batch_reduce."""
+    conversion): an ndarray, a NumPy scalar or a Python number, in batch_reduce; an array
+    given as destinations means its device, /cpu:0 (TF takes a tensor's device)."""
     n, rank = world.Get_size(), world.Get_rank()
     problems: list[str] = []
     digests: list[tuple[str, str]] = []
@@ -384,13 +385,15 @@ def test_plain_arrays_and_scalars_are_one_component_on_cpu0(world):
             total = sum(np.asarray(make(r), np.float64) for r in range(n))
             for reduce_op in ("sum", "mean"):
                 name = f"{op_id} {label} {reduce_op}"
-                out, exc = outcome(lambda: ops.batch_reduce(  # noqa: B023
-                    reduce_op, [(value, "/cpu:0"), (value, ["CPU:0"])]))  # noqa: B023
+                pairs = [(value, "/cpu:0"), (value, ["CPU:0"])]
+                if label != "python int":
+                    pairs.append((value, value))
+                out, exc = outcome(lambda: ops.batch_reduce(reduce_op, pairs))  # noqa: B023
                 if kind == "topology":
                     check_call(name, kind, out, exc, None, [], None, None, None, problems,
                                digests)
                     continue
-                if exc is not None or len(out) != 2:
+                if exc is not None or len(out) != len(pairs):
                     problems.append(f"{name}: got {out!r} / {exc!r}")
                     continue
                 for result in out:
