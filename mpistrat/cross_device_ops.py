@@ -328,13 +328,13 @@ class CrossDeviceOps(abc.ABC):
                          f"match={match} options={_options_text(options)}")
             if match and targets is None and timeout is None:
                 # (its agreement's signature says so: a rank that differs disagrees)
-                small = self._fused_plan(comm, op, value, signature, where)
+                small = self._fused_plan(comm, op, [value], signature, where)
         except (ValueError, TypeError) as exc:
             error = exc
         if small is not None:  # the agreement carries the data: one collective in all
             assert signature is not None and options is not None
-            return _restored(self._run_fused(small, comm, op, value, signature, where,
-                                             options), like)
+            return _restored(self._run_fused(small, comm, op, [value], signature, where,
+                                             options)[0], like)
         agree(comm, signature, error, where, timeout=timeout)
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
@@ -375,14 +375,15 @@ class CrossDeviceOps(abc.ABC):
             signature = (f"{where} op={op.name} match={match} "
                          f"options={_options_text(options)} "
                          + _batch_signature([v for v, _ in pairs]))
-            if len(pairs) == 1 and match and targets is None and timeout is None:
-                small = self._fused_plan(comm, op, pairs[0][0], signature, where)
+            if pairs and match and targets is None and timeout is None:
+                small = self._fused_plan(comm, op, [v for v, _ in pairs], signature, where)
         except (ValueError, TypeError) as exc:
             error = exc
-        if small is not None:  # one small value: reduced inside the agreement
+        if small is not None:  # small values: reduced inside the agreement
             assert signature is not None and options is not None
-            return [_restored(self._run_fused(small, comm, op, pairs[0][0], signature, where,
-                                              options), likes[0])]
+            return [_restored(r, like) for r, like in zip(
+                self._run_fused(small, comm, op, [v for v, _ in pairs], signature, where,
+                                options), likes)]
         agree(comm, signature, error, where, timeout=timeout)
         assert options is not None  # agree raised unless _options returned it
         self._check_implementation(options)
@@ -438,45 +439,65 @@ class CrossDeviceOps(abc.ABC):
         """Raise (after the agreement, on every rank) when this op cannot serve a value
         of ``replicas`` components per rank on ``comm``."""
 
-    def _fused_plan(self, comm: Comm, op: ReduceOp, value: DistributedValues,
+    def _fused_plan(self, comm: Comm, op: ReduceOp, values: Sequence[DistributedValues],
                     signature: str, where: str) -> Callable[..., Any] | None:
-        """The plan of an all-reduce of ``value`` inside its agreement (see
+        """The plan of an all-reduce of ``values`` inside its agreement (see
         :mod:`mpistrat.fused`), or None where it does not apply: several components,
-        device or non-numeric arrays, more than ``FUSED_BYTES``, one rank or more than
-        ``FUSED_RANKS``, or an op that runs its own algorithm. Kept per signature."""
-        values = value.values
-        array = values[0]
+        device or non-numeric arrays, more than ``FUSED_BYTES`` in all, one rank or more
+        than ``FUSED_RANKS``, or an op that runs its own algorithm. Kept per signature."""
         size = comm.Get_size()
-        if len(values) != 1 or type(array) is not np.ndarray or array.nbytes > FUSED_BYTES \
-                or not 1 < size <= FUSED_RANKS or array.dtype.kind not in "fiuc":
+        if not 1 < size <= FUSED_RANKS:
             return None
+        arrays = []
+        for value in values:
+            components = value.values
+            array = components[0]
+            if len(components) != 1 or type(array) is not np.ndarray \
+                    or array.dtype.kind not in "fiuc":
+                return None
+            arrays.append(array)
         plans = self._fused
         found = plans.get(signature)
-        if found is None:
-            entry = self._fused_entry(array.nbytes)
-            if entry is None:
-                return None
-            if len(plans) >= 256:
-                plans.clear()
-            found = plans[signature] = fused.plan(
-                comm, array.shape, array.dtype, op, False, entry, None,
-                f"{signature} via=exchange", where, "the same call")
+        if found is not None:
+            return found
+        parts = [(a.shape, a.dtype) for a in arrays]
+        if fused.layout(parts)[1] > FUSED_BYTES:
+            return None
+        found_entries = [self._fused_entry(a.nbytes) for a in arrays]
+        entries = [e for e in found_entries if e is not None]
+        if len(entries) != len(arrays):
+            return None
+        if len(plans) >= 256:
+            plans.clear()
+        text = f"{signature} via=exchange"
+        found = plans[signature] = \
+            fused.plan(comm, parts[0][0], parts[0][1], op, False, entries[0], None, text,
+                       where, "the same call") if len(arrays) == 1 else \
+            fused.plan_batch(comm, parts, op, entries, text, where, "the same call")
         return found
 
     def _run_fused(self, small: Callable[..., Any], comm: Comm, op: ReduceOp,
-                   value: DistributedValues, signature: str, where: str,
-                   options: CommunicationOptions) -> Any:
-        """Run a plan of :meth:`_fused_plan` on ``value``'s array (agreement and data in
-        one collective); the reduced array."""
-        result = small(value.values[0])
-        if result is None:  # the node grouping changed since the plan was made
+                   values: Sequence[DistributedValues], signature: str, where: str,
+                   options: CommunicationOptions) -> list[Any]:
+        """Run a plan of :meth:`_fused_plan` on ``values``' arrays (agreement and data in
+        one collective); the reduced arrays."""
+        for attempt in (0, 1):
+            if len(values) == 1:
+                result = small(values[0].values[0])
+                results = None if result is None else [result]
+            else:
+                results = small([value.values[0] for value in values])
+            if results is not None:
+                break
+            # the node grouping changed since the plan was made: plan again (once)
             self._fused.clear()
-            again = self._fused_plan(comm, op, value, signature, where)
-            assert again is not None
-            result = again(value.values[0])
+            again = self._fused_plan(comm, op, values, signature, where)
+            assert again is not None and not attempt
+            small = again
+        assert results is not None
         self._check_implementation(options)
         self._check_layout(comm, 1)
-        return result
+        return results
 
     @abc.abstractmethod
     def reduce_implementation(self, op: ReduceOp, value: DistributedValues,

@@ -17,8 +17,8 @@ checked against the job's layout, so a spec that cannot run fails here too).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -30,17 +30,33 @@ from .runtime._mpi import Comm
 from .runtime.agreement import exchange, signature_code
 from .spec import AllReduceSpecTuple
 
-__all__ = ["plan", "grouping_env"]
+__all__ = ["plan", "plan_batch", "layout", "grouping_env", "ALIGN"]
+
+
+ALIGN = 16
+"""Each part of a batch starts this many bytes into the payload after the previous one."""
+
+
+def layout(parts: Sequence[tuple[tuple, Any]]) -> tuple[list[int], int]:
+    """The payload offsets of ``parts`` (``(shape, dtype)`` each) laid out in order, each
+    aligned to :data:`ALIGN`, and the bytes they take in all."""
+    offsets, end = [], 0
+    for shape, dtype in parts:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return offsets, end
 
 
 def plan(comm: Comm, shape: tuple, dtype: Any, op: ReduceOp, inplace: bool,
          entry: AllReduceSpecTuple, ranks_per_node: int | None, signature: str,
          what: str, hint: str, check: bool = True) -> Callable[..., Any]:
-    """The plan of a small call: ``plan(array, into=None)`` reduces ``array`` (of
-    ``shape`` and ``dtype``, any layout) across the ranks of ``comm``, into ``into``,
-    into ``array`` itself (``inplace``) or into a new array, and returns the result — or
-    None, without communicating, when the plan no longer applies (the node grouping it
-    agreed on has changed). MEAN divides by the number of ranks (integers give float64).
+    """The plan of a small call of one array: ``plan(array, into=None)`` reduces
+    ``array`` (of ``shape`` and ``dtype``, any layout) across the ranks of ``comm``,
+    into ``into``, into ``array`` itself (``inplace``) or into a new array, and returns
+    the result — or None, without communicating, when the plan no longer applies (the
+    node grouping it agreed on has changed). MEAN divides by the number of ranks
+    (integers give float64).
 
     Checked, ``signature`` (this call's description, which every rank must share) is
     agreed on in the exchange, and a mismatch raises on every rank (``what``, ``hint``:
@@ -48,74 +64,147 @@ def plan(comm: Comm, shape: tuple, dtype: Any, op: ReduceOp, inplace: bool,
     when not (the first small call of this size on the communicator), the agreement goes
     first and the data follows in a second allgather, after which the blocks have room.
     Unchecked, one allgather of the data alone."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    size = comm.Get_size()
-    ex = exchange(comm)
-    assert ex is not None  # (small calls run on up to FUSED_RANKS ranks)
-    send = ex.payload(shape, dtype)
-    packed = ex.packed(nbytes)
-    combine = UFUNCS[op.primitive]
-    divisor = size if op is ReduceOp.MEAN else 0
-    integer_mean = bool(divisor) and dtype.kind in "iu"
-    scale = None if not divisor or integer_mean else dtype.type(divisor)
-    # a new result straight from the ufunc (for shape (), a ufunc would give a scalar)
-    plain = not divisor and size > 1 and shape != ()
-    info = algorithms.get(entry.alg)
-    # the node grouping is part of what hierarchical calls agree on, and shared-memory
-    # entries fit only one node: a change of MPISTRAT_RANKS_PER_NODE retires the plan
-    grouping = info.hierarchical or info.single_node
-    agreed_env = grouping_env() if grouping else None
-    if not check:
-        signature = ""
-    code = signature_code(signature) if check else 0
-    expected = ex.expected(code)
+    carrier = _Carrier(comm, [(shape, dtype)], [entry], ranks_per_node, signature, what,
+                       hint, check)
+    reduce = _reducer(shape, np.dtype(dtype), op, carrier.size, inplace)
+    send = carrier.sends[0]
+    ex, code, expected, size = carrier.ex, carrier.code, carrier.expected, carrier.size
     gather, code_word, words = ex.gather, ex.code, ex.words
-    # [the block size the rows were read for (0: packed, -1: not yet steady), rank 0's
-    # data, rank 1's (None with one rank), the others']. Steady: the entry has been
-    # fitted, the data fits the blocks, the rows are views of the blocks as they are.
-    state: list[Any] = [-1, None, None, ()]
-
-    def read(source: list[Any], block: int) -> None:
-        state[:] = [block, source[0], source[1] if size > 1 else None, tuple(source[2:])]
-
-    def unsteady() -> None:
-        """A checked call that is not steady yet: exchange (then the data alone if the
-        blocks have no room), grow the blocks, fit the entry, read the rows."""
-        fits = nbytes <= ex.capacity
-        agreed = ex.run(comm, code, what) == expected
-        if not agreed:
-            ex.disagree(comm, signature, None, what, hint)
-        if not fits:
-            comm.Allgather(*packed)
-            ex.grow(nbytes)  # (every rank agreed on this call: they all grow alike)
-        fit()
-        if fits:
-            read(ex.rows(shape, dtype), ex.block)
-        else:
-            read(ex.rows(shape, dtype, packed=True), -1)
-
-    def fit() -> None:  # after the agreement: every rank checks the same entry
-        dispatch.fit(entry.alg, comm, entry.shards, ranks_per_node=ranks_per_node)
+    grouping, agreed_env = carrier.grouping, carrier.agreed_env
 
     def run(array: Any, into: Any = None) -> Any:
         if grouping and grouping_env() != agreed_env:
             return None
         send[...] = array
         if not check:
-            comm.Allgather(*packed)
-            if state[0]:
-                fit()
-                read(ex.rows(shape, dtype, packed=True), 0)
-        elif state[0] == ex.block:  # steady: the exchange is the whole call
+            carrier.unchecked()
+        elif carrier.block == ex.block:  # steady: the exchange is the whole call
             code_word[0] = code
             gather(comm, what)
-            if (words[0] != code or words[state[0] >> 3] != code) if size == 2 \
+            if (words[0] != code or words[carrier.block >> 3] != code) if size == 2 \
                     else ex.codes.tobytes() != expected:
-                ex.disagree(comm, signature, None, what, hint)
+                carrier.disagree()
         else:
-            unsteady()
-        _, r0, r1, others = state
+            carrier.unsteady()
+        return reduce(carrier.rows[0], array, into)
+
+    return run
+
+
+def plan_batch(comm: Comm, parts: Sequence[tuple[tuple, Any]], op: ReduceOp,
+               entries: Sequence[AllReduceSpecTuple], signature: str, what: str,
+               hint: str) -> Callable[..., Any]:
+    """:func:`plan` for several arrays at once, checked, into new arrays (``parts``:
+    their ``(shape, dtype)``, laid out by :func:`layout` in at most ``FUSED_BYTES``;
+    ``entries``: the spec entries they are checked against): ``run(arrays)`` returns the
+    list of results, or None as :func:`plan`'s does. One collective carries the
+    agreement and every array."""
+    carrier = _Carrier(comm, parts, entries, None, signature, what, hint, True)
+    reducers = [_reducer(shape, np.dtype(dtype), op, carrier.size, False)
+                for shape, dtype in parts]
+    sends = carrier.sends
+    ex, code, expected = carrier.ex, carrier.code, carrier.expected
+
+    def run(arrays: Sequence[Any]) -> list[Any] | None:
+        if carrier.grouping and grouping_env() != carrier.agreed_env:
+            return None
+        for send, array in zip(sends, arrays):
+            send[...] = array
+        if carrier.block == ex.block:  # steady: the exchange is the whole call
+            if ex.run(comm, code, what) != expected:
+                carrier.disagree()
+        else:
+            carrier.unsteady()
+        return [reduce(rows, array, None)
+                for reduce, rows, array in zip(reducers, carrier.rows, arrays)]
+
+    return run
+
+
+class _Carrier:
+    """A plan's side of the exchange: the payload views, the agreed code, the spec
+    entries to fit, and the rows to reduce once the call is steady."""
+
+    __slots__ = ("comm", "ex", "size", "parts", "offsets", "nbytes", "sends", "packed",
+                 "entries", "ranks_per_node", "grouping", "agreed_env", "signature", "what",
+                 "hint", "code", "expected", "block", "rows")
+
+    def __init__(self, comm: Comm, parts: Sequence[tuple[tuple, Any]],
+                 entries: Sequence[AllReduceSpecTuple], ranks_per_node: int | None,
+                 signature: str, what: str, hint: str, check: bool) -> None:
+        ex = exchange(comm)
+        assert ex is not None  # (small calls run on up to FUSED_RANKS ranks)
+        self.comm, self.ex, self.size = comm, ex, comm.Get_size()
+        self.parts = [(shape, np.dtype(dtype)) for shape, dtype in parts]
+        self.offsets, self.nbytes = layout(self.parts)
+        self.sends = [ex.payload(shape, dtype, offset)
+                      for (shape, dtype), offset in zip(self.parts, self.offsets)]
+        self.packed = ex.packed(self.nbytes)
+        self.entries, self.ranks_per_node = list(dict.fromkeys(entries)), ranks_per_node
+        # the node grouping is part of what hierarchical calls agree on, and shared-memory
+        # entries fit only one node: a change of MPISTRAT_RANKS_PER_NODE retires the plan
+        infos = [algorithms.get(entry.alg) for entry in self.entries]
+        self.grouping = any(info.hierarchical or info.single_node for info in infos)
+        self.agreed_env = grouping_env() if self.grouping else None
+        self.signature = signature if check else ""
+        self.what, self.hint = what, hint
+        self.code = signature_code(signature) if check else 0
+        self.expected = ex.expected(self.code)
+        # the block size the rows were read for (0: packed, -1: not yet steady); steady:
+        # the entries have been fitted, the data fits the blocks, the rows are views of
+        # the blocks as they are. Per part: (rank 0's row, rank 1's or None, the others').
+        self.block = -1
+        self.rows: list[tuple] = []
+
+    def _read(self, block: int) -> None:
+        size, ex = self.size, self.ex
+        rows = [ex.rows(shape, dtype, block <= 0, offset, self.nbytes)
+                for (shape, dtype), offset in zip(self.parts, self.offsets)]
+        self.rows = [(r[0], r[1] if size > 1 else None, tuple(r[2:])) for r in rows]
+        self.block = block
+
+    def _fit(self) -> None:  # after the agreement: every rank checks the same entries
+        for entry in self.entries:
+            dispatch.fit(entry.alg, self.comm, entry.shards, ranks_per_node=self.ranks_per_node)
+
+    def unsteady(self) -> None:
+        """A checked call that is not steady yet: exchange (then the data alone if the
+        blocks have no room), grow the blocks, fit the entries, read the rows."""
+        ex = self.ex
+        fits = self.nbytes <= ex.capacity
+        if ex.run(self.comm, self.code, self.what) != self.expected:
+            self.disagree()
+        if not fits:
+            self.comm.Allgather(*self.packed)
+            ex.grow(self.nbytes)  # (every rank agreed on this call: they all grow alike)
+        self._fit()
+        self._read(ex.block if fits else -1)
+
+    def unchecked(self) -> None:
+        """An unchecked call: one allgather of the data alone."""
+        self.comm.Allgather(*self.packed)
+        if self.block:
+            self._fit()
+            self._read(0)
+
+    def disagree(self) -> NoReturn:
+        self.ex.disagree(self.comm, self.signature, None, self.what, self.hint)
+
+
+def _reducer(shape: tuple, dtype: np.dtype, op: ReduceOp, size: int,
+             inplace: bool) -> Callable[..., Any]:
+    """``reduce(rows, array, into)``: the ranks' rows (rank 0's, rank 1's or None, the
+    others') combined in rank order into ``into``, into ``array`` (``inplace``) or into a
+    new array; MEAN divided by ``size`` (integers: a float64 result)."""
+    combine = UFUNCS[op.primitive]
+    divisor = size if op is ReduceOp.MEAN else 0
+    integer_mean = bool(divisor) and dtype.kind in "iu"
+    scale = None if not divisor or integer_mean else dtype.type(divisor)
+    # a new result straight from the ufunc (for shape (), a ufunc would give a scalar)
+    plain = not divisor and size > 1 and shape != ()
+
+    def reduce(rows: tuple, array: Any, into: Any) -> Any:
+        r0, r1, others = rows
         if inplace:
             into = array
         elif into is None and plain:
@@ -143,7 +232,7 @@ def plan(comm: Comm, shape: tuple, dtype: Any, op: ReduceOp, inplace: bool,
             np.true_divide(into, scale, out=into)
         return into
 
-    return run
+    return reduce
 
 
 _ENV_DATA = getattr(os.environ, "_data", None)

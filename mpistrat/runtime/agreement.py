@@ -326,23 +326,29 @@ class Exchange:
         if self.capacity < nbytes <= FUSED_BYTES:
             self._resize(min(FUSED_BYTES, -(-nbytes // 64) * 64))
 
-    def payload(self, shape: tuple, dtype: Any) -> np.ndarray:
-        """A view of ``shape`` and ``dtype`` (at most :data:`FUSED_BYTES`) on this rank's
-        payload area (what it sends, in a block or packed)."""
+    def payload(self, shape: tuple, dtype: Any, offset: int = 0) -> np.ndarray:
+        """A view of ``shape`` and ``dtype`` at ``offset`` bytes into this rank's payload
+        area (what it sends, in a block or packed; at most :data:`FUSED_BYTES` in all)."""
         dtype = np.dtype(dtype)
-        nbytes = _nbytes(shape, dtype)
-        return self.send[HEADER_BYTES:HEADER_BYTES + nbytes].view(dtype).reshape(shape)
+        start = HEADER_BYTES + offset
+        return self.send[start:start + _nbytes(shape, dtype)].view(dtype).reshape(shape)
 
-    def rows(self, shape: tuple, dtype: Any, packed: bool = False) -> list[np.ndarray]:
-        """Views of ``shape`` and ``dtype`` on every rank's data in the gather buffer, in
-        rank order: in the blocks as they are now (``capacity`` must hold them), or
-        ``packed`` back to back as :meth:`packed` gathers them."""
+    def rows(self, shape: tuple, dtype: Any, packed: bool = False, offset: int = 0,
+             stride: int | None = None) -> list[np.ndarray]:
+        """Views of ``shape`` and ``dtype``, ``offset`` bytes into every rank's data in
+        the gather buffer, in rank order: in the blocks as they are now (``capacity`` must
+        hold them), or ``packed`` back to back as :meth:`packed` gathers them (``stride``:
+        the bytes per rank it gathered, default this view's own)."""
         dtype = np.dtype(dtype)
         nbytes = _nbytes(shape, dtype)
-        stride, start = (nbytes, 0) if packed else (self.block, HEADER_BYTES)
-        if not packed and nbytes > self.capacity:
-            raise ValueError(f"{nbytes} bytes do not fit blocks of {self.capacity}")
-        return [self.recv[r * stride + start:r * stride + start + nbytes].view(dtype)
+        if packed:
+            step, start = (nbytes if stride is None else stride), offset
+        else:
+            step, start = self.block, HEADER_BYTES + offset
+            if offset + nbytes > self.capacity:
+                raise ValueError(f"{offset + nbytes} bytes do not fit blocks of "
+                                 f"{self.capacity}")
+        return [self.recv[r * step + start:r * step + start + nbytes].view(dtype)
                 .reshape(shape) for r in range(self.size)]
 
     def packed(self, nbytes: int) -> tuple[list, list]:

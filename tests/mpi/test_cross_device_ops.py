@@ -952,11 +952,12 @@ SMALL_VALUES = [((), F64), ((3,), F32), ((2, 5), I32), ((7,), F16), ((1024,), F3
 
 @pytest.mark.parametrize("reduce_op", ["sum", "mean"])
 def test_small_values_travel_inside_the_agreement(comm, reduce_op, monkeypatch):
-    """MultiWorkerAllReduce's reduce, and a batch_reduce of one pair, of one component of
-    at most FUSED_BYTES per rank: no algorithm runs (the agreement's collective carries
-    the data), the result is the exact reference in the right dtype, the same bits on
-    every rank, and stays so as the exchange's blocks grow to fit (each shape three times,
-    new data each time, up to 4 KiB)."""
+    """MultiWorkerAllReduce's reduce and batch_reduce of one-component values of at most
+    FUSED_BYTES per rank (a batch: in all, mixed shapes and dtypes): no algorithm runs
+    (the agreement's collective carries the data), the results are the exact reference in
+    the right dtype, the same bits on every rank, and stay so as the exchange's blocks
+    grow to fit (each shape three times, new data each time, up to 4 KiB); a batch over
+    4 KiB runs the spec."""
     seen = spy_algorithms(monkeypatch)
     rank, size = comm.Get_rank(), comm.Get_size()
     ops = MultiWorkerAllReduce(all_reduce_spec=TWO_ENTRY, comm=comm)
@@ -973,8 +974,33 @@ def test_small_values_travel_inside_the_agreement(comm, reduce_op, monkeypatch):
                 out, exc = outcome(call)
                 check_call(f"{label} {how}", "shortcut" if size == 1 else "reduce", out, exc,
                            value, ["/cpu:0"], ref, tol, want, problems, digests)
+    # a batch of several small values, mixed shapes and dtypes, 3 KiB in all: one exchange
+    batch = [((), F64), ((3,), F32), ((2, 5), I32), ((7,), F16), ((700,), F32)]
+    for salt in range(3):
+        values = [per_replica(rank, 1, shape, dtype, salt + i)
+                  for i, (shape, dtype) in enumerate(batch)]
+        out, exc = outcome(lambda: ops.batch_reduce(reduce_op, [(v, v) for v in values]))  # noqa: B023
+        if exc is not None or len(out) != len(batch):
+            problems.append(f"batch of {len(batch)} #{salt}: got {out!r} / {exc!r}")
+            continue
+        for i, ((shape, dtype), value, result) in enumerate(zip(batch, values, out)):
+            ref, tol, want = reference(reduce_op, size, 1, shape, dtype, salt + i)
+            check_call(f"batch #{salt} [{i}] {shape} {dtype}",
+                       "shortcut" if size == 1 else "reduce", result, None, value,
+                       ["/cpu:0"], ref, tol, want, problems, digests)
     if size > 1 and seen:
         problems.append(f"small values ran algorithms {sorted(set(seen))}")
+    # over 4 KiB in all: the spec's algorithms run, the results as exact
+    seen.clear()
+    values = [per_replica(rank, 1, (600,), F32, i) for i in range(2)]
+    out, exc = outcome(lambda: ops.batch_reduce(reduce_op, [(v, v) for v in values]))
+    for i, value in enumerate(values):
+        ref, tol, want = reference(reduce_op, size, 1, (600,), F32, i)
+        check_call(f"batch over 4 KiB [{i}]", "shortcut" if size == 1 else "reduce",
+                   None if out is None else out[i], exc, value, ["/cpu:0"], ref, tol, want,
+                   problems, digests)
+    if size > 1 and not seen:
+        problems.append("a batch over 4 KiB ran no algorithm")
     finish(comm, problems, digests)
 
 
