@@ -3,15 +3,16 @@
 Up to :data:`~mpistrat.runtime.agreement.FUSED_RANKS` ranks, a checked collective starts
 with the communicator's :class:`~mpistrat.runtime.agreement.Exchange`: one allgather of
 fixed-size blocks, each a header with the hash of the rank's call and a payload area. A
-reduction of one host array of at most :data:`~mpistrat.runtime.agreement.FUSED_BYTES`
-puts its data in the payload: after the allgather every rank has agreed on the call and
-holds every rank's array, and reduces them itself in rank order
-(``((x0 + x1) + x2) + ...``), so one collective does the whole call and the result is
-the same bits on every rank. The spec's algorithm does not run (its entry is still
+reduction of host arrays of at most :data:`~mpistrat.runtime.agreement.FUSED_BYTES` in
+all puts their data in the payload: after the allgather every rank has agreed on the
+call and holds every rank's arrays, and reduces them itself in rank order
+(``((x0 + x1) + x2) + ...``), so one collective does the whole call and the results are
+the same bits on every rank. The spec's algorithm does not run (its entries are still
 checked against the job's layout, so a spec that cannot run fails here too).
 
-:func:`plan` builds such a call once per shape, dtype and signature;
-``mpistrat.all_reduce`` and ``MultiWorkerAllReduce.reduce`` keep the plans.
+:func:`plan` builds such a call for one array, :func:`plan_batch` for several (laid out
+by :func:`layout`), once per shapes, dtypes and signature; ``mpistrat.all_reduce`` and
+``MultiWorkerAllReduce.reduce`` / ``batch_reduce`` keep the plans.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = ["plan", "plan_batch", "layout", "grouping_env", "ALIGN"]
 
 
 ALIGN = 16
-"""Each part of a batch starts this many bytes into the payload after the previous one."""
+"""The parts of a batch start at multiples of this many bytes into the payload."""
 
 
 def layout(parts: Sequence[tuple[tuple, Any]]) -> tuple[list[int], int]:
