@@ -63,7 +63,7 @@ class _Watchdog:
     """Ends this rank when the armed test runs past its deadline: prints which test and
     how long, dumps every thread's stack to stderr, and exits with status 1 (the launcher
     then ends the job). One daemon thread polls the deadline four times a second, so a
-    rank stuck in an MPI call (which holds no lock the thread needs) is still ended."""
+    rank stuck in an MPI call is still ended (mpi4py releases the GIL while it waits)."""
 
     def __init__(self, config) -> None:
         self.armed: tuple[float, float, str] | None = None  # (deadline, seconds, test id)
