@@ -469,11 +469,8 @@ class CrossDeviceOps(abc.ABC):
             return None
         if len(plans) >= 256:
             plans.clear()
-        text = f"{signature} via=exchange"
-        found = plans[signature] = \
-            fused.plan(comm, parts[0][0], parts[0][1], op, False, entries[0], None, text,
-                       where, "the same call") if len(arrays) == 1 else \
-            fused.plan_batch(comm, parts, op, entries, text, where, "the same call")
+        found = plans[signature] = fused.plan_batch(
+            comm, parts, op, entries, f"{signature} via=exchange", where, "the same call")
         return found
 
     def _run_fused(self, small: Callable[..., Any], comm: Comm, op: ReduceOp,
@@ -481,20 +478,14 @@ class CrossDeviceOps(abc.ABC):
                    options: CommunicationOptions) -> list[Any]:
         """Run a plan of :meth:`_fused_plan` on ``values``' arrays (agreement and data in
         one collective); the reduced arrays."""
-        for attempt in (0, 1):
-            if len(values) == 1:
-                result = small(values[0].values[0])
-                results = None if result is None else [result]
-            else:
-                results = small([value.values[0] for value in values])
-            if results is not None:
-                break
-            # the node grouping changed since the plan was made: plan again (once)
+        arrays = [value.values[0] for value in values]
+        results = small(arrays)
+        if results is None:  # the node grouping changed since the plan was made
             self._fused.clear()
             again = self._fused_plan(comm, op, values, signature, where)
-            assert again is not None and not attempt
-            small = again
-        assert results is not None
+            assert again is not None
+            results = again(arrays)
+            assert results is not None
         self._check_implementation(options)
         self._check_layout(comm, 1)
         return results

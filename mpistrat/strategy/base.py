@@ -353,20 +353,12 @@ class Strategy:
                 "from, or use MEAN")
         if axis is not None:
             return self._reduce_along(op, value, axis)
-        if type(value) is np.ndarray or isinstance(value, (float, int, np.generic)):
-            # one value per rank, on the value's own device: the value is its destinations
-            value = PerReplica([value if type(value) is np.ndarray else np.asarray(value)])
-            reduced = self._extended.reduce_to(op, value, value)
-        else:
-            reduced = self._extended.reduce_to(op, value, self._destinations_of(value))
+        if not isinstance(value, DistributedValues):
+            # one value per rank, on /cpu:0, as the ops take a plain value (never raises: a
+            # value no backend takes is refused by the ops' agreement, on every rank)
+            value = PerReplica([np.asarray(value) if np.isscalar(value) else value])
+        reduced = self._extended.reduce_to(op, value, value)  # (its own destinations)
         return components_of(reduced)[0]
-
-    def _destinations_of(self, value: Any) -> Any:
-        if isinstance(value, DistributedValues):
-            return value
-        # (never raises: a value no backend takes is refused by the ops' agreement, on
-        # every rank)
-        return PerReplica([value if is_cuda_array(value) else np.asarray(value)])
 
     def _reduce_along(self, op: ReduceOp, value: Any, axis: int | Sequence[int]) -> Any:
         axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
