@@ -64,7 +64,9 @@ def chunk_cuts(nbytes: int, chunk_bytes: int, align: int = 1) -> list[tuple[int,
 
 
 class DirectTransport:
-    """Views go to MPI as they are (``before`` runs before each send: a stream sync)."""
+    """Views go to MPI as they are (``before`` runs before each send and receive: a
+    stream sync, so MPI neither reads memory that queued kernels still write nor writes
+    memory that they still use)."""
 
     __slots__ = ("comm", "before")
 
@@ -78,6 +80,8 @@ class DirectTransport:
         return self.comm.Isend([view, mpi().BYTE], dest, tag=tag)
 
     def irecv(self, view: Any, source: int, tag: int) -> Any:
+        if self.before is not None:
+            self.before()
         return self.comm.Irecv([view, mpi().BYTE], source, tag=tag)
 
     @staticmethod
@@ -90,6 +94,8 @@ class DirectTransport:
         self.comm.Send([view, mpi().BYTE], dest, tag=tag)
 
     def recv(self, view: Any, source: int, tag: int) -> None:
+        if self.before is not None:
+            self.before()
         self.comm.Recv([view, mpi().BYTE], source, tag=tag)
 
     def sendrecv(self, send: Any, dest: int, send_tag: int, recv: Any, source: int,
@@ -119,7 +125,7 @@ class HostMover:
         return np.empty(nbytes, dtype=np.uint8), None
 
     def after_compute(self) -> None:
-        """Order later device->host copies after the work queued so far (nothing here)."""
+        """Order later copies after the work queued so far (nothing here)."""
 
     @staticmethod
     def to_host(host: np.ndarray, device: Any) -> Any:
@@ -167,12 +173,16 @@ class CudaMover:
         return np.frombuffer(memory, dtype=np.uint8, count=nbytes), memory
 
     def after_compute(self) -> None:
-        """Make the copy stream wait for the work queued on the current (compute) stream."""
+        """Make both copy streams wait for the work queued on the current (compute)
+        stream: a send must read what the kernels wrote, and a receive must not land in
+        memory that queued kernels still use (a buffer from CuPy's pool is "free" once
+        the compute stream's queued work on it is ordered, not done)."""
         cuda = self.cupy.cuda
         with cuda.Device(self.device):
             event = cuda.Event(disable_timing=True)
             event.record(cuda.get_current_stream())
             self.d2h.wait_event(event)
+            self.h2d.wait_event(event)
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream: Any) -> Any:
         cuda = self.cupy.cuda
@@ -275,6 +285,7 @@ class _StagedRecv:
         BYTE = mpi().BYTE
         self.requests = [t.comm.Irecv([self.host[a:b], BYTE], source, tag=tag)
                          for a, b in self.cuts]
+        self.mover.after_compute()
         self.landed = 0
         self.last: Any = None
         self.mover.engine.recvs.append(self)

@@ -180,3 +180,42 @@ def test_rechd_staged_equals_direct(comm, op, n, pipeline, monkeypatch):
     halving_doubling.all_reduce(comm, out, op=op, backend=StagedHostBackend(),
                                 source=Source(segments, coalesce_bytes=64))
     assert np.array_equal(out, direct)
+
+
+class _OrderLog(HostMover):
+    """A HostMover that records when the copy streams are told to wait for the compute
+    stream and when each chunk is copied (CudaMover orders its streams that way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def after_compute(self) -> None:
+        self.log.append("wait")
+
+    def to_host(self, host, device):
+        self.log.append("to_host")
+        return super().to_host(host, device)
+
+    def to_device(self, device, host):
+        self.log.append("to_device")
+        return super().to_device(device, host)
+
+
+def test_copies_wait_for_the_compute_stream(comm):
+    """A staged receive must not land in device memory that queued kernels still use (a
+    buffer CuPy's pool handed out again): the host->device stream waits for the compute
+    stream when the receive starts, as the device->host stream does for a send. Without
+    this, rechd on two ranks sharing a GPU returned wrong tensors."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    receiver, sender = _OrderLog(), _OrderLog()
+    out = np.zeros(100, np.uint8)
+    receive = StagedTransport(comm, receiver, CHUNK).irecv(out, left, 7)
+    assert receiver.log == ["wait"]  # before any chunk can land
+    send = StagedTransport(comm, sender, CHUNK).isend(np.full(100, comm.rank, np.uint8),
+                                                      right, 7)
+    assert sender.log[0] == "wait" and sender.log.count("to_host") == 3
+    send.Wait()
+    receive.Wait()
+    assert receiver.log == ["wait"] + ["to_device"] * 3
+    assert np.all(out == left)
