@@ -21,6 +21,7 @@ CuPy is imported when a function runs, never at import.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,19 +105,29 @@ def communicators(comm: Comm, devices: Sequence[int]) -> list[Any]:
 
 def _dtype(nccl: Any, array: Any, op: ReduceOp) -> tuple[Any, int]:
     """NCCL's type for ``array`` and the element count to pass."""
-    dt = np.dtype(array.dtype)
-    table = {"b": "NCCL_INT8", "B": "NCCL_UINT8", "i": "NCCL_INT32", "I": "NCCL_UINT32",
-             "l": "NCCL_INT64", "L": "NCCL_UINT64", "q": "NCCL_INT64", "Q": "NCCL_UINT64",
-             "e": "NCCL_FLOAT16", "f": "NCCL_FLOAT32", "d": "NCCL_FLOAT64"}
-    if dt.kind == "c" and op.primitive is ReduceOp.SUM:
-        return getattr(nccl, "NCCL_FLOAT32" if dt.itemsize == 8 else "NCCL_FLOAT64"), \
-            array.size * 2
-    if dt.char not in table:
-        raise TypeError(f"NCCL cannot reduce {dt} with {op.name}; expected an integer or "
-                        f"float16/32/64 array (or complex with SUM), or use 'xring'")
-    return getattr(nccl, table[dt.char]), array.size
+    kind, factor = _nccl_type(np.dtype(array.dtype), op.primitive)
+    return kind, array.size * factor
 
 
+_NCCL_TYPES = {"b": "NCCL_INT8", "B": "NCCL_UINT8", "i": "NCCL_INT32", "I": "NCCL_UINT32",
+               "l": "NCCL_INT64", "L": "NCCL_UINT64", "q": "NCCL_INT64", "Q": "NCCL_UINT64",
+               "e": "NCCL_FLOAT16", "f": "NCCL_FLOAT32", "d": "NCCL_FLOAT64"}
+
+
+@functools.lru_cache(maxsize=64)
+def _nccl_type(dt: np.dtype, primitive: ReduceOp) -> tuple[Any, int]:
+    """NCCL's type for ``dt`` and how many of them one element is (cached: every call
+    looks it up)."""
+    nccl = _nccl()
+    if dt.kind == "c" and primitive is ReduceOp.SUM:
+        return getattr(nccl, "NCCL_FLOAT32" if dt.itemsize == 8 else "NCCL_FLOAT64"), 2
+    if dt.char not in _NCCL_TYPES:
+        raise TypeError(f"NCCL cannot reduce {dt} with {primitive.name}; expected an "
+                        f"integer or float16/32/64 array (or complex with SUM), or use 'xring'")
+    return getattr(nccl, _NCCL_TYPES[dt.char]), 1
+
+
+@functools.lru_cache(maxsize=8)
 def _op(nccl: Any, op: ReduceOp) -> Any:
     return {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.MIN: nccl.NCCL_MIN,
             ReduceOp.MAX: nccl.NCCL_MAX}[op.primitive]
@@ -140,6 +151,13 @@ def all_reduce_devices(comm: Comm, bufs: Sequence[Any], *, op: ReduceOp) -> None
     if bufs[0].size == 0:
         return
     kind, count = _dtype(nccl, bufs[0], op)
+    if len(bufs) == 1:  # (the common case, without the group calls)
+        (buf,), (nc,) = bufs, comms
+        with cupy.cuda.Device(devices[0]):
+            stream = cupy.cuda.get_current_stream()
+            nc.allReduce(buf.data.ptr, buf.data.ptr, count, kind, _op(nccl, op), stream.ptr)
+            stream.synchronize()
+        return
     streams = []
     if len(bufs) > 1:
         nccl.groupStart()
