@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, dispatch, engine, fused
-from .backends import get_backend
+from .backends import copy_all, get_backend
 from .backends.interop import describe_type, is_writeable, restore, to_native
 from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
@@ -95,7 +95,7 @@ class _Call:
         text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
                 f"op={self.op.name} spec={self.spec} inplace={self.inplace} "
                 f"out={self.outs is not None} form={'replicas' if self.replicas else 'one'} "
-                f"via={'exchange' if self.small else 'algorithm'}")
+                f"via={'exchange' if self.small else 'algorithm'} on={self.backend.name}")
         if algorithms.get(self.entry.alg).hierarchical:
             text += _node_grouping(self.ranks_per_node)
         return text
@@ -113,11 +113,13 @@ class _Batch:
     spec: AllReduceSpec
     inplace: bool
     ranks_per_node: int | None
+    on_gpu: bool              # device (CuPy) arrays: GPU algorithms such as nccl fit
 
     @property
     def signature(self) -> str:
         text = (f"batch {_batch_text(engine.structure(self.arrays))} op={self.op.name} "
-                f"spec={self.spec} inplace={self.inplace} out={self.outs is not None}")
+                f"spec={self.spec} inplace={self.inplace} out={self.outs is not None} "
+                f"on={'gpu' if self.on_gpu else 'host'}")
         if any(algorithms.get(entry.alg).hierarchical for entry in self.spec):
             text += _node_grouping(self.ranks_per_node)
         return text
@@ -293,12 +295,14 @@ def _prepare_batch(items: list[Any], op: ReduceOp, spec: AllReduceSpec, inplace:
             _check_writeable(array, like, "inplace=True")
     if inplace and out is not None:
         raise ValueError("inplace=True writes into the inputs: drop out, or inplace")
-    if arrays and len({get_backend(a).name for a in arrays}) > 1:
+    kinds = {get_backend(a).name for a in arrays}
+    if len(kinds) > 1:
         raise ValueError("a batch mixes host and device arrays; reduce them in two calls")
     outs, out_likes = (None, []) if out is None else _outs(
         out, len(arrays), [a.shape for a in arrays],
         [op.result_dtype(a.dtype) for a in arrays], "batch")
-    return _Batch(arrays, items, outs, out_likes, op, spec, inplace, ranks_per_node)
+    return _Batch(arrays, items, outs, out_likes, op, spec, inplace, ranks_per_node,
+                  "cupy" in kinds)
 
 
 class _Door:
@@ -514,7 +518,7 @@ def _reduce_one(comm: Comm, door: _Door, call: _Call, array: Any = None) -> Any:
     workers = door.size
     inplace, ranks_per_node = call.inplace, call.ranks_per_node
     dispatch.fit(call.entry.alg, comm, call.entry.shards, ranks_per_node=ranks_per_node,
-                 devices_per_worker=replicas)
+                 devices_per_worker=replicas, gpus=backend.name == "cupy")
 
     # the engine combines the local replicas in replica order, then runs the algorithm;
     # with one replica it reduces in place, in the input (inplace) or in ``out``
@@ -554,11 +558,10 @@ def _reduce_batch(comm: Comm, call: _Batch) -> list[Any]:
         return []
     # num_packs=1, no aggregation: MultiWorkerAllReduce's defaults
     groups = engine.fitted_groups(comm, call.op, arrays, call.spec, 1, 0, 0, 0,
-                                  ranks_per_node=call.ranks_per_node)
+                                  ranks_per_node=call.ranks_per_node, gpus=call.on_gpu)
     results = engine.reduce_batch(comm, call.op, [(a,) for a in arrays], groups)
     targets = arrays if call.inplace else call.outs
     if targets is not None:
-        for target, (result,) in zip(targets, results):
-            get_backend(target).copy(target, result)
+        copy_all(targets, [result for (result,) in results])
         return list(call.likes if call.inplace else call.out_likes)
     return [restore(result, like) for (result,), like in zip(results, call.likes)]

@@ -29,8 +29,9 @@ import numpy as np
 
 from . import engine, fused
 from ._nest import flatten
-from .backends import get_backend, host_backend
+from .backends import copy_all, get_backend, host_backend
 from .backends.capabilities import probe_gpus
+from .backends.cupy_backend import CupyBackend
 from .backends.interop import is_native, is_writeable, restore, to_host, to_native
 from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
@@ -39,7 +40,7 @@ from .packing import PackPlan
 from .runtime._mpi import Comm, world
 from .runtime.agreement import FUSED_BYTES, FUSED_RANKS, agree
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
-from .values import Device, DistributedValues, Mirrored, PerReplica, parse_device, single
+from .values import Device, DistributedValues, Mirrored, PerReplica, interned, parse_device, single
 
 __all__ = [
     "CrossDeviceOps",
@@ -102,6 +103,9 @@ def _restored(result: Any, like: Any) -> Any:
     return restore(result, like)
 
 
+_NAMED: dict[str, tuple[Device, ...]] = {}  # a device name as destinations -> its set
+
+
 def _destinations(destinations: Any) -> tuple[Device, ...]:
     """The destination devices: a DistributedValues', one device name, a list of names, or
     an array's (TF takes a tensor's device): a plain array is one value on ``/cpu:0``, as
@@ -110,10 +114,17 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
         return destinations.device_set
     if hasattr(destinations, "shape") and hasattr(destinations, "dtype"):
         return PerReplica([destinations]).device_set
-    if isinstance(destinations, (str, Device)):
-        if isinstance(destinations, str) and not destinations.strip():
-            raise ValueError("destinations can not be empty")
-        return (parse_device(destinations),)
+    if isinstance(destinations, str):
+        named = _NAMED.get(destinations)
+        if named is None:
+            if not destinations.strip():
+                raise ValueError("destinations can not be empty")
+            named = interned((parse_device(destinations),))
+            if len(_NAMED) < 1024:
+                _NAMED[destinations] = named
+        return named
+    if isinstance(destinations, Device):
+        return interned((destinations,))
     if isinstance(destinations, (list, tuple)):
         if not destinations:
             raise ValueError("destinations can not be empty")
@@ -144,29 +155,36 @@ def _describe(value: DistributedValues) -> str:
             f"dtype"
         )
     shape, dtype = shapes.pop()
-    return _text(len(arrays), shape, dtype)
+    # (device arrays: ranks that disagree on where a value lives must not run one
+    # algorithm on host buffers and another on device buffers)
+    on = "" if all(isinstance(a, np.ndarray) for a in arrays) else "@gpu"
+    return _text(len(arrays), shape, dtype) + on
 
 
 def _batch_signature(values: list[DistributedValues]) -> str:
     """The agreement's description of a batch: :func:`_describe` of every value, joined.
 
     A training loop reduces the same structure every step, so the text is cached per key
-    of shapes and dtypes (one-component NumPy values, the common case, skip building
-    161 strings a call; other values are described, and checked, one by one).
+    of shapes and dtypes (one-component NumPy or CuPy values, the common case, skip
+    building 161 strings a call; other values are described, and checked, one by one).
     """
-    key = []
+    key: list[Any] = []
     for value in values:
         components = value.values
         first = components[0]
-        key.append((first.shape, first.dtype) if len(components) == 1
-                   and type(first) is np.ndarray else _describe(value))
+        if len(components) == 1 and type(first) is np.ndarray:
+            key.append((first.shape, first.dtype, ""))
+        elif len(components) == 1 and CupyBackend.owns(first):  # (one GPU replica)
+            key.append((first.shape, first.dtype, "@gpu"))
+        else:
+            key.append(_describe(value))
     return _signature_text(tuple(key))
 
 
 @functools.lru_cache(maxsize=64)
 def _signature_text(key: tuple) -> str:
     return ";".join(entry if type(entry) is str else _text(1, entry[0], entry[1].str)
-                    for entry in key)
+                    + entry[2] for entry in key)
 
 
 _DEFAULT_OPTIONS = CommunicationOptions()
@@ -262,15 +280,19 @@ def _targets(op: ReduceOp, given: DistributedValues, value: DistributedValues,
 
 
 def _write(result: Any, targets: tuple[list[Any], list[Any]], dest: tuple[Device, ...],
-           ) -> Any:
+           copies: list[tuple[Any, Any]] | None = None) -> Any:
     """Copy a reduction's result (an array or a DistributedValues) into ``targets`` and
-    return the caller's arrays as the reduce would have returned new ones."""
+    return the caller's arrays as the reduce would have returned new ones. ``copies``:
+    collect the ``(target, result)`` pairs there instead, for :func:`copy_all`."""
     natives, handed = targets
     parts = result.values if isinstance(result, DistributedValues) else [result]
     for index, native in enumerate(natives):
         part = parts[min(index, len(parts) - 1)]  # (one result array: into every target)
         if native is not part:
-            get_backend(native).copy(native, to_native(part))
+            if copies is None:
+                get_backend(native).copy(native, to_native(part))
+            else:
+                copies.append((native, to_native(part)))
     if len(dest) == 1:
         return handed[0]
     return Mirrored(handed, [str(d) for d in dest])
@@ -396,8 +418,11 @@ class CrossDeviceOps(abc.ABC):
                        self.batch_reduce_implementation(op, pairs, options, match=match)]
         if targets is None:
             return [_restored(r, like) for r, like in zip(reduced, likes)]
-        return [_write(r, t, _destinations(d)) for r, t, (_, d) in
-                zip(reduced, targets, pairs)]
+        copies: list[tuple[Any, Any]] = []
+        written = [_write(r, t, _destinations(d), copies) for r, t, (_, d) in
+                   zip(reduced, targets, pairs)]
+        copy_all([t for t, _ in copies], [r for _, r in copies])
+        return written
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy rank 0's ``tensor`` to every destination device on every rank.
@@ -923,7 +948,8 @@ class MultiWorkerAllReduce(_AllReduceBase):
             comm, op, [_first_array(v) for v in values], self.spec, self.num_packs,
             self.agg_small_grads_max_bytes, self.agg_small_grads_max_group,
             options.bytes_per_pack, devices_per_worker=replicas,
-            gpus=self.num_gpus_per_worker > 0)
+            gpus=self.num_gpus_per_worker > 0
+            or not isinstance(_first_array(values[0]), np.ndarray))
         return _all_reduce_batch(comm, op, values, groups)
 
 

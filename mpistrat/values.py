@@ -79,6 +79,13 @@ def default_devices(count: int, gpus: bool = False) -> tuple[str, ...]:
 _DEVICE_SETS: dict[tuple, tuple[Device, ...]] = {}  # names or devices -> the parsed tuple
 
 
+def interned(devices: tuple[Device, ...]) -> tuple[Device, ...]:
+    """The one tuple kept for this device set (equal sets are then compared by identity)."""
+    if len(_DEVICE_SETS) < 1024:
+        return _DEVICE_SETS.setdefault(devices, devices)
+    return _DEVICE_SETS.get(devices, devices)
+
+
 class DistributedValues:
     """Values of one tensor on a rank's local devices (``tf.distribute.DistributedValues``).
 
@@ -115,8 +122,8 @@ class DistributedValues:
             parsed = tuple(parse_device(d) for d in names)
             if len(set(parsed)) != len(parsed):
                 raise ValueError(f"{type(self).__name__} devices repeat: {list(map(str, names))}")
-            if len(_DEVICE_SETS) < 1024:  # one tuple per device set: compared by identity
-                parsed = _DEVICE_SETS.setdefault(parsed, parsed)
+            parsed = interned(parsed)
+            if len(_DEVICE_SETS) < 1024:
                 _DEVICE_SETS[names] = parsed
         self._values = values
         self._devices = parsed

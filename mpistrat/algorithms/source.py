@@ -197,12 +197,11 @@ class Source:
                 continue
             if stage is None:
                 stage = backend.scratch("source-stage", self._stage_size, self.dtype)
-            first = None
-            for index, a, b, _ in self.pieces(start, stop):
-                at = self._stage_at[index] + a
-                first = at if first is None else first
-                backend.copy(stage[at:at + b - a], self.segments[index][a:b])
-            assert first is not None  # a staged message has at least one piece
+            pieces = [(self.segments[index], a, b, self._stage_at[index] + a)
+                      for index, a, b, _ in self.pieces(start, stop)]
+            assert pieces  # a staged message has at least one piece
+            backend.copy_pieces(stage, pieces)
+            first = pieces[0][3]
             view = backend.comm_view(stage[first:first + stop - start])
             requests.append(transport.isend(view, dest, tag))
         return requests
@@ -235,8 +234,9 @@ class Source:
                   backend: ArrayBackend) -> None:
         """``out[lo:hi] = self[lo:hi]``."""
         hi = self.size if hi is None else hi
-        for index, a, b, position in self.pieces(lo, hi):
-            backend.copy(out[position:position + b - a], self.segments[index][a:b])
+        segments = self.segments
+        backend.copy_pieces(out, [(segments[index], a, b, position)
+                                  for index, a, b, position in self.pieces(lo, hi)])
 
     def __repr__(self) -> str:
         return f"Source({len(self.segments)} segment(s), {self.size} x {self.dtype})"

@@ -9,14 +9,15 @@ PyTorch CUDA tensor), which :func:`as_array` converts to CuPy at the edge withou
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendUnavailable
 from .numpy_backend import NumpyBackend
 from .protocol import ArrayBackend
 
-__all__ = ["ArrayBackend", "NumpyBackend", "get_backend", "host_backend", "device_backend",
-           "as_array", "is_cuda_array"]
+__all__ = ["ArrayBackend", "NumpyBackend", "copy_all", "get_backend", "host_backend",
+           "device_backend", "as_array", "is_cuda_array"]
 
 _NUMPY = NumpyBackend()
 _CUPY: dict[int, Any] = {}  # device id -> CupyBackend
@@ -115,6 +116,20 @@ def get_backend(array: Any) -> Any:
         f"NumPy or CuPy array, or a CUDA array exposing __cuda_array_interface__ or DLPack "
         f"(other libraries' arrays go through mpistrat.backends.interop.to_native first)"
     )
+
+
+def copy_all(targets: Sequence[Any], results: Sequence[Any]) -> None:
+    """Copy each result into its target, grouped by the targets' backend, so that a
+    batch of device results goes back in one kernel launch
+    (:meth:`~mpistrat.backends.cupy_backend.CupyBackend.copy_many`)."""
+    groups: dict[int, tuple[Any, list[Any], list[Any]]] = {}
+    for target, result in zip(targets, results):
+        backend = get_backend(target)
+        group = groups.setdefault(id(backend), (backend, [], []))
+        group[1].append(target)
+        group[2].append(result)
+    for backend, into, sources in groups.values():
+        backend.copy_many(into, sources)
 
 
 def as_array(value: Any) -> tuple[Any, Any]:

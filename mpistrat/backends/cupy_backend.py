@@ -19,6 +19,7 @@ CuPy is imported when the backend is created, never at ``import mpistrat``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,33 @@ from .capabilities import device_buffers_to_mpi
 from .transport import CudaMover, DirectTransport, StagedTransport
 
 __all__ = ["CupyBackend"]
+
+# One launch copies many byte ranges: block row y takes range y (and y + gridDim.y, ...),
+# in 16-, 4- or 1-byte words as the range's addresses and length allow. The table holds
+# the sources, then the destinations, then the byte counts.
+_COPY_MANY = r"""
+extern "C" __global__ void mpistrat_copy_many(const unsigned long long* table, int n) {
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (int k = blockIdx.y; k < n; k += gridDim.y) {
+        const unsigned long long src = table[k], dst = table[n + k], bytes = table[2 * n + k];
+        if (((src | dst | bytes) & 15) == 0) {
+            const uint4* a = (const uint4*)src;
+            uint4* b = (uint4*)dst;
+            for (unsigned long long i = first; i < bytes / 16; i += step) b[i] = a[i];
+        } else if (((src | dst | bytes) & 3) == 0) {
+            const unsigned int* a = (const unsigned int*)src;
+            unsigned int* b = (unsigned int*)dst;
+            for (unsigned long long i = first; i < bytes / 4; i += step) b[i] = a[i];
+        } else {
+            const unsigned char* a = (const unsigned char*)src;
+            unsigned char* b = (unsigned char*)dst;
+            for (unsigned long long i = first; i < bytes; i += step) b[i] = a[i];
+        }
+    }
+}
+"""
+_BATCHED_FROM = 3  # fewer copies than this go one by one
 
 
 class CupyBackend:
@@ -45,6 +73,7 @@ class CupyBackend:
         self._ufuncs = {ReduceOp.SUM: cupy.add, ReduceOp.MIN: cupy.minimum,
                         ReduceOp.MAX: cupy.maximum}
         self._mover: Any = None
+        self._kernel: Any = None
 
     @staticmethod
     def owns(array: Any) -> bool:
@@ -125,6 +154,65 @@ class CupyBackend:
             if not isinstance(src, self.xp.ndarray):
                 src = self.xp.asarray(src)
             self.xp.copyto(dst, self._local(src))
+
+    def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """:meth:`copy` for each pair; pairs of contiguous arrays of one dtype and size on
+        this device are copied by one kernel launch (a batch of gradients written back
+        costs one launch, not one per tensor), the others one by one."""
+        xp = self.xp
+        spans, rest = [], []
+        for dst, src in zip(dsts, srcs):
+            if isinstance(src, xp.ndarray) and isinstance(dst, xp.ndarray) \
+                    and src.dtype == dst.dtype and src.size == dst.size \
+                    and src.flags.c_contiguous and dst.flags.c_contiguous \
+                    and src.device.id == self.device and dst.device.id == self.device:
+                if src.nbytes:
+                    spans.append((src.data.ptr, dst.data.ptr, src.nbytes))
+            else:
+                rest.append((dst, src))
+        self._copy_spans(spans)
+        for dst, src in rest:
+            self.copy(dst, src)
+
+    def copy_pieces(self, out: Any, pieces: Iterable[tuple[Any, int, int, int]]) -> None:
+        """``out[at:at + stop - start] = segment[start:stop]`` for each piece (contiguous
+        1-D device arrays of ``out``'s dtype), by one kernel launch."""
+        xp, base, size = self.xp, out.data.ptr, out.itemsize
+        spans, rest = [], []
+        for segment, start, stop, at in pieces:
+            if isinstance(segment, xp.ndarray) and segment.device.id == self.device \
+                    and segment.flags.c_contiguous and segment.dtype == out.dtype:
+                if stop > start:
+                    spans.append((segment.data.ptr + start * size, base + at * size,
+                                  (stop - start) * size))
+            else:
+                rest.append((out[at:at + stop - start], segment[start:stop]))
+        self._copy_spans(spans)
+        for dst, src in rest:
+            self.copy(dst, src)
+
+    def _copy_spans(self, spans: list[tuple[int, int, int]]) -> None:
+        """Copy each ``(source address, destination address, bytes)`` on the current
+        stream: one launch of :data:`_COPY_MANY` from :data:`_BATCHED_FROM` spans up."""
+        xp = self.xp
+        if not spans:
+            return
+        with self._on():
+            if len(spans) < _BATCHED_FROM:
+                stream = xp.cuda.get_current_stream().ptr
+                for src, dst, nbytes in spans:
+                    xp.cuda.runtime.memcpyAsync(dst, src, nbytes,
+                                                xp.cuda.runtime.memcpyDeviceToDevice, stream)
+                return
+            n = len(spans)
+            table = np.empty(3 * n, dtype=np.uint64)
+            table[:n], table[n:2 * n], table[2 * n:] = zip(*spans)
+            blocks = min(max(int(table[2 * n:].max()) // (16 * 256 * 4), 1), 512)
+            if self._kernel is None:
+                self._kernel = xp.RawKernel(_COPY_MANY, "mpistrat_copy_many")
+            # (the table's memory goes back to CuPy's pool, which hands it out again on
+            # this stream only, so after the kernel has read it)
+            self._kernel((blocks, min(n, 65535)), (256,), (xp.asarray(table), np.int32(n)))
 
     def clone(self, array: Any) -> Any:
         """A new array on this device equal to ``array`` (from any device or the host)."""

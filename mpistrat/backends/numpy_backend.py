@@ -9,6 +9,7 @@ allocated), so the hot path of a collective allocates nothing and takes no page 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,18 @@ class NumpyBackend:
     def copy(dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst`` (same shape)."""
         np.copyto(dst, src)
+
+    @staticmethod
+    def copy_many(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray]) -> None:
+        """:meth:`copy` for each pair."""
+        for dst, src in zip(dsts, srcs):
+            np.copyto(dst, src)
+
+    @staticmethod
+    def copy_pieces(out: np.ndarray, pieces: Iterable[tuple[np.ndarray, int, int, int]]) -> None:
+        """``out[at:at + stop - start] = segment[start:stop]`` for each piece."""
+        for segment, start, stop, at in pieces:
+            out[at:at + stop - start] = segment[start:stop]
 
     @staticmethod
     def clone(array: np.ndarray) -> np.ndarray:

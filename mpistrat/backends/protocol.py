@@ -10,6 +10,7 @@ algorithm code runs on host and device buffers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..ops import ReduceOp
@@ -60,6 +61,14 @@ class ArrayBackend(Protocol):
 
     def copy(self, dst: Any, src: Any) -> None:
         """Copy ``src`` into ``dst`` (same shape)."""
+
+    def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """:meth:`copy` for each pair (a device backend launches one kernel for all)."""
+
+    def copy_pieces(self, out: Any, pieces: Iterable[tuple[Any, int, int, int]]) -> None:
+        """``out[at:at + stop - start] = segment[start:stop]`` for each
+        ``(segment, start, stop, at)`` (1-D arrays of ``out``'s dtype): a batch's tensors
+        gathered into one buffer without a view per piece."""
 
     def clone(self, array: Any) -> Any:
         """A new array on this backend's device equal to ``array`` (from anywhere)."""

@@ -153,3 +153,59 @@ def test_cross_device_ops_batch_reduce_in_place(spec):
             assert _ptr(fresh) != pointers[1]
         # xs[1] holds the sum now, the same on every rank: its mean is the sum again
         assert np.allclose(_host(fresh), _host(xs[1]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8])
+def test_copy_many_and_copy_pieces_in_one_launch(dtype):
+    """The batched copies behind a batch's write-back and gathering: sizes and offsets
+    that are 16-byte, 4-byte and 1-byte aligned, empty pieces, and a pair that is not
+    contiguous (copied on its own), against NumPy."""
+    from mpistrat.backends import get_backend
+
+    rng = np.random.default_rng(7)
+    sizes = [0, 1, 3, 4, 17, 64, 1000, 4099, 1 << 18]
+    with cupy.cuda.Device(_device()):
+        srcs = [cupy.asarray((rng.standard_normal(n) * 50).astype(dtype)) for n in sizes]
+        dsts = [cupy.zeros(n, dtype=dtype) for n in sizes]
+        strided = cupy.zeros(20, dtype=dtype)[::2]
+        backend = get_backend(srcs[0])
+        backend.copy_many(dsts + [strided], srcs + [srcs[5][:10]])
+        for dst, src in zip(dsts, srcs):
+            assert np.array_equal(_host(dst), _host(src))
+        assert np.array_equal(_host(strided), _host(srcs[5][:10]))
+
+        # pieces of the segments at odd offsets, gathered into one buffer
+        pieces, at = [], 1
+        for src in srcs:
+            start, stop = min(1, src.size), src.size
+            pieces.append((src, start, stop, at))
+            at += stop - start
+        out = cupy.zeros(at + 1, dtype=dtype)
+        backend.copy_pieces(out, pieces)
+        expected = np.zeros(at + 1, dtype=dtype)
+        for src, start, stop, where in pieces:
+            expected[where:where + stop - start] = _host(src)[start:stop]
+        assert np.array_equal(_host(out), expected)
+
+
+@_specs_param()
+def test_batch_of_resnet50_gradients_in_place(spec):
+    """161 ResNet-50-shaped tensors reduced in place in one call (gathered and written
+    back by batched copies): every tensor's result in its own memory."""
+    from mpistrat.bench.shapes import resnet50_gradient_shapes
+
+    _skip_unless_runs(spec)
+    ops = ms.NcclAllReduce() if spec == "nccl" else \
+        ms.MultiWorkerAllReduce(all_reduce_spec=spec)
+    shapes = resnet50_gradient_shapes()
+    with cupy.cuda.Device(_device()):
+        grads = [cupy.asarray(_contribution(world().rank, int(np.prod(s)), salt=i)
+                              .reshape(s)) for i, s in enumerate(shapes)]
+        pointers = [_ptr(g) for g in grads]
+        results = ops.batch_reduce(ms.ReduceOp.MEAN,
+                                   [(ms.PerReplica([g], ["/gpu:0"]), "/gpu:0") for g in grads],
+                                   inplace=True)
+        for i, (s, g, r) in enumerate(zip(shapes, grads, results)):
+            assert r is g and _ptr(r) == pointers[i] and r.shape == tuple(s)
+            if i % 20 == 0 or i == len(shapes) - 1:
+                _check(_host(r).reshape(-1), "mean", int(np.prod(s)), salt=i)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from mpistrat import ReduceOp, dispatch
-from mpistrat.runtime._mpi import world
 from mpistrat.algorithms import Implementation, halving_doubling, native, ring, shuffle
 from mpistrat.algorithms.hierarchical import hierarchical
+from mpistrat.runtime._mpi import world
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

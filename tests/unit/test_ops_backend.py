@@ -261,3 +261,19 @@ def test_invalid_spec_rejected_after_an_equal_valid_one(self_comm, valid, invali
     all_reduce(x, spec=valid, comm=self_comm)
     with pytest.raises(SpecTypeError):  # ... and so must all_reduce, whatever came before
         all_reduce(x, spec=invalid, comm=self_comm)
+
+
+def test_numpy_copy_many_and_copy_pieces():
+    """The host side of the batched copies (one launch on a GPU): every pair, every piece
+    where it belongs, empty pieces and non-contiguous targets included."""
+    backend = NumpyBackend()
+    srcs = [np.arange(n, dtype=np.float32) + n for n in (0, 1, 5, 300)]
+    dsts = [np.zeros(n, np.float32) for n in (0, 1, 5, 300)]
+    strided = np.zeros(10, np.float32)[::2]
+    backend.copy_many(dsts + [strided], srcs + [srcs[3][:5]])
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    assert np.array_equal(strided, srcs[3][:5])
+    out = np.full(12, -1, np.float32)
+    backend.copy_pieces(out, [(srcs[2], 1, 4, 0), (srcs[0], 0, 0, 3), (srcs[3], 290, 298, 3)])
+    assert np.array_equal(out[:11], np.concatenate([srcs[2][1:4], srcs[3][290:298]]))
+    assert out[11] == -1
