@@ -8,6 +8,10 @@
 3. ``NcclAllReduce.batch_reduce`` of ResNet-50's 161 gradient tensors (CuPy, in place) vs
    one NCCL all-reduce of a flat buffer of the same 97.5 MiB (target: <= 1.1x):
        mpiexec -n 1 python benchmarks/gpu_overhead.py batch
+   (``--spec xring`` on 2 ranks sharing the GPU: the same through the staged ring, packed
+   into ``--num-packs`` buffers, default 1)
+4. writing ResNet-50's 161 tensors back from one buffer: one kernel launch
+   (``copy_many``) vs a copy per tensor:   python benchmarks/gpu_overhead.py copies
 
 Timing: barrier, warm-up iterations dropped, ``MPI.Wtime`` around ``iters`` calls, the
 max over ranks, the median of ``repeats`` such runs.
@@ -16,13 +20,14 @@ max over ranks, the median of ``repeats`` such runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import cupy
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import ReduceOp
+from mpistrat import ReduceOp, dispatch
 from mpistrat.algorithms import nccl, ring
 from mpistrat.backends import get_backend
 
@@ -91,8 +96,8 @@ def bench_staged():
                  f"{t_staged * 1e3:8.2f} ms  speedup {t_naive / t_staged:5.2f}x")
 
 
-def bench_batch():
-    from mpistrat import NcclAllReduce, PerReplica
+def bench_batch(spec, num_packs):
+    from mpistrat import MultiWorkerAllReduce, NcclAllReduce, PerReplica
     from mpistrat.bench.shapes import resnet50_gradient_shapes
 
     device = COMM.rank % cupy.cuda.runtime.getDeviceCount()
@@ -100,7 +105,10 @@ def bench_batch():
         grads = [cupy.ones(shape, dtype=cupy.float32) for shape in resnet50_gradient_shapes()]
         flat = cupy.ones(sum(g.size for g in grads), dtype=cupy.float32)
         backend = get_backend(flat)
-        ops = NcclAllReduce(comm=COMM)
+        ops = NcclAllReduce(comm=COMM) if spec == "nccl" else \
+            MultiWorkerAllReduce(all_reduce_spec=spec, num_packs=num_packs, comm=COMM)
+        flat_reduce = nccl.all_reduce if spec == "nccl" else functools.partial(
+            dispatch.implementation(spec).all_reduce, shards=1, rotation=0)
         # each gradient is this rank's one GPU replica, reduced into itself
         pairs = [(PerReplica([g], ["/gpu:0"]), "/gpu:0") for g in grads]
 
@@ -108,16 +116,52 @@ def bench_batch():
             ops.batch_reduce(ReduceOp.SUM, pairs, inplace=True)
 
         def one_buffer():
-            nccl.all_reduce(COMM, flat, op=ReduceOp.SUM, backend=backend)
+            flat_reduce(COMM, flat, op=ReduceOp.SUM, backend=backend)
 
         t_flat, t_batch = _time(one_buffer, iters=10), _time(batched, iters=10)
-        _say(f"batch {len(grads)} tensors, {flat.nbytes / 2**20:.1f} MiB  one buffer "
-             f"{t_flat * 1e3:8.2f} ms  batch_reduce {t_batch * 1e3:8.2f} ms  ratio "
-             f"{t_batch / t_flat:5.2f}x")
+        packs = "" if spec == "nccl" else f" num_packs={num_packs}"
+        _say(f"batch {spec}{packs} {COMM.size} rank(s), {len(grads)} tensors, "
+             f"{flat.nbytes / 2**20:.1f} MiB  one buffer {t_flat * 1e3:8.2f} ms  "
+             f"batch_reduce {t_batch * 1e3:8.2f} ms  ratio {t_batch / t_flat:5.2f}x")
+
+
+def bench_copies():
+    """Writing a batch back (ResNet-50's 161 tensors): one launch vs a copy per tensor."""
+    from mpistrat.bench.shapes import resnet50_gradient_shapes
+
+    with cupy.cuda.Device(0):
+        grads = [cupy.ones(shape, dtype=cupy.float32) for shape in resnet50_gradient_shapes()]
+        flat = cupy.ones(sum(g.size for g in grads), dtype=cupy.float32)
+        views, at = [], 0
+        for g in grads:
+            views.append(flat[at:at + g.size].reshape(g.shape))
+            at += g.size
+        backend = get_backend(flat)
+
+        def one_by_one():
+            for g, v in zip(grads, views):
+                backend.copy(g, v)
+
+        def batched():
+            backend.copy_many(grads, views)
+
+        t_loop, t_one = _time(one_by_one, iters=10), _time(batched, iters=10)
+        _say(f"copies 161 tensors, {flat.nbytes / 2**20:.1f} MiB  one by one "
+             f"{t_loop * 1e3:8.2f} ms  one launch {t_one * 1e3:8.2f} ms  "
+             f"speedup {t_loop / t_one:5.2f}x")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["nccl", "staged", "batch"])
+    parser.add_argument("which", choices=["nccl", "staged", "batch", "copies"])
+    parser.add_argument("--spec", default="nccl",
+                        help="batch: the algorithm (nccl at one rank per GPU; xring, rechd "
+                             "on ranks sharing a GPU)")
+    parser.add_argument("--num-packs", type=int, default=1,
+                        help="batch, other than nccl: MultiWorkerAllReduce's num_packs (1: "
+                             "one pack, as NcclAllReduce; 0: each tensor alone, TF's default)")
     args = parser.parse_args()
-    {"nccl": bench_nccl, "staged": bench_staged, "batch": bench_batch}[args.which]()
+    if args.which == "batch":
+        bench_batch(args.spec, args.num_packs)
+    else:
+        {"nccl": bench_nccl, "staged": bench_staged, "copies": bench_copies}[args.which]()
