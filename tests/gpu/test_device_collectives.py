@@ -77,11 +77,20 @@ ALGORITHMS = {
     "nccl": _nccl_flat,
     "nccl/xring": "nccl/xring",
     "nccl/pscpu": "nccl/pscpu",
+    # MPI stages on both levels: with several ranks in a node group and several groups
+    # (bin/gputest: 4 ranks, MPISTRAT_RANKS_PER_NODE=2), the leaders' result reaches the
+    # others through the transport's broadcast (staged without CUDA-aware MPI)
+    "xring/xring": "xring/xring",
+    "pscpu/pscpu": "pscpu/pscpu",
 }
 
 
 def _run(name, comm, buf, op, backend):
     algorithm = ALGORITHMS[name]
+    if isinstance(algorithm, str) and not algorithm.startswith("nccl"):
+        dispatch.compose(*algorithm.split("/"))(comm, buf, op=op, shards=1, backend=backend,
+                                                rotation=0)
+        return
     if isinstance(algorithm, str):
         intra = dispatch.implementation("nccl")
         inter = Implementation(ring.all_reduce) if algorithm.endswith("xring") else \
