@@ -95,7 +95,8 @@ class _Call:
         text = (f"G={len(self.arrays)} shape={first.shape} dtype={first.dtype.str} "
                 f"op={self.op.name} spec={self.spec} inplace={self.inplace} "
                 f"out={self.outs is not None} form={'replicas' if self.replicas else 'one'} "
-                f"via={'exchange' if self.small else 'algorithm'} on={self.backend.name}")
+                f"via={'exchange' if self.small else 'algorithm'} "
+                f"on={'gpu' if self.backend.name == 'cupy' else 'host'}")
         if algorithms.get(self.entry.alg).hierarchical:
             text += _node_grouping(self.ranks_per_node)
         return text
