@@ -251,7 +251,7 @@ def _targets(op: ReduceOp, given: DistributedValues, value: DistributedValues,
                 f"{[str(d) for d in dest]}; use out= to write the result elsewhere"
             )
         handed = list(given.values)
-        if any(np.isscalar(c) for c in handed):
+        if any(type(c) is not np.ndarray and np.isscalar(c) for c in handed):
             raise ValueError(f"{where}: inplace=True needs arrays to write into, got a "
                              f"Python number; pass arrays, or use out=")
         natives = list(value.values)
@@ -391,9 +391,9 @@ class CrossDeviceOps(abc.ABC):
         try:
             options = self._options(options)
             op = _reduce_op(reduce_op)
-            pairs, likes, givens = self._pairs(value_destination_pairs)
-            match = self._all_match(pairs, comm)
-            targets = self._batch_targets(comm, op, pairs, givens, inplace, out, where)
+            pairs, likes, givens, dests = self._pairs(value_destination_pairs)
+            match = self._all_match(pairs, comm, dests)
+            targets = self._batch_targets(comm, op, pairs, givens, dests, inplace, out, where)
             signature = (f"{where} op={op.name} match={match} "
                          f"options={_options_text(options)} "
                          + _batch_signature([v for v, _ in pairs]))
@@ -419,8 +419,7 @@ class CrossDeviceOps(abc.ABC):
         if targets is None:
             return [_restored(r, like) for r, like in zip(reduced, likes)]
         copies: list[tuple[Any, Any]] = []
-        written = [_write(r, t, _destinations(d), copies) for r, t, (_, d) in
-                   zip(reduced, targets, pairs)]
+        written = [_write(r, t, d, copies) for r, t, d in zip(reduced, targets, dests)]
         copy_all([t for t, _ in copies], [r for _, r in copies])
         return written
 
@@ -557,8 +556,8 @@ class CrossDeviceOps(abc.ABC):
 
     @staticmethod
     def _batch_targets(comm: Comm, op: ReduceOp, pairs: list[tuple[DistributedValues, Any]],
-                       givens: list[DistributedValues], inplace: bool, out: Any,
-                       where: str) -> list[Any] | None:
+                       givens: list[DistributedValues], dests: list[tuple[Device, ...]],
+                       inplace: bool, out: Any, where: str) -> list[Any] | None:
         """Per pair, the arrays its result is written into (see :func:`_targets`)."""
         if not inplace and out is None:
             return None
@@ -569,8 +568,7 @@ class CrossDeviceOps(abc.ABC):
                                            else "")
             )
         targets = []
-        for index, ((value, dest), given) in enumerate(zip(pairs, givens)):
-            dest_devices = value.device_set if dest is value else _destinations(dest)
+        for index, ((value, _), given, dest_devices) in enumerate(zip(pairs, givens, dests)):
             targets.append(_targets(
                 op, given, value, dest_devices,
                 _same_devices(value.device_set, dest_devices, comm),
@@ -580,10 +578,10 @@ class CrossDeviceOps(abc.ABC):
     @staticmethod
     def _pairs(value_destination_pairs: Any,
                ) -> tuple[list[tuple[DistributedValues, Any]], list[Any],
-                          list[DistributedValues]]:
+                          list[DistributedValues], list[tuple[Device, ...]]]:
         """The pairs with their values as NumPy/CuPy arrays (:func:`_native`), per pair
-        the component whose type its result takes (None: nothing to convert), and the
-        values as given (as DistributedValues)."""
+        the component whose type its result takes (None: nothing to convert), the values
+        as given (as DistributedValues), and each pair's destination devices."""
         if isinstance(value_destination_pairs, Iterator):
             value_destination_pairs = list(value_destination_pairs)  # a generator, as TF 2.21
         if not isinstance(value_destination_pairs, (list, tuple)):
@@ -594,7 +592,7 @@ class CrossDeviceOps(abc.ABC):
         if not value_destination_pairs:
             raise ValueError("`value_destination_pairs` is empty: give at least one "
                              "(value, destinations) pair")
-        pairs, likes, givens = [], [], []
+        pairs, likes, givens, dests = [], [], [], []
         for index, pair in enumerate(value_destination_pairs):
             if not isinstance(pair, tuple):
                 raise ValueError(f"Each element of `value_destination_pairs` should be a "
@@ -605,24 +603,32 @@ class CrossDeviceOps(abc.ABC):
             value, dest = pair
             if not isinstance(value, DistributedValues):
                 value = _per_replica(value)
-            if dest is not value:  # (a value is valid destinations for itself)
-                _destinations(dest)
+            # (a value is valid destinations for itself)
+            dests.append(value.device_set if dest is value else _destinations(dest))
             native, like = _native(value)
             pairs.append((native, native if dest is value else dest))
             likes.append(like)
             givens.append(value)
-        return pairs, likes, givens
+        return pairs, likes, givens, dests
 
     @staticmethod
-    def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Comm) -> bool:
+    def _all_match(pairs: list[tuple[DistributedValues, Any]], comm: Comm,
+                   dests: list[tuple[Device, ...]] | None = None) -> bool:
+        """Are all pairs' destinations their values' devices, one device set for all?
+        (``dests``: the pairs' destination devices, when the caller has them.)"""
+        if dests is None:
+            dests = [value.device_set if dest is value else _destinations(dest)
+                     for value, dest in pairs]
         first = pairs[0][0].device_set
-        # the common case, checked in one pass: (v, v) pairs over one (interned) device set
-        if all(dest is value and value.device_set is first for value, dest in pairs):
+        # the common case, checked in one pass: every value and destination on one
+        # (interned) device set
+        if all(value.device_set is first and dest is first
+               for (value, _), dest in zip(pairs, dests)):
             return _same_devices(first, first, comm)
         return all(
-            _same_devices(value.device_set, _destinations(dest), comm)
+            _same_devices(value.device_set, dest, comm)
             and _same_devices(value.device_set, first, comm)
-            for value, dest in pairs
+            for (value, _), dest in zip(pairs, dests)
         )
 
 
