@@ -41,11 +41,14 @@ def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
 def _self_launch(ctx: click.Context, np_: int, mpiexec: str | None) -> None:
     # here, not at the top: only this command needs it (start-up time)
     from ..bench.launch import relaunch_command
+    from ..launch.hugepages import malloc_hugepages_env
     from ..launch.selflaunch import launch_argv, self_launch
 
     try:
+        # the ranks start with the heap's huge-page tunable (instead of each starting over)
         argv = launch_argv("mpistrat bench", "--np", np_,
-                           relaunch_command(ctx.meta["mpistrat.bench.args"]), mpiexec=mpiexec)
+                           relaunch_command(ctx.meta["mpistrat.bench.args"]), mpiexec=mpiexec,
+                           rank_env=malloc_hugepages_env())
     except (MpistratError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
     ctx.exit(self_launch(argv))
@@ -265,11 +268,11 @@ def bench(ctx: click.Context, **p: Any) -> None:
     # here, not at the top: only this command needs it (start-up time)
     from ..launch.hugepages import restart_with_hugepages
 
-    restart_with_hugepages()  # measure what mpistrat run runs (before MPI starts)
-    if p["np_"]:
+    if p["np_"]:  # (the launcher hands its ranks the tunable)
         _self_launch(ctx, p["np_"], p["mpiexec"])
     elif p["mpiexec"]:
         raise click.UsageError("--mpiexec only applies with --np")
+    restart_with_hugepages()  # measure what mpistrat run runs (before MPI starts)
     for module in p["plugin"]:
         try:
             importlib.import_module(module)

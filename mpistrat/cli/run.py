@@ -128,7 +128,8 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
     from ..launch.hugepages import restart_with_hugepages
     from ..runner import RunOptions, RunSetupError
 
-    restart_with_hugepages()  # (returns when nothing changes; MPI has not started yet)
+    if np_ is None:  # a rank (with -n, the launcher hands the ranks the tunable instead)
+        restart_with_hugepages()  # (returns when nothing changes; MPI has not started yet)
     args = list(script_and_args)
     if module is None:
         if not args:

@@ -13,7 +13,9 @@ glibc 2.35 and later read ``GLIBC_TUNABLES`` once, when the process starts, and 
 the kernel's THP mode is ``madvise`` (``always`` gives huge pages anyway, ``never``
 none). ``mpistrat run`` and ``mpistrat bench`` therefore start over (``exec`` of the same
 command line, before MPI is initialised) with the tunable added, unless
-``MPISTRAT_MALLOC_HUGEPAGES=0`` or the tunable is already set either way. This is what
+``MPISTRAT_MALLOC_HUGEPAGES=0`` or the tunable is already set either way; when they start
+the ranks themselves (``-n``, ``--np``), they hand the ranks the tunable instead, so that
+no process starts twice. This is what
 HPC sites do with huge-page modules for their MPI jobs; the cost is memory rounded up
 to 2 MiB pages in the allocator's larger regions.
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping
 
 from ..launch import selflaunch
+from ..launch.hugepages import malloc_hugepages_env
 from ..launch.selflaunch import FORWARDED_SIGNALS
 from .monitor import MONITOR_ENV, active
 from .options import RunOptions
@@ -25,7 +26,9 @@ def launch_command(options: RunOptions, nprocs: int, mpiexec: str | None = None,
     """The ``mpiexec`` command line that runs ``options`` on ``nprocs`` ranks
     (``rank_env``: variables every rank gets, passed with the launcher's flags; by
     default the job monitor's address when one is active, see
-    :mod:`~mpistrat.runner.monitor`).
+    :mod:`~mpistrat.runner.monitor`, and the heap's huge-page tunable of
+    :mod:`~mpistrat.launch.hugepages`, so that the ranks start with it instead of each
+    starting over).
 
     Raises:
         RunSetupError: this process already runs under an MPI launcher with several
@@ -34,8 +37,10 @@ def launch_command(options: RunOptions, nprocs: int, mpiexec: str | None = None,
     """
     command = [python, "-m", "mpistrat", "run", *options.command_line()]
     if rank_env is None:
-        value = (os.environ if env is None else env).get(MONITOR_ENV)
-        rank_env = {MONITOR_ENV: value} if value else None
+        environ = os.environ if env is None else env
+        value = environ.get(MONITOR_ENV)
+        rank_env = {MONITOR_ENV: value} if value else {}
+        rank_env.update(malloc_hugepages_env(environ) or {})
     return selflaunch.launch_argv("mpistrat run", "-n", nprocs, command, mpiexec=mpiexec,
                                   env=env, python=python, rank_env=rank_env)
 

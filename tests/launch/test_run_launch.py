@@ -125,3 +125,28 @@ def test_ranks_restart_with_the_heap_on_huge_pages(mpirun, mpistrat_cmd, tmp_pat
     for r in records:
         assert r["argv"] == [str(script), "two words", "--x=1"]
         assert r["tunables"] == (wanted["GLIBC_TUNABLES"] if wanted else "")
+
+
+@pytest.mark.parametrize("setting", ["auto", "0"])
+def test_self_launched_ranks_start_with_the_heap_on_huge_pages(tmp_path, setting):
+    """``mpistrat run -n`` hands its ranks glibc's huge-page tunable (so no rank starts
+    twice); MPISTRAT_MALLOC_HUGEPAGES=0 keeps it out."""
+    import os
+
+    from mpistrat.launch.hugepages import malloc_hugepages_env
+
+    env = {**os.environ, "MPISTRAT_MALLOC_HUGEPAGES": setting, "GLIBC_TUNABLES": ""}
+    wanted = malloc_hugepages_env(env)
+    if setting == "auto" and wanted is None:
+        pytest.skip("this machine has no glibc 2.35+ with THP in madvise mode")
+    script = tmp_path / "tunables.py"
+    script.write_text(TUNABLES)
+    result = subprocess.run(
+        [sys.executable, "-m", "mpistrat", "run", "-n", "2", "--tag-output", str(script), "x"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)  # (lines)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = _records(result.stdout)
+    assert sorted(r["rank"] for r in records) == [0, 1]
+    for r in records:
+        assert r["argv"] == [str(script), "x"]
+        assert r["tunables"] == (wanted["GLIBC_TUNABLES"] if wanted else "")

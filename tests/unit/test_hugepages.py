@@ -111,3 +111,31 @@ def test_describe_heap():
     assert "huge pages" in describe_heap("glibc.malloc.hugetlb=1", "madvise")
     assert "huge pages" in describe_heap(None, "always")
     assert describe_heap(None, "madvise") == "arrays under 4 MiB on 4 KiB pages (THP madvise)"
+
+
+def test_self_launched_ranks_are_handed_the_tunable(monkeypatch):
+    """``mpistrat run -n`` passes the tunable with the launcher's flags (so the ranks
+    need not start twice), next to the monitor's address; nothing when there is no
+    tunable to add."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from mpistrat.runner.launch import launch_command
+    from mpistrat.runner.options import RunOptions
+
+    launcher = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
+        shutil.which("mpiexec")
+    if launcher is None:
+        pytest.skip("no mpiexec (the mpich wheel provides one)")
+    options = RunOptions(target="train.py")
+    env = {"MPISTRAT_RUN_MONITOR": "1 host 10.0.0.1", "PATH": ""}
+    tunable = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    monkeypatch.setattr("mpistrat.runner.launch.malloc_hugepages_env", lambda environ: tunable)
+    argv = launch_command(options, 2, mpiexec=launcher, env=env)
+    text = " ".join(argv)
+    assert "GLIBC_TUNABLES" in text and "glibc.malloc.hugetlb=1" in text, argv
+    assert "MPISTRAT_RUN_MONITOR" in text, argv
+    monkeypatch.setattr("mpistrat.runner.launch.malloc_hugepages_env", lambda environ: None)
+    argv = launch_command(options, 2, mpiexec=launcher, env=env)
+    assert "GLIBC_TUNABLES" not in " ".join(argv), argv
