@@ -563,6 +563,6 @@ def _reduce_batch(comm: Comm, call: _Batch) -> list[Any]:
     results = engine.reduce_batch(comm, call.op, [(a,) for a in arrays], groups)
     targets = arrays if call.inplace else call.outs
     if targets is not None:
-        copy_all(targets, [result for (result,) in results])
+        copy_all((target, result) for target, (result,) in zip(targets, results))
         return list(call.likes if call.inplace else call.out_likes)
     return [restore(result, like) for (result,), like in zip(results, call.likes)]

@@ -137,6 +137,11 @@ def _destinations(destinations: Any) -> tuple[Device, ...]:
     )
 
 
+def _dest_set(value: DistributedValues, dest: Any) -> tuple[Device, ...]:
+    """A pair's destination devices (a value is valid destinations for itself)."""
+    return value.device_set if dest is value else _destinations(dest)
+
+
 def _text(components: int, shape: tuple, dtype: str) -> str:
     """How the agreement writes a value: ``2x(3, 4):<f4`` (``dtype`` as ``dtype.str``)."""
     return f"{components}x{shape}:{dtype}"
@@ -420,7 +425,7 @@ class CrossDeviceOps(abc.ABC):
             return [_restored(r, like) for r, like in zip(reduced, likes)]
         copies: list[tuple[Any, Any]] = []
         written = [_write(r, t, d, copies) for r, t, d in zip(reduced, targets, dests)]
-        copy_all([t for t, _ in copies], [r for _, r in copies])
+        copy_all(copies)
         return written
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
@@ -603,8 +608,7 @@ class CrossDeviceOps(abc.ABC):
             value, dest = pair
             if not isinstance(value, DistributedValues):
                 value = _per_replica(value)
-            # (a value is valid destinations for itself)
-            dests.append(value.device_set if dest is value else _destinations(dest))
+            dests.append(_dest_set(value, dest))
             native, like = _native(value)
             pairs.append((native, native if dest is value else dest))
             likes.append(like)
@@ -617,8 +621,7 @@ class CrossDeviceOps(abc.ABC):
         """Are all pairs' destinations their values' devices, one device set for all?
         (``dests``: the pairs' destination devices, when the caller has them.)"""
         if dests is None:
-            dests = [value.device_set if dest is value else _destinations(dest)
-                     for value, dest in pairs]
+            dests = [_dest_set(value, dest) for value, dest in pairs]
         first = pairs[0][0].device_set
         # the common case, checked in one pass: every value and destination on one
         # (interned) device set

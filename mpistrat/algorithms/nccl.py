@@ -159,8 +159,7 @@ def all_reduce_devices(comm: Comm, bufs: Sequence[Any], *, op: ReduceOp) -> None
             stream.synchronize()
         return
     streams = []
-    if len(bufs) > 1:
-        nccl.groupStart()
+    nccl.groupStart()  # (several devices of this rank: one group call)
     try:
         for nc, buf in zip(comms, bufs):
             with cupy.cuda.Device(buf.device.id):
@@ -168,8 +167,7 @@ def all_reduce_devices(comm: Comm, bufs: Sequence[Any], *, op: ReduceOp) -> None
                 streams.append(stream)
                 nc.allReduce(buf.data.ptr, buf.data.ptr, count, kind, _op(nccl, op), stream.ptr)
     finally:
-        if len(bufs) > 1:
-            nccl.groupEnd()
+        nccl.groupEnd()
     for stream in streams:
         stream.synchronize()
 

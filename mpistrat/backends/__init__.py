@@ -9,7 +9,7 @@ PyTorch CUDA tensor), which :func:`as_array` converts to CuPy at the edge withou
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import BackendUnavailable
@@ -118,12 +118,12 @@ def get_backend(array: Any) -> Any:
     )
 
 
-def copy_all(targets: Sequence[Any], results: Sequence[Any]) -> None:
-    """Copy each result into its target, grouped by the targets' backend, so that a
-    batch of device results goes back in one kernel launch
+def copy_all(pairs: Iterable[tuple[Any, Any]]) -> None:
+    """Copy each ``(target, result)`` pair's result into its target, grouped by the
+    targets' backend, so that a batch of device results goes back in one kernel launch
     (:meth:`~mpistrat.backends.cupy_backend.CupyBackend.copy_many`)."""
     groups: dict[int, tuple[Any, list[Any], list[Any]]] = {}
-    for target, result in zip(targets, results):
+    for target, result in pairs:
         backend = get_backend(target)
         group = groups.setdefault(id(backend), (backend, [], []))
         group[1].append(target)
