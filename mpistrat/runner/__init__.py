@@ -8,7 +8,11 @@ the job together — with every failure shown once — instead of leaving ranks 
 * :mod:`~mpistrat.runner.failure` — tracebacks tagged with the rank, the job's end and
   its abort;
 * :mod:`~mpistrat.runner.rank` — what every rank does (:func:`run`);
-* :mod:`~mpistrat.runner.launch` — ``-n N``: starting ``mpiexec`` itself.
+* :mod:`~mpistrat.runner.launch` — ``-n N``: starting ``mpiexec`` itself;
+* :mod:`~mpistrat.runner.watchdog`, :mod:`~mpistrat.runner.monitor`,
+  :mod:`~mpistrat.runner.sidecar` — ``--timeout`` inside MPI calls, and a lost host named
+  from within the job, from ``mpistrat run -n`` and beside a plain ``mpiexec``
+  (:mod:`~mpistrat.runner.hosts`: ranks and hosts in words).
 
 The stall check and ``--timeout`` live with the agreement every collective starts with
 (:mod:`mpistrat.runtime.stall`); :func:`watch_collectives` turns them on without ``mpistrat run``.

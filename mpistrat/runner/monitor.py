@@ -25,12 +25,12 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from .watchdog import HARD_STOP, local_addresses, name_ranks
+from .hosts import local_addresses, name_ranks
 
 __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
-           "LAUNCHER_GRACE"]
+           "LAUNCHER_GRACE", "address", "listen", "lost_text"]
 
 MONITOR_ENV = "MPISTRAT_RUN_MONITOR"
 _CONNECT_TIMEOUT = 1.0  # seconds per address a rank tries to reach the monitor
@@ -80,6 +80,8 @@ class JobMonitor:
         size: the number of ranks.
         timeout: the job's ``--timeout`` (for the launcher's bound, :attr:`bound`).
         report_dir: the job's ``--report-dir``, where cut-off ranks leave their reports.
+        listener: a listening socket to accept the ranks on (default: a new one, see
+            :func:`listen`).
     """
 
     size: int
@@ -87,17 +89,15 @@ class JobMonitor:
     report_dir: str | None = None
     records: dict[int, RankRecord] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    listener: InitVar[socket.socket | None] = None
 
-    def __post_init__(self) -> None:
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("", 0))
-        self._listener.listen(min(4096, max(16, self.size)))
+    def __post_init__(self, listener: socket.socket | None) -> None:
+        self._listener = listener if listener is not None else listen(self.size)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._events = 0  # ends announced and connections closed, counted in order
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held while the records change
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mpistrat-job-monitor",
                                         daemon=True)
@@ -105,10 +105,17 @@ class JobMonitor:
     @property
     def bound(self) -> float:
         """Seconds the launcher may run on after a rank failed or vanished."""
+        from .watchdog import HARD_STOP  # (not at the top: see :mod:`.sidecar`)
+
         return (self.timeout or 0.0) + HARD_STOP + LAUNCHER_GRACE
 
-    def __enter__(self) -> JobMonitor:
+    def start(self) -> JobMonitor:
+        """Start accepting and watching the ranks (in a thread of this process)."""
         self._thread.start()
+        return self
+
+    def __enter__(self) -> JobMonitor:
+        self.start()
         self._saved = os.environ.get(MONITOR_ENV)
         os.environ.update(self.env())
         _ACTIVE.append(self)
@@ -133,11 +140,8 @@ class JobMonitor:
         return status
 
     def env(self) -> dict[str, str]:
-        """``MPISTRAT_RUN_MONITOR=PORT HOST ADDRESS,...``: this host's name (ranks on it
-        connect through the loopback) and its other addresses (for the other hosts)."""
-        port = self._listener.getsockname()[1]
-        addresses = ",".join(local_addresses()) or "-"
-        return {MONITOR_ENV: f"{port} {socket.gethostname()} {addresses}"}
+        """``MPISTRAT_RUN_MONITOR=PORT HOST ADDRESS,...`` (see :func:`address`)."""
+        return {MONITOR_ENV: address(self._listener)}
 
     def close(self) -> None:
         """Stop listening (after the launcher ended); keeps the records."""
@@ -184,7 +188,7 @@ class JobMonitor:
             return
         self._selector.unregister(connection.sock)
         connection.sock.close()
-        with self._lock:
+        with self.lock:
             record = self.records.get(connection.rank) if connection.rank is not None else None
             if record is not None and record.closed is None:
                 record.closed = time.time()
@@ -192,7 +196,7 @@ class JobMonitor:
                 self._events += 1
 
     def _line(self, connection: _Connection, words: list[str]) -> None:
-        with self._lock:
+        with self.lock:
             if len(words) == 4 and words[0] == "hello" and words[1].isdigit() \
                     and words[3].isdigit():
                 connection.rank = int(words[1])
@@ -208,29 +212,22 @@ class JobMonitor:
 
     def settled(self) -> bool:
         """Every rank that said hello has announced its end or lost its connection."""
-        with self._lock:
+        with self.lock:
             return bool(self.records) and all(
                 r.status is not None or r.closed is not None for r in self.records.values())
 
     def troubled(self) -> bool:
         """Some rank failed, or vanished without announcing its end."""
-        with self._lock:
+        with self.lock:
             return any((r.status or 0) != 0 or (r.closed is not None and r.status is None)
                        for r in self.records.values())
 
-    def summary(self, status: int, report_dir: str | None = None) -> str | None:
-        """What to tell the user after the launcher ended with ``status`` (None: nothing
-        beyond what the ranks reported)."""
-        if status == 0:
-            return None
-        deadline = time.monotonic() + _SETTLE
-        while not self.settled() and time.monotonic() < deadline:
-            time.sleep(0.05)  # the last closes of a job the launcher just ended
-        with self._lock:
+    def vanished(self) -> tuple[list[RankRecord], list[str]]:
+        """The ranks whose process died without announcing its end, before any rank
+        announced a failure, in the order their connections closed; and every rank's
+        host (``"?"`` for a rank never heard of)."""
+        with self.lock:
             records = dict(self.records)
-        if not records:
-            return None
-        hostnames = _hostnames(records, self.size)
         # a rank that announced a failure ends the job: who vanished after that was ended
         # by the launcher; who vanished before was lost
         failed = [r.ended for r in records.values()
@@ -241,32 +238,38 @@ class JobMonitor:
                           key=lambda r: r.order if r.order is not None else 0)
         if first_failure is not None:
             vanished = [r for r in vanished if (r.order or 0) < first_failure]
+        return vanished, _hostnames(records, self.size)
+
+    def lost_host(self, before: float | None = None) -> list[RankRecord] | None:
+        """The ranks of the host that vanished first, when all of them did (a host lost
+        with every process on it) and the first of them before ``before`` (a
+        ``time.time()``): None while no host has vanished whole."""
+        vanished, hostnames = self.vanished()
+        if not vanished or (before is not None and (vanished[0].closed or 0) >= before):
+            return None
+        first = [r for r in vanished if r.host == vanished[0].host]
+        everyone = [r for r, h in enumerate(hostnames) if h == vanished[0].host]
+        return first if sorted(r.rank for r in first) == everyone else None
+
+    def summary(self, status: int, report_dir: str | None = None) -> str | None:
+        """What to tell the user after the launcher ended with ``status`` (None: nothing
+        beyond what the ranks reported)."""
+        if status == 0:
+            return None
+        deadline = time.monotonic() + _SETTLE
+        while not self.settled() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the last closes of a job the launcher just ended
+        with self.lock:
+            records = dict(self.records)
+        if not records:
+            return None
+        vanished, hostnames = self.vanished()
         silent = sorted(r.rank for r in records.values()
                         if r.status is None and r.closed is None)
         missing = sorted(set(range(self.size)) - set(records))
         lines = []
         if vanished:
-            first_host = vanished[0].host
-            lost = sorted(r.rank for r in vanished if r.host == first_host)
-            after = sorted(r.rank for r in vanished if r.host != first_host)
-            when = time.strftime("%H:%M:%S", time.localtime(vanished[0].closed or 0))
-            whole = lost == [r for r, h in enumerate(hostnames) if h == first_host]
-            # the first to vanish, and how close the others followed: one killed process
-            # whose neighbours the launcher ended a few ms later, or a host gone at once
-            on_host = [r for r in vanished if r.host == first_host]
-            spread = (on_host[-1].closed or 0) - (on_host[0].closed or 0)
-            lines.append(
-                f"mpistrat run: the job lost {name_ranks(lost, hostnames)}: "
-                f"{'its ranks' if whole and len(lost) > 1 else 'it'} ended at {when} "
-                f"without a report, before any other rank (killed, or "
-                f"{'the host' if whole else 'its host'} failed)"
-                + (f"; rank {on_host[0].rank} first, the others within "
-                   f"{spread * 1e3:.0f} ms" if len(lost) > 1 else "")
-                + (f"; the launcher then ended {name_ranks(after, hostnames)}" if after
-                   else "") + f". mpiexec exited with status {status}"
-                + (" (hydra's 'assert (!closed) failed': it lost a host's proxy)"
-                   if status == 255 else "")
-                + ". Rerun the job to resume from its last complete checkpoint.")
+            lines.append(lost_text(vanished, hostnames, status))
         if silent:
             files = [os.path.join(report_dir, f"rank-{r}.txt") for r in silent] \
                 if report_dir else []
@@ -283,6 +286,54 @@ class JobMonitor:
             lines.append(f"mpistrat run: rank(s) {missing} never reached this launcher's "
                          f"monitor; nothing is known of them.")
         return "\n".join(lines) if lines else None
+
+
+def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
+              status: int | None) -> str:
+    """The message on ranks that vanished (:meth:`JobMonitor.vanished`), the first host's
+    as lost, after the launcher ended with ``status`` (None: it had not ended yet)."""
+    first_host = vanished[0].host
+    on_host = [r for r in vanished if r.host == first_host]
+    lost = sorted(r.rank for r in on_host)
+    after = sorted(r.rank for r in vanished if r.host != first_host)
+    when = time.strftime("%H:%M:%S", time.localtime(vanished[0].closed or 0))
+    whole = lost == [r for r, h in enumerate(hostnames) if h == first_host]
+    # the first to vanish, and how close the others followed: one killed process whose
+    # neighbours the launcher ended a few ms later, or a host gone at once
+    spread = (on_host[-1].closed or 0) - (on_host[0].closed or 0)
+    if status is None:
+        ending = ("; hydra's 'assert (!closed) failed' says that mpiexec lost the host's "
+                  "proxy, and then it ends every other rank at once")
+    else:
+        ending = (f". mpiexec exited with status {status}"
+                  + (" (hydra's 'assert (!closed) failed': it lost a host's proxy)"
+                     if status == 255 else ""))
+    return (f"mpistrat run: the job lost {name_ranks(lost, hostnames)}: "
+            f"{'its ranks' if whole and len(lost) > 1 else 'it'} ended at {when} "
+            f"without a report, before any other rank (killed, or "
+            f"{'the host' if whole else 'its host'} failed)"
+            + (f"; rank {on_host[0].rank} first, the others within "
+               f"{spread * 1e3:.0f} ms" if len(lost) > 1 else "")
+            + (f"; the launcher then ended {name_ranks(after, hostnames)}" if after else "")
+            + ending + ". Rerun the job to resume from its last complete checkpoint.")
+
+
+def listen(size: int) -> socket.socket:
+    """A TCP socket listening on every address of this host, for ``size`` ranks."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", 0))
+    listener.listen(min(4096, max(16, size)))
+    return listener
+
+
+def address(listener: socket.socket) -> str:
+    """How ranks reach ``listener`` (the value of ``MPISTRAT_RUN_MONITOR``):
+    ``PORT HOST ADDRESS,...``, this host's name (ranks on it connect through the
+    loopback) and its other addresses (for the other hosts)."""
+    port = listener.getsockname()[1]
+    addresses = ",".join(local_addresses()) or "-"
+    return f"{port} {socket.gethostname()} {addresses}"
 
 
 def _hostnames(records: Mapping[int, RankRecord], size: int) -> list[str]:

@@ -14,9 +14,10 @@ from ..ps.roles import NUM_PS_ENV
 from ..runtime import stall
 from ..runtime._mpi import mpi
 from ..strategy.mirrored import LOCAL_REPLICAS
+from . import sidecar
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
-from .monitor import MonitorClient
+from .monitor import MONITOR_ENV, MonitorClient
 from .options import RunOptions
 from .output import RankOutput
 from .watchdog import Watchdog
@@ -63,7 +64,11 @@ def run(options: RunOptions, *,
         with output:
             watch = stall.watch(options.stall_check or None, options.timeout,
                                  report=output.report)
-            client = MonitorClient.connect(env, rank, mpi().Get_processor_name())
+            host = mpi().Get_processor_name()
+            if MONITOR_ENV in (os.environ if env is None else env):  # mpistrat run -n
+                client = MonitorClient.connect(env, rank, host)
+            else:  # a plain mpiexec across hosts: the job's own monitor (collective)
+                client = sidecar.start(world, rank, host)
             notify = client.end if client is not None else None
             dog = None
             try:

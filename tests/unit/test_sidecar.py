@@ -1,0 +1,188 @@
+"""The job monitor process beside a plain hydra ``mpiexec`` (mpistrat/runner/sidecar.py):
+finding the launcher among a rank's ancestors, telling a lost host from a job the
+launcher ended itself, and the process itself, started as a rank starts it, writing into
+the launcher's standard error. (tests/cluster/test_faults.py runs it across real hosts.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpistrat.runner import sidecar
+from mpistrat.runner.monitor import MONITOR_ENV, JobMonitor, MonitorClient
+
+HOSTS = ("node1", "node1", "node2", "node2")
+
+
+def _settle(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not seen in time"
+        time.sleep(0.01)
+
+
+def _proc(tmp_path, processes):
+    """A fake /proc: {pid: (command name, parent pid)}."""
+    for pid, (name, parent) in processes.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) S {parent} 1 1 0 -1\n")
+    return str(tmp_path)
+
+
+def test_the_launcher_is_the_mpiexec_above_the_hydra_proxy(tmp_path):
+    proc = _proc(tmp_path, {
+        10: ("bash", 1), 20: ("mpiexec", 10), 30: ("sh", 20),  # ssh stand-in, or none
+        40: ("hydra_pmi_proxy", 30), 50: ("python3 (rank)", 40),
+        60: ("python3", 10),  # not under a proxy
+        70: ("hydra_pmi_proxy", 5), 80: ("python3", 70),  # a proxy started over ssh
+    })
+    assert sidecar.hydra_launcher(50, proc) == 20
+    assert sidecar.hydra_launcher(60, proc) is None
+    assert sidecar.hydra_launcher(80, proc) is None  # its mpiexec is on another host
+    assert sidecar.hydra_launcher(99, proc) is None
+
+
+def _clients(address, hosts=HOSTS):
+    return [MonitorClient.connect({MONITOR_ENV: address}, rank, host)
+            for rank, host in enumerate(hosts)]
+
+
+def _vanish(monitor, client):
+    client._sock.close()  # as the kernel does for a killed process: no 'end' line
+    _settle(lambda: monitor.records[client.rank].closed is not None)
+
+
+@pytest.fixture
+def monitor():
+    monitor = JobMonitor(4).start()
+    yield monitor
+    monitor.close()
+
+
+def _joined(monitor):
+    clients = _clients(sidecar.address(monitor._listener))
+    _settle(lambda: len(monitor.records) == 4)
+    return clients
+
+
+def test_a_host_lost_before_the_launcher_ended_is_named(monitor):
+    clients = _joined(monitor)
+    _vanish(monitor, clients[3])
+    ended_at = time.time()  # hydra ends: it lost node2's proxy
+    _vanish(monitor, clients[2])  # (a big process closes its sockets late)
+    for client in clients[:2]:  # hydra's proxies kill the others
+        _vanish(monitor, client)
+    text = sidecar.verdict(monitor, ended_at)
+    assert text.startswith("mpistrat run: the job lost host node2 (ranks 2, 3): its ranks "
+                           "ended at "), text
+    assert "hydra's 'assert (!closed) failed' says that mpiexec lost the host's proxy" in text
+
+
+def test_ranks_that_ended_before_the_launcher_are_no_lost_host(monitor):
+    """A signal the launcher forwards to every rank (SIGTERM) ends them all before it."""
+    clients = _joined(monitor)
+    for rank in (2, 3, 0, 1):
+        _vanish(monitor, clients[rank])
+    assert sidecar.verdict(monitor, time.time()) is None
+
+
+def test_one_rank_lost_or_a_failure_reported_is_no_lost_host(monitor):
+    clients = _joined(monitor)
+    _vanish(monitor, clients[3])  # one rank of node2: hydra names it itself
+    assert sidecar.verdict(monitor, time.time()) is None
+    clients[0].end(1)  # a failure reported, then hydra ends everyone
+    _settle(lambda: monitor.records[0].closed is not None)
+    _vanish(monitor, clients[2])
+    ended_at = time.time()
+    _vanish(monitor, clients[1])
+    assert sidecar.verdict(monitor, ended_at) is None
+
+
+def _launcher(tmp_path):
+    """A stand-in for mpiexec: a process whose standard error is a file."""
+    err = open(tmp_path / "mpiexec.err", "w")  # noqa: SIM115 - the child keeps it
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             stderr=err)
+    err.close()
+    return child
+
+
+def _sidecar_pids():
+    out = subprocess.run(["pgrep", "-f", "from mpistrat.runner.sidecar import main"],
+                         capture_output=True, text=True, check=False).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_the_monitor_process_writes_the_lost_host_into_the_launchers_stderr(tmp_path):
+    launcher = _launcher(tmp_path)
+    try:
+        before = _sidecar_pids()
+        address = sidecar._spawn(launcher.pid, 4)
+        assert address is not None
+        child = sidecar._CHILD[-1]
+        clients = _clients(address)
+        assert all(clients)
+        time.sleep(0.5)  # the hellos are read
+        # it imports the standard library only (a quick start): no NumPy mapped
+        assert "numpy" not in open(f"/proc/{child.pid}/maps").read()
+        for client in clients[2:]:
+            client._sock.close()
+        time.sleep(0.1)
+        launcher.kill()
+        launcher.wait()
+        time.sleep(0.01)
+        for client in clients[:2]:
+            client._sock.close()
+        assert child.wait(10) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = (tmp_path / "mpiexec.err").read_text()
+    assert text.startswith("mpistrat run: the job lost host node2 (ranks 2, 3): "), text
+    assert _sidecar_pids() <= before
+
+
+def test_the_monitor_process_ends_with_a_job_that_ends_well(tmp_path):
+    launcher = _launcher(tmp_path)
+    try:
+        address = sidecar._spawn(launcher.pid, 4)
+        child = sidecar._CHILD[-1]
+        for client in _clients(address):
+            client.end(0)
+        assert child.wait(10) == 0  # at once, the launcher still running
+        assert launcher.poll() is None
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert (tmp_path / "mpiexec.err").read_text() == ""
+
+
+def test_no_launcher_to_report_to_starts_nothing():
+    assert sidecar._spawn(2 ** 22 + 12345, 4) is None  # no such process
+
+
+class _Comm:
+    """One rank's view of a job whose ranks all report the same (allgather, bcast)."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def allgather(self, value):
+        return [(host, value[1]) for host in self.hosts]
+
+    def bcast(self, value, root):
+        return value
+
+    def Get_size(self):
+        return len(self.hosts)
+
+
+def test_a_job_on_one_host_or_not_under_hydra_starts_nothing(monkeypatch):
+    monkeypatch.setattr(sidecar, "_spawn", lambda *a: pytest.fail("started"))
+    monkeypatch.setattr(sidecar, "hydra_launcher", lambda: 1234)
+    assert sidecar.start(_Comm(["a", "a"]), 0, "a") is None  # one host
+    monkeypatch.setattr(sidecar, "hydra_launcher", lambda: None)
+    assert sidecar.start(_Comm(["a", "b"]), 0, "a") is None  # srun, Open MPI, ssh'd host
