@@ -13,11 +13,11 @@ either. ``mpistrat run -n`` names it from its own process (:mod:`.monitor`). Und
   as a process in a session of its own, out of reach of hydra's kill, with the listening
   socket of a :class:`~.monitor.JobMonitor`; every rank connects to it and says how it
   ends, as under ``mpistrat run -n``;
-* the process opens ``mpiexec``'s standard error (``/proc/PID/fd/2``: the terminal, pipe
-  or file the user reads). When every rank of a host has vanished without a word while
-  ``mpiexec`` still ran, it writes the lost host's name there: at once on a terminal or
-  pipe, and once ``mpiexec`` has ended on a file (where its own later writes, at its own
-  offset, would overwrite the line);
+* the rank opens ``mpiexec``'s standard error (``/proc/PID/fd/2``: the terminal, pipe
+  or file the user reads) and a pidfd of ``mpiexec`` for it. Once ``mpiexec`` has ended
+  (on a file its own writes, at its own offset, would otherwise overwrite the line), a
+  host whose ranks all vanished without a word before any other host's rank is named
+  there (:func:`verdict`);
 * it ends with the job: once every rank has ended or vanished, or once ``mpiexec`` ended.
 
 A job on one host, or under another launcher (``srun``, Open MPI), starts nothing.
@@ -43,6 +43,7 @@ _PROXY = "hydra_pmi_proxy"
 _LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpirun")
 _POLL = 0.05  # seconds between looks at the monitor's records
 _SETTLE_CLOSES = 1.0  # seconds after mpiexec ended for a lost host's closes to come
+_AT_ONCE = 0.02  # seconds within which a lost host's ranks vanish (measured: 0-6 ms)
 _LAST_WORD = 10.0  # seconds the monitor waits for mpiexec to end after the ranks did
 _CHILD: list[subprocess.Popen] = []  # (reaped when the next job starts one)
 # The monitor process imports this module, .monitor and .hosts (the standard library only)
@@ -175,21 +176,28 @@ def _alive(pid: int) -> bool:
 
 
 def verdict(monitor: JobMonitor, ended_at: float) -> str | None:
-    """What to report once the launcher ended at ``ended_at``: the host whose ranks all
-    vanished first, while a rank of another host still ran at ``ended_at``. That is
-    hydra losing a host: it ends, and only then do its proxies kill the other ranks.
-    (The lost host's ranks, killed before hydra ended, may close their connections a
-    little after: the kernel frees a process's memory before its sockets.) When the
-    launcher ends a job itself (a signal forwarded to every rank) the ranks end first,
-    and nothing is reported."""
+    """What to report once the launcher ended at ``ended_at``: the host of the first rank
+    that vanished without a word, when every rank of that host vanished, either at once
+    (within :data:`_AT_ONCE` of the first) or before any rank of another host. That is
+    how hydra loses a host: its ranks die together, and the other hosts' ranks only
+    once hydra has reacted (a few ms later). A rank that crashed alone has its
+    host-mates killed tens of ms later, with everyone else; a job whose ranks announced
+    a failure first is not reported. Ranks that the launcher ends by a signal it forwards
+    vanish together too: the message says only what was seen (:func:`.monitor.lost_text`).
+    """
     lost = monitor.lost_host(before=ended_at + _SETTLE_CLOSES)
     if lost is None:
         return None
     vanished, hostnames = monitor.vanished()
+    first, last = lost[0].closed or 0, max(r.closed or 0 for r in lost)
     with monitor.lock:
-        alive = [r for r in monitor.records.values() if r.host != lost[0].host
-                 and r.status is None and (r.closed is None or r.closed > ended_at)]
-    return lost_text(vanished, hostnames, None) if alive else None
+        others = [r.closed for r in monitor.records.values() if r.host != lost[0].host]
+    if not others:
+        return None
+    before_others = all(closed is None or closed > last for closed in others)
+    if last - first > _AT_ONCE and not before_others:
+        return None
+    return lost_text(vanished, hostnames, None)
 
 
 def watch(monitor: JobMonitor, launcher: _Launcher, out: IO[str]) -> str | None:

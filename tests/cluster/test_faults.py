@@ -14,10 +14,11 @@ the report names the lost host and its ranks (and, on the far side of a partitio
 host it lost); that every complete checkpoint left is intact; and that a rerun resumes
 from the newest one. Nothing of a job may be left on either host.
 
-The one thing that cannot be asserted: under a plain ``mpiexec`` (hydra), killing a
-host's processes makes hydra fail with ``assert (!closed) failed`` and SIGKILL every other
-rank within a fraction of a second, before any rank can tell which host went; only
-``mpistrat run -n`` (which watches the ranks from outside the job) names it.
+Under a plain ``mpiexec`` (hydra), killing a host's processes makes hydra fail with
+``assert (!closed) failed`` and SIGKILL every other rank within a fraction of a second,
+before any rank can tell which host went; the job's monitor process
+(mpistrat/runner/sidecar.py), out of hydra's reach, names it instead, and ends with the
+job, also when ``mpiexec`` ends it on a SIGTERM.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ class _Job:
 
 def _fault_run(cluster, tmp_path: Path, launch: str, fault: str):
     """Train under ``launch`` ('mpistrat run -n' or 'mpiexec'), make ``fault`` ('kill':
-    every process of node2; 'link': node2's link down) once two checkpoints exist, and
+    every process of node2; 'link': node2's link down; 'term': SIGTERM to the launcher)
+    once two checkpoints exist, and
     measure the end. Returns (job, ended, the report directory, the checkpoint dir)."""
     ckpt, reports = tmp_path / "ckpt", tmp_path / "reports"
     options = [*RUN_OPTIONS, "--report-dir", reports, TRAIN, "--checkpoint-dir", ckpt]
@@ -203,6 +205,8 @@ def _fault_run(cluster, tmp_path: Path, launch: str, fault: str):
         fault_at = time.monotonic()
         if fault == "kill":
             _kill_host(cluster, "node2")
+        elif fault == "term":
+            job.process.send_signal(signal.SIGTERM)
         else:
             cluster.local("link", "node2", "down")
         try:
@@ -268,8 +272,19 @@ def test_killed_host_ends_every_rank_under_mpiexec(cluster, tmp_path):
     assert ended.hosts["node1"] < 5, ended
     assert job.process.returncode == 255, output
     assert "assert (!closed) failed" in output, output
-    assert re.search(r"mpistrat run: the job lost host node2 \(ranks 2, 3\): its ranks ended "
-                     r"at [\d:]+ without a report, before any other rank", output), output
+    assert re.search(r"mpistrat run: rank ([23]) \(node2\) was the first rank to end without "
+                     r"a report, at [\d:]+, and rank (?!\1)[23] of host node2 followed within",
+                     output), output
+    _rerun_resumes(cluster, ckpt)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_mpiexec_ends_on_sigterm_leaves_nothing(cluster, tmp_path):
+    """SIGTERM to a plain mpiexec: hydra forwards it and ends the job; every rank and the
+    job's monitor process end (_fault_run checks that nothing is left)."""
+    job, ended, _, ckpt = _fault_run(cluster, tmp_path, "mpiexec", "term")
+    _assert_bound(ended, job.output)
+    assert job.process.returncode != 0, job.output
     _rerun_resumes(cluster, ckpt)
 
 

@@ -5,6 +5,7 @@ the launcher's standard error. (tests/cluster/test_faults.py runs it across real
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -68,37 +69,39 @@ def _joined(monitor):
     return clients
 
 
-def test_a_host_lost_before_the_launcher_ended_is_named(monitor):
+def test_a_host_whose_ranks_vanish_together_first_is_named(monitor):
     clients = _joined(monitor)
     _vanish(monitor, clients[3])
     ended_at = time.time()  # hydra ends: it lost node2's proxy
     _vanish(monitor, clients[2])  # (a big process closes its sockets late)
+    time.sleep(0.05)
     for client in clients[:2]:  # hydra's proxies kill the others
         _vanish(monitor, client)
     text = sidecar.verdict(monitor, ended_at)
-    assert text.startswith("mpistrat run: the job lost host node2 (ranks 2, 3): its ranks "
-                           "ended at "), text
-    assert "hydra's 'assert (!closed) failed' says that mpiexec lost the host's proxy" in text
+    assert text.startswith("mpistrat run: rank 3 (node2) was the first rank to end without "
+                           "a report, at "), text
+    assert ", and rank 2 of host node2 followed within " in text
+    assert "If mpiexec says 'assert (!closed) failed' above, it lost that host's proxy" in text
 
 
-def test_ranks_that_ended_before_the_launcher_are_no_lost_host(monitor):
-    """A signal the launcher forwards to every rank (SIGTERM) ends them all before it."""
+def test_a_rank_that_crashed_alone_is_no_lost_host(monitor):
+    """Its host-mates are killed tens of ms later, together with the other hosts' ranks."""
     clients = _joined(monitor)
-    for rank in (2, 3, 0, 1):
+    _vanish(monitor, clients[3])
+    assert sidecar.verdict(monitor, time.time()) is None  # node2 is not gone whole
+    time.sleep(0.05)
+    for rank in (0, 2, 1):
         _vanish(monitor, clients[rank])
     assert sidecar.verdict(monitor, time.time()) is None
 
 
-def test_one_rank_lost_or_a_failure_reported_is_no_lost_host(monitor):
+def test_ranks_after_a_reported_failure_are_no_lost_host(monitor):
     clients = _joined(monitor)
-    _vanish(monitor, clients[3])  # one rank of node2: hydra names it itself
-    assert sidecar.verdict(monitor, time.time()) is None
     clients[0].end(1)  # a failure reported, then hydra ends everyone
     _settle(lambda: monitor.records[0].closed is not None)
-    _vanish(monitor, clients[2])
-    ended_at = time.time()
-    _vanish(monitor, clients[1])
-    assert sidecar.verdict(monitor, ended_at) is None
+    for rank in (2, 3, 1):
+        _vanish(monitor, clients[rank])
+    assert sidecar.verdict(monitor, time.time()) is None
 
 
 def _launcher(tmp_path):
@@ -141,7 +144,8 @@ def test_the_monitor_process_writes_the_lost_host_into_the_launchers_stderr(tmp_
         if launcher.poll() is None:
             launcher.kill()
     text = (tmp_path / "mpiexec.err").read_text()
-    assert text.startswith("mpistrat run: the job lost host node2 (ranks 2, 3): "), text
+    assert re.match(r"mpistrat run: rank [23] \(node2\) was the first rank to end without "
+                    r"a report, at [\d:]+, and rank [23] of host node2 followed", text), text
     assert _sidecar_pids() <= before
 
 
