@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
-from .hosts import local_addresses, name_ranks, ranks_in_words
+from .hosts import local_addresses, name_ranks
 
 __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
            "LAUNCHER_GRACE", "address", "listen", "lost_text"]
@@ -290,40 +290,41 @@ class JobMonitor:
 
 def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
               status: int | None) -> str:
-    """The message on ranks that vanished (:meth:`JobMonitor.vanished`), the first host's
-    as lost, after the launcher ended with ``status``. None: the launcher's status is
-    not known (:mod:`.sidecar`); the first host vanished whole, and the message says
-    only what was seen."""
+    """The message on ranks that vanished (:meth:`JobMonitor.vanished`): who ended first
+    without a report and who of its host followed, how soon, and what that can mean,
+    after the launcher ended with ``status`` (None: not known, :mod:`.sidecar`).
+
+    From outside, a host lost with every process on it and one rank killed or crashed
+    look alike: hydra's proxy ends a dead rank's host-mates within a few ms. Only
+    hydra's own lines tell them apart, so the message says what was seen."""
     first_host = vanished[0].host
     on_host = [r for r in vanished if r.host == first_host]
     lost = sorted(r.rank for r in on_host)
     after = sorted(r.rank for r in vanished if r.host != first_host)
     when = time.strftime("%H:%M:%S", time.localtime(vanished[0].closed or 0))
     whole = lost == [r for r, h in enumerate(hostnames) if h == first_host]
-    # the first to vanish, and how close the others followed: one killed process whose
-    # neighbours the launcher ended a few ms later, or a host gone at once
+    head = on_host[0].rank
+    # how close the others followed: one killed process whose neighbours the launcher
+    # ended tens of ms later, or a host gone at once
     spread = (on_host[-1].closed or 0) - (on_host[0].closed or 0)
-    order = (f"; rank {on_host[0].rank} first, the others within {spread * 1e3:.0f} ms"
-             if len(lost) > 1 else "")
-    rerun = ". Rerun the job to resume from its last complete checkpoint."
-    if status is None:
-        head, mates = on_host[0].rank, [r for r in lost if r != on_host[0].rank]
-        return (f"mpistrat run: rank {head} ({first_host}) was the first rank to end "
-                f"without a report, at {when}"
-                + (f", and {ranks_in_words(mates)} of host "
-                   f"{first_host} followed within {spread * 1e3:.0f} ms" if mates else "")
-                + f". If mpiexec says 'assert (!closed) failed' above, it lost that host's "
-                f"proxy: the host failed, or every process on it was killed; otherwise rank "
-                f"{head} was killed or crashed, and the launcher then ended the others"
-                + rerun)
-    return (f"mpistrat run: the job lost {name_ranks(lost, hostnames)}: "
-            f"{'its ranks' if whole and len(lost) > 1 else 'it'} ended at {when} "
-            f"without a report, before any other rank (killed, or "
-            f"{'the host' if whole else 'its host'} failed)" + order
-            + (f"; the launcher then ended {name_ranks(after, hostnames)}" if after else "")
-            + f". mpiexec exited with status {status}"
-            + (" (hydra's 'assert (!closed) failed': it lost a host's proxy)"
-               if status == 255 else "") + rerun)
+    if len(lost) == 1:
+        text = (f"mpistrat run: the first rank to end without a report was "
+                f"{name_ranks(lost, hostnames)}, at {when}")
+    else:
+        text = (f"mpistrat run: the first ranks to end without a report were "
+                f"{'every rank of ' if whole else ''}{name_ranks(lost, hostnames)}: rank "
+                f"{head} at {when}, the others within {spread * 1e3:.0f} ms")
+    if after:
+        text += f"; the launcher then ended {name_ranks(after, hostnames)}"
+    if status is not None:
+        text += f". mpiexec exited with status {status}"
+    if whole and len(set(hostnames)) > 1:
+        text += (". If mpiexec says 'assert (!closed) failed' above, the job lost that "
+                 "host: it failed, or every process on it was killed; otherwise rank "
+                 f"{head} was killed or crashed, and hydra ended the others")
+    else:
+        text += f". Rank {head} was killed or crashed, and the launcher ended the others"
+    return text + ". Rerun the job to resume from its last complete checkpoint."
 
 
 def listen(size: int) -> socket.socket:
