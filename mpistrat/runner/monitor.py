@@ -13,7 +13,9 @@ end being announced, its process died; the ranks of the lost host die first (the
 only once the launcher reacts to that), and the monitor records the order in which the
 connections closed. A rank that never announces its end and whose connection stays open is
 on the far side of a network partition. After the launcher ends, the monitor turns this
-into one message (:meth:`JobMonitor.summary`).
+into one message (:meth:`JobMonitor.summary`, :func:`lost_text`). Under a plain
+``mpiexec`` the ranks start the same monitor in a process of their own
+(:mod:`.sidecar`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The job monitor under a plain ``mpiexec -n N mpistrat run`` (MPICH's hydra): how a
-lost host gets named when no ``mpistrat run -n`` watches the job from outside.
+"""The job monitor under a plain ``mpiexec -n N mpistrat run`` (MPICH's hydra): how the
+ranks of a lost host get named when no ``mpistrat run -n`` watches the job from outside.
 
 When hydra loses a host's proxy (every process of the host killed, or the host gone) it
 fails with ``assert (!closed) failed`` and ends every other rank with ``SIGKILL`` within a
@@ -15,9 +15,8 @@ either. ``mpistrat run -n`` names it from its own process (:mod:`.monitor`). Und
   ends, as under ``mpistrat run -n``;
 * the rank opens ``mpiexec``'s standard error (``/proc/PID/fd/2``: the terminal, pipe
   or file the user reads) and a pidfd of ``mpiexec`` for it. Once ``mpiexec`` has ended
-  (on a file its own writes, at its own offset, would otherwise overwrite the line), a
-  host whose ranks all vanished without a word before any other host's rank is named
-  there (:func:`verdict`);
+  (on a file its own writes, at its own offset, would otherwise overwrite the line), it
+  writes there which host's ranks all ended first without a word (:func:`verdict`);
 * it ends with the job: once every rank has ended or vanished, or once ``mpiexec`` ended.
 
 A job on one host, or under another launcher (``srun``, Open MPI), starts nothing.
@@ -180,11 +179,11 @@ def verdict(monitor: JobMonitor, ended_at: float) -> str | None:
     that vanished without a word, when every rank of that host vanished, either at once
     (within :data:`_AT_ONCE` of the first) or before any rank of another host. That is
     how hydra loses a host: its ranks die together, and the other hosts' ranks only
-    once hydra has reacted (a few ms later). A rank that crashed alone has its
-    host-mates killed tens of ms later, with everyone else; a job whose ranks announced
-    a failure first is not reported. Ranks that the launcher ends by a signal it forwards
-    vanish together too: the message says only what was seen (:func:`.monitor.lost_text`).
-    """
+    once hydra has reacted (a few ms later). It is also how one rank killed or crashed
+    looks when hydra's proxy ends its host-mates at once, and how ranks that a signal
+    forwarded by the launcher ended may look: the message says only what was seen
+    (:func:`.monitor.lost_text`). A job whose ranks announced a failure first is not
+    reported."""
     lost = monitor.lost_host(before=ended_at + _SETTLE_CLOSES)
     if lost is None:
         return None
