@@ -194,18 +194,22 @@ def test_not_batched_is_tf_error_and_one_replica_passes_elements_through():
 
 
 def write_files(tmp_path, counts):
-    """One .npy file per count, holding consecutive integers; returns (paths, all values)."""
+    """One raw int64 file per count, holding consecutive integers; returns (paths, all
+    values). Raw, not .npy: the workers of lockstep() are threads, and np.load parses
+    the .npy header with ast.literal_eval, whose AST construction CPython 3.11 does not
+    make thread-safe ('SystemError: AST constructor recursion depth mismatch', CPython
+    gh-106905; it failed this test once in CI)."""
     paths, start = [], 0
     for i, count in enumerate(counts):
-        path = tmp_path / f"part-{i:02d}.npy"
-        np.save(path, np.arange(start, start + count))
+        path = tmp_path / f"part-{i:02d}.bin"
+        np.arange(start, start + count, dtype=np.int64).tofile(path)
         paths.append(str(path))
         start += count
     return paths, list(range(start))
 
 
 def read_rows(path):
-    yield from np.load(path)
+    yield from np.fromfile(path, dtype=np.int64)
 
 
 def test_auto_uses_file_sharding_for_files_and_balances_unequal_workers(tmp_path):
