@@ -306,8 +306,8 @@ def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
     when = time.strftime("%H:%M:%S", time.localtime(vanished[0].closed or 0))
     whole = lost == [r for r, h in enumerate(hostnames) if h == first_host]
     head = on_host[0].rank
-    # how close the others followed: one killed process whose neighbours the launcher
-    # ended tens of ms later, or a host gone at once
+    # how close the others followed: a few ms for a host gone at once, and for a rank
+    # whose host-mates hydra's proxy ended at once; tens of ms when the launcher did
     spread = (on_host[-1].closed or 0) - (on_host[0].closed or 0)
     if len(lost) == 1:
         text = (f"mpistrat run: the first rank to end without a report was "

@@ -216,6 +216,22 @@ def test_the_host_whose_ranks_vanish_first_is_named(monkeypatch):
     assert "If mpiexec says 'assert (!closed) failed' above, the job lost that host" in text
 
 
+def test_one_killed_rank_of_a_one_host_job_is_named_not_a_lost_host(monkeypatch):
+    """Every rank of the only host vanishes (the launcher ends the others): the first is
+    named, and no host is said to be lost."""
+    monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
+    with JobMonitor(4) as monitor:
+        clients = _clients(monitor, ("vm",) * 4)
+        for rank in (2, 0, 1, 3):
+            _vanish(monitor, clients[rank])
+        text = monitor.summary(9)
+    assert text.startswith("mpistrat run: the first ranks to end without a report were every "
+                           "rank of host vm (ranks 0, 1, 2, 3): rank 2 at "), text
+    assert ". mpiexec exited with status 9. Rank 2 was killed or crashed, and the launcher " \
+        "ended the others." in text
+    assert "lost" not in text
+
+
 def test_ranks_ended_by_the_launcher_after_a_reported_failure_are_not_lost(monkeypatch):
     monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
     with JobMonitor(4) as monitor:
