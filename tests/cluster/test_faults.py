@@ -49,6 +49,10 @@ STALL, TIMEOUT = 4, 8
 # this 2-core machine shared with other jobs), with room for that load.
 BOUND = TIMEOUT + 10
 RUN_OPTIONS = ["--stall-check", str(STALL), "--timeout", str(TIMEOUT)]
+# what both job monitors say when node2's processes are killed (mpistrat/runner/monitor.py)
+NODE2_NAMED = re.compile(r"mpistrat run: the first ranks to end without a report were every "
+                         r"rank of host node2 \(ranks 2, 3\): rank [23] at [\d:]+, the "
+                         r"others within")
 
 
 @dataclass
@@ -254,9 +258,7 @@ def test_killed_host_is_named_by_mpistrat_run_n(cluster, tmp_path):
     _assert_bound(ended, output)
     assert ended.hosts["node1"] < 5, ended  # hydra ends the survivors at once
     assert job.process.returncode != 0, output
-    assert re.search(r"mpistrat run: the first ranks to end without a report were every rank "
-                     r"of host node2 \(ranks 2, 3\): rank [23] at [\d:]+, the others within",
-                     output), output
+    assert NODE2_NAMED.search(output), output
     _rerun_resumes(cluster, ckpt)
 
 
@@ -273,9 +275,7 @@ def test_killed_host_ends_every_rank_under_mpiexec(cluster, tmp_path):
     assert ended.hosts["node1"] < 5, ended
     assert job.process.returncode == 255, output
     assert "assert (!closed) failed" in output, output
-    assert re.search(r"mpistrat run: the first ranks to end without a report were every rank "
-                     r"of host node2 \(ranks 2, 3\): rank [23] at [\d:]+, the others within",
-                     output), output
+    assert NODE2_NAMED.search(output), output
     _rerun_resumes(cluster, ckpt)
 
 
