@@ -43,6 +43,9 @@ class Watch(Protocol):
     def troubled(self) -> bool:
         """True once a rank failed or vanished."""
 
+    def forwarded(self, signum: int) -> None:
+        """Signal ``signum`` was passed on to the launcher (it ends the ranks itself)."""
+
 
 def launch_argv(what: str, option: str, nprocs: int, command: Sequence[str], *,
                 mpiexec: str | None = None, env: Mapping[str, str] | None = None,
@@ -75,6 +78,8 @@ def self_launch(argv: list[str], watch: Watch | None = None) -> int:
 
     def forward(signum: int, frame: Any) -> None:
         process.send_signal(signum)
+        if watch is not None:
+            watch.forwarded(signum)
 
     saved = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:

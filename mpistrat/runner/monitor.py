@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import socket
 import sys
 import threading
@@ -91,6 +92,8 @@ class JobMonitor:
     report_dir: str | None = None
     records: dict[int, RankRecord] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    # (signal, time.time()) of every signal passed on to the launcher (:meth:`forwarded`)
+    signals: list[tuple[int, float]] = field(default_factory=list)
     listener: InitVar[socket.socket | None] = None
 
     def __post_init__(self, listener: socket.socket | None) -> None:
@@ -140,6 +143,11 @@ class JobMonitor:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
         return status
+
+    def forwarded(self, signum: int) -> None:
+        """Signal ``signum`` was passed on to the launcher, which ends the ranks itself:
+        ranks that vanish after that were not lost (:meth:`summary`)."""
+        self.signals.append((signum, time.time()))
 
     def env(self) -> dict[str, str]:
         """``MPISTRAT_RUN_MONITOR=PORT HOST ADDRESS,...`` (see :func:`address`)."""
@@ -270,6 +278,14 @@ class JobMonitor:
                         if r.status is None and r.closed is None)
         missing = sorted(set(range(self.size)) - set(records))
         lines = []
+        if self.signals and (not vanished or self.signals[0][1] <= (vanished[0].closed or 0)):
+            try:
+                name = signal.Signals(self.signals[0][0]).name
+            except ValueError:
+                name = f"signal {self.signals[0][0]}"
+            lines.append(f"mpistrat run: this launcher passed {name} on to mpiexec, which "
+                         f"ended the job's ranks; mpiexec exited with status {status}.")
+            vanished = []  # (ended by the signal, not lost)
         if vanished:
             lines.append(lost_text(vanished, hostnames, status))
         if silent:

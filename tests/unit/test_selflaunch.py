@@ -45,7 +45,21 @@ def test_both_commands_start_mpiexec_elsewhere(fake_mpiexec, env):
     assert argv[-4:] == ["/py", "-m", "mpistrat", "bench"]
 
 
-def test_a_signal_reaches_the_launched_job_and_its_status_comes_back(tmp_path):
+class _Watch:
+    bound = 60.0
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def troubled(self) -> bool:
+        return False
+
+    def forwarded(self, signum: int) -> None:
+        self.signals.append(signum)
+
+
+@pytest.mark.parametrize("watch", [None, _Watch()], ids=["alone", "watched"])
+def test_a_signal_reaches_the_launched_job_and_its_status_comes_back(tmp_path, watch):
     ready = tmp_path / "ready"
     child = ("import pathlib, signal, sys, time\n"
              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
@@ -62,10 +76,12 @@ def test_a_signal_reaches_the_launched_job_and_its_status_comes_back(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     sender = threading.Thread(target=terminate_us_once_the_child_listens, daemon=True)
     sender.start()
-    status = self_launch([sys.executable, "-c", child])
+    status = self_launch([sys.executable, "-c", child], watch)
     sender.join(5)
     assert status == 7  # the child got our SIGTERM (its handler's exit status)
     assert signal.getsignal(signal.SIGTERM) is before  # and our own handler is back
+    if watch is not None:  # the job monitor learns that the launcher ends the ranks
+        assert watch.signals == [signal.SIGTERM]
 
 
 def test_a_job_killed_by_a_signal_reports_128_plus_its_number():

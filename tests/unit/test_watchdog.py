@@ -4,6 +4,7 @@ that outlasts the timeout, who reports, and the monitor's account of lost hosts.
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import threading
@@ -230,6 +231,18 @@ def test_one_killed_rank_of_a_one_host_job_is_named_not_a_lost_host(monkeypatch)
     assert ". mpiexec exited with status 9. Rank 2 was killed or crashed, and the launcher " \
         "ended the others." in text
     assert "lost" not in text
+
+
+def test_ranks_a_forwarded_signal_ended_are_not_lost(monkeypatch):
+    monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
+    with JobMonitor(4) as monitor:
+        clients = _clients(monitor)
+        monitor.forwarded(signal.SIGTERM)  # as self_launch does, then mpiexec ends them
+        for rank in (2, 3, 0, 1):
+            _vanish(monitor, clients[rank])
+        text = monitor.summary(143)
+    assert text == ("mpistrat run: this launcher passed SIGTERM on to mpiexec, which ended "
+                    "the job's ranks; mpiexec exited with status 143."), text
 
 
 def test_ranks_ended_by_the_launcher_after_a_reported_failure_are_not_lost(monkeypatch):
