@@ -9,7 +9,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import cast
 
-__all__ = ["group_by_host", "name_ranks", "ranks_in_words", "local_addresses"]
+__all__ = ["group_by_host", "name_ranks", "local_addresses"]
 
 
 def group_by_host(ranks: Iterable[int], hostnames: Sequence[str]) -> dict[str, list[int]]:
@@ -20,7 +20,7 @@ def group_by_host(ranks: Iterable[int], hostnames: Sequence[str]) -> dict[str, l
     return groups
 
 
-def ranks_in_words(ranks: Sequence[int]) -> str:
+def _ranks_in_words(ranks: Sequence[int]) -> str:
     """``rank 3`` or ``ranks 2, 3``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else \
         "ranks " + ", ".join(str(r) for r in ranks)
@@ -33,9 +33,9 @@ def name_ranks(ranks: Iterable[int], hostnames: Sequence[str]) -> str:
     for host, members in group_by_host(ranks, hostnames).items():
         everyone = [r for r, h in enumerate(hostnames) if h == host]
         if members == everyone:
-            parts.append(f"host {host} ({ranks_in_words(members)})")
+            parts.append(f"host {host} ({_ranks_in_words(members)})")
         else:
-            parts.append(f"{ranks_in_words(members)} ({host})")
+            parts.append(f"{_ranks_in_words(members)} ({host})")
     return "; ".join(parts) if len(parts) > 2 else " and ".join(parts)
 
 

@@ -250,12 +250,11 @@ class JobMonitor:
             vanished = [r for r in vanished if (r.order or 0) < first_failure]
         return vanished, _hostnames(records, self.size)
 
-    def lost_host(self, before: float | None = None) -> list[RankRecord] | None:
+    def lost_host(self) -> list[RankRecord] | None:
         """The ranks of the host that vanished first, when all of them did (a host lost
-        with every process on it) and the first of them before ``before`` (a
-        ``time.time()``): None while no host has vanished whole."""
+        with every process on it): None while no host has vanished whole."""
         vanished, hostnames = self.vanished()
-        if not vanished or (before is not None and (vanished[0].closed or 0) >= before):
+        if not vanished:
             return None
         first = [r for r in vanished if r.host == vanished[0].host]
         everyone = [r for r, h in enumerate(hostnames) if h == vanished[0].host]

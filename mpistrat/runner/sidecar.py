@@ -146,23 +146,21 @@ def _spawn(launcher: int, size: int) -> str | None:
             listener.close()  # (the child has its own)
 
 
-class _Launcher:
-    """Whether, and since when (``time.time()``), the launcher process has ended."""
+def _ended(pid: int, pidfd: int) -> threading.Event:
+    """An event set once the launcher process ``pid`` has ended (through its pidfd when
+    there is one, else by polling)."""
+    ended = threading.Event()
 
-    def __init__(self, pid: int, pidfd: int) -> None:
-        self.pid, self.pidfd = pid, pidfd
-        self.ended_at: float | None = None
-        self.ended = threading.Event()
-        threading.Thread(target=self._wait, name="mpistrat-launcher-wait", daemon=True).start()
-
-    def _wait(self) -> None:
-        if self.pidfd >= 0:
-            select.select([self.pidfd], [], [])  # readable once the process has ended
+    def wait() -> None:
+        if pidfd >= 0:
+            select.select([pidfd], [], [])  # readable once the process has ended
         else:
-            while _alive(self.pid):
+            while _alive(pid):
                 time.sleep(_POLL)
-        self.ended_at = time.time()
-        self.ended.set()
+        ended.set()
+
+    threading.Thread(target=wait, name="mpistrat-launcher-wait", daemon=True).start()
+    return ended
 
 
 def _alive(pid: int) -> bool:
@@ -174,8 +172,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def verdict(monitor: JobMonitor, ended_at: float) -> str | None:
-    """What to report once the launcher ended at ``ended_at``: the host of the first rank
+def verdict(monitor: JobMonitor) -> str | None:
+    """What to report once the launcher has ended: the host of the first rank
     that vanished without a word, when every rank of that host vanished, either at once
     (within :data:`_AT_ONCE` of the first) or before any rank of another host. That is
     how hydra loses a host: its ranks die together, and the other hosts' ranks only
@@ -184,7 +182,7 @@ def verdict(monitor: JobMonitor, ended_at: float) -> str | None:
     forwarded by the launcher ended may look: the message says only what was seen
     (:func:`.monitor.lost_text`). A job whose ranks announced a failure first is not
     reported."""
-    lost = monitor.lost_host(before=ended_at + _SETTLE_CLOSES)
+    lost = monitor.lost_host()
     if lost is None:
         return None
     vanished, hostnames = monitor.vanished()
@@ -199,22 +197,21 @@ def verdict(monitor: JobMonitor, ended_at: float) -> str | None:
     return lost_text(vanished, hostnames, None)
 
 
-def watch(monitor: JobMonitor, launcher: _Launcher, out: IO[str]) -> str | None:
-    """Watch ``monitor`` until the job is over; write a lost host to ``out`` (the
-    launcher's standard error). Returns what it wrote."""
+def watch(monitor: JobMonitor, launcher_ended: threading.Event, out: IO[str]) -> str | None:
+    """Watch ``monitor`` until the job is over; once the launcher has ended, write a lost
+    host to ``out`` (the launcher's standard error). Returns what it wrote."""
     quiet_since = None  # when every rank had ended or vanished, the launcher still running
-    while not launcher.ended.wait(_POLL):
+    while not launcher_ended.wait(_POLL):
         if monitor.settled():
             if not monitor.troubled():
                 return None  # every rank ended normally
             quiet_since = quiet_since or time.monotonic()
             if time.monotonic() - quiet_since > _LAST_WORD:
                 return None  # the launcher outlives its ranks: not hydra's way with a host
-    ended_at = launcher.ended_at or time.time()
     deadline = time.monotonic() + _SETTLE_CLOSES
     while True:
         over = monitor.settled() or time.monotonic() > deadline
-        text = verdict(monitor, ended_at)
+        text = verdict(monitor)
         if text is not None or over:
             break
         time.sleep(_POLL / 5)  # the lost host's last closes, still to come or to be read
@@ -242,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.out, "a") as out:
         monitor = JobMonitor(args.size, listener=listener).start()
         try:
-            watch(monitor, _Launcher(args.launcher, args.pidfd), out)
+            watch(monitor, _ended(args.launcher, args.pidfd), out)
         finally:
             monitor.close()
     return 0
