@@ -16,24 +16,32 @@ hosts: the busiest link direction, so ``B_net`` counts every rank of a host whos
 message crosses the link in the same step). ``b`` is the links' burst: the bytes a link
 direction passes per call before its rate applies (a shaped link's token bucket that the
 barrier between timed calls refills, buffers in NICs and switches); without one (``b =
-0``) the last two terms are ``beta_net * B_net * n``. :func:`terms` derives the counts
+0``) the last two terms are ``beta_net * B_net * n``. A transport may also send small
+messages inline (libfabric's inject size: 128 B for MPICH's ``ofi``/``tcp``): the
+``L_inline`` of ``L_net`` messages of at most that many bytes count as ``1 - saving``
+of one, both numbers one pair for the links like ``b``. :func:`terms` derives the counts
 by laying each algorithm's messages out over the ranks' hosts, so any layout works
 (uneven hosts, one host, virtual nodes). For ``H > 1`` hosts of ``k`` ranks, ``p = H k``,
-in host-major order (the flat algorithms sort ranks by host; ``native`` keeps the
-launcher's order):
+in host-major order (the flat algorithms sort ranks by host):
 
 * ``xring#s``: every one of its ``2(p-1)`` steps crosses links, one rank per link
   direction: ``L_net = 2(p-1)s``, ``B_net = 2(p-1)/p``.
-* ``rechd`` (and ``native``, modelled as MPICH's reduce-scatter + allgather): the first
-  ``lg k`` halving steps and the last ``lg k`` doubling steps stay inside hosts
-  (``L_in = 2 lg k``, ``B_in = 2(k-1)/k``); the other ``2 lg H`` cross with all ``k``
-  ranks of a host on its link at once (``B_net = 2(H-1)/H``). At or below 2 KiB:
-  ``lg p`` steps of the whole buffer (``B_net = k lg H``).
+* ``rechd``: the first ``lg k`` halving steps and the last ``lg k`` doubling steps stay
+  inside hosts (``L_in = 2 lg k``, ``B_in = 2(k-1)/k``); the other ``2 lg H`` cross with
+  all ``k`` ranks of a host on its link at once (``B_net = 2(H-1)/H``). At or below
+  2 KiB: ``lg p`` steps of the whole buffer (``B_net = k lg H``).
+* ``native``, as MPICH 5's default selection runs ``MPI_Allreduce``: on one host as
+  ``rechd``; on several, its node-aware composition: a reduce onto each host's first
+  rank and a broadcast back, together counted as ``rechd`` on ``k`` ranks, and between
+  them the ``H`` leaders' reduce-scatter + allgather, one rank per link
+  (``L_net = 2 lg H``, ``B_net = 2(H-1)/H``; recursive doubling at or below 8 bytes).
 * ``pscpu#s``: gather and scatter overlap as one step; ``B_net`` is the most any host
   link carries one way, ``(g(p-k) + (s-g)k)/s`` for ``g`` pieces gathered on the host,
   but at least the two phases' busiest directions one after the other for the first of
   a piece's ``m`` messages (a message goes back once it has arrived whole):
-  ``(G + S)/m + (m-1)/m max(G, S)`` (``pscpu#1`` on 2 x 2 at one message: 2 + 2).
+  ``(G + S)/m + (m-1)/m max(G, S)`` (``pscpu#1`` on 2 x 2 at one message: 2 + 2);
+  where they take turns, the gather in and the scatter out each pass their own
+  direction's burst.
 * ``a/b#s``: ``a``'s reduce onto the leader and a broadcast inside hosts, ``b#s`` over
   the ``H`` leaders across links (one rank per link). On several nodes with several
   ranks on some node and at least two :data:`~mpistrat.algorithms.hierarchical.
@@ -51,7 +59,8 @@ sweep separates serves both levels (marked ``=``), and ``a/b#s``, measurable onl
 across nodes, takes its intra terms from ``a/b`` (marked ``*``). The documented recipe
 is one sweep on one host (``k`` ranks: the intra terms) plus one across two hosts
 (``2 x k``). The burst is one number for all algorithms, the one of :data:`BURSTS` (0
-first) with the least total error (:func:`fit_sweeps`). Nothing here needs MPI.
+first) with the least total error (:func:`fit_sweeps`); then the inline size and saving
+of :data:`INLINES`, the same way. Nothing here needs MPI.
 """
 
 from __future__ import annotations
@@ -76,13 +85,15 @@ from .report import format_us
 from .results import Point
 
 __all__ = ["Layout", "Terms", "Sweep", "Check", "Fit", "CostModel", "Prediction", "BURSTS",
+           "INLINES",
            "terms",
            "fit_points", "fit", "fit_sweeps", "predict", "layout_from_meta",
            "model_for_run", "pipeline_pieces", "merge_repeats"]
 
 _SHUFFLES = {"pscpu", "psgpu"}
 _RINGS = {"xring", "nccl"}
-_HALVING = {"rechd", "native"}
+_HALVING = {"rechd"}
+_MPICH_LEADERS_SHORT = 8  # MPICH 5's recursive doubling among node leaders: at most 8 B
 _MPICH_BCAST_SHORT = 12288  # MPICH's binomial broadcast below this many bytes
 _GROUP_SAMPLES = 8  # shuffle gather groups averaged (rotation moves them each call)
 _ITEMSIZE = 4  # the model's element size where an algorithm switches on element counts
@@ -210,30 +221,38 @@ class Terms:
     l_net: float = 0.0
     b_net: float = 0.0
     share: int = 0
+    l_inline: float = 0.0  # of l_net: messages small enough to go inline
+    directions: int = 1  # link directions one after the other, each with its own burst
 
     def __add__(self, other: Terms) -> Terms:
         return Terms(self.l_in + other.l_in, self.b_in + other.b_in,
                      self.l_net + other.l_net, self.b_net + other.b_net,
-                     max(self.share, other.share))
+                     max(self.share, other.share), self.l_inline + other.l_inline,
+                     max(self.directions, other.directions))
 
     def scaled(self, steps: float, volume: float) -> Terms:
         """Messages times ``steps``, bytes times ``volume``."""
         return Terms(self.l_in * steps, self.b_in * volume, self.l_net * steps,
-                     self.b_net * volume, self.share)
+                     self.b_net * volume, self.share, self.l_inline * steps,
+                     self.directions)
 
-    def features(self, nbytes: float) -> tuple[float, float, float, float]:
-        """What multiplies (alpha_in, beta_in, alpha_net, beta_net)."""
-        return (self.l_in, self.b_in * nbytes, self.l_net, self.b_net * nbytes)
+    def features(self, nbytes: float, saving: float = 0.0) -> tuple[float, float, float, float]:
+        """What multiplies (alpha_in, beta_in, alpha_net, beta_net); an inline message
+        counts as ``1 - saving`` of one across links."""
+        return (self.l_in, self.b_in * nbytes, self.l_net - saving * self.l_inline,
+                self.b_net * nbytes)
 
     def time(self, params: Sequence[float], nbytes: float) -> float:
         return sum(x * f for x, f in zip(params, self.features(nbytes)))
 
 
-def _step(transfers: Iterable[tuple[int, int, float, int]], hosts: Sequence[int]) -> Terms:
+def _step(transfers: Iterable[tuple[int, int, float, int]], hosts: Sequence[int],
+          small: float = 0.0) -> Terms:
     """One step in which every ``(src, dst, fraction, messages)`` transfer runs at once
     (ranks index ``hosts``). It crosses links when any transfer does; then it costs the
-    busiest link direction's bytes and the busiest rank's messages over links, else the
-    busiest rank's bytes and messages inside its host."""
+    busiest link direction's bytes and the busiest rank's messages over links (inline
+    ones if every message across is at most ``small`` of the buffer), else the busiest
+    rank's bytes and messages inside its host."""
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
     out_msgs: dict[int, int] = {}
@@ -243,6 +262,7 @@ def _step(transfers: Iterable[tuple[int, int, float, int]], hosts: Sequence[int]
     users: dict[tuple[int, int], set[int]] = {}
     net_out: dict[int, int] = {}
     net_in: dict[int, int] = {}
+    large = small <= 0  # some message across links too large to go inline
     for src, dst, frac, msgs in transfers:
         if src == dst or frac < 0:
             continue
@@ -258,10 +278,13 @@ def _step(transfers: Iterable[tuple[int, int, float, int]], hosts: Sequence[int]
             users.setdefault((b, 1), set()).add(dst)
             net_out[src] = net_out.get(src, 0) + msgs
             net_in[dst] = net_in.get(dst, 0) + msgs
+            large = large or frac > small * msgs
     if link_out:
-        return Terms(l_net=max(max(net_out.values()), max(net_in.values())),
+        l_net = max(max(net_out.values()), max(net_in.values()))
+        return Terms(l_net=l_net,
                      b_net=max(max(link_out.values()), max(link_in.values())),
-                     share=max(len(u) for u in users.values()))
+                     share=max(len(u) for u in users.values()),
+                     l_inline=0.0 if large else l_net)
     if not sent:
         return Terms()
     return Terms(l_in=max(max(out_msgs.values()), max(in_msgs.values())),
@@ -276,18 +299,20 @@ def _host_major(hosts: Sequence[int]) -> list[int]:
     return sorted(hosts, key=lambda h: first[h])
 
 
-def _ring(hosts: Sequence[int], pipelines: int) -> Terms:
+def _ring(hosts: Sequence[int], pipelines: int, small: float = 0.0) -> Terms:
     p = len(hosts)
     if p <= 1:
         return Terms()
-    step = _step(((r, (r + 1) % p, 1 / p, pipelines) for r in range(p)), hosts)
+    step = _step(((r, (r + 1) % p, 1 / p, pipelines) for r in range(p)), hosts, small)
     return step.scaled(2 * (p - 1), 2 * (p - 1))
 
 
-def _halving_doubling(hosts: Sequence[int], nbytes: int) -> Terms:
+def _halving_doubling(hosts: Sequence[int], nbytes: int, small: float = 0.0,
+                      short: int | None = None) -> Terms:
     """rechd (and MPICH's reduce-scatter + allgather): fold the extra ranks in, halve and
     double among the largest power of two, fold out; recursive doubling of the whole
-    buffer at or below ``SHORT_BYTES``."""
+    buffer at or below ``short`` bytes (default rechd's ``SHORT_BYTES``) or when it has
+    fewer elements than that power of two."""
     n = len(hosts)
     if n <= 1:
         return Terms()
@@ -299,35 +324,59 @@ def _halving_doubling(hosts: Sequence[int], nbytes: int) -> Terms:
 
     total = Terms()
     if rem:
-        total += _step(((2 * i, 2 * i + 1, 1.0, 1) for i in range(rem)), hosts)
-    short = getattr(sys.modules.get("mpistrat.algorithms.halving_doubling"), "SHORT_BYTES",
-                    2048)
+        total += _step(((2 * i, 2 * i + 1, 1.0, 1) for i in range(rem)), hosts, small)
+    if short is None:
+        short = getattr(sys.modules.get("mpistrat.algorithms.halving_doubling"),
+                        "SHORT_BYTES", 2048)
     masks = [1 << i for i in range(p.bit_length() - 1)]
     if nbytes <= short or nbytes // _ITEMSIZE < p:
         for mask in masks:
-            total += _step(((real(r), real(r ^ mask), 1.0, 1) for r in range(p)), hosts)
+            total += _step(((real(r), real(r ^ mask), 1.0, 1) for r in range(p)), hosts,
+                           small)
     else:
         for i, mask in enumerate(masks):  # halving, then the doubling's mirror step
             total += _step(((real(r), real(r ^ mask), 0.5 ** (i + 1), 1)
-                            for r in range(p)), hosts).scaled(2, 2)
+                            for r in range(p)), hosts, small).scaled(2, 2)
     if rem:
-        total += _step(((2 * i + 1, 2 * i, 1.0, 1) for i in range(rem)), hosts)
+        total += _step(((2 * i + 1, 2 * i, 1.0, 1) for i in range(rem)), hosts, small)
     return total
+
+
+def _native(hosts: Sequence[int], nbytes: int, small: float = 0.0) -> Terms:
+    """``MPI_Allreduce`` as MPICH 5's default selection runs it (commutative op): on one
+    host its shared-memory all-reduce, counted as ``rechd``'s steps; on several, its
+    node-aware composition: that all-reduce's reduce onto each host's first rank and its
+    broadcast back (the same counts, on the largest host's ranks), and between them the
+    leaders' all-reduce across links, one rank per host (reduce-scatter + allgather;
+    recursive doubling at or below 8 bytes or with fewer elements than leaders)."""
+    if len(set(hosts)) <= 1:
+        return _halving_doubling(list(hosts), nbytes, small)
+    counts: dict[int, int] = {}
+    for h in hosts:
+        counts[h] = counts.get(h, 0) + 1
+    inside = _halving_doubling([0] * max(counts.values()), nbytes)
+    return inside + _halving_doubling(list(counts), nbytes, small,
+                                      short=_MPICH_LEADERS_SHORT)
 
 
 def _serial(both: Terms, gather: float, scatter: float, messages: int) -> Terms:
     """``both`` (gather and scatter as one step) with its link bytes at least those of
     a gather rank that sends each message back only once it has all of it: the two
     phases' busiest link directions (``gather``, ``scatter``) one after the other for the
-    first message of a piece's ``messages``, then overlapping."""
+    first message of a piece's ``messages``, then overlapping. The gather comes in on
+    the gather rank's link and the scatter goes out on it: where the two take turns,
+    each direction passes its own burst."""
     if not both.l_net or messages < 1:
         return both
     serial = (gather + scatter) / messages + (messages - 1) / messages * max(gather, scatter)
-    return replace(both, b_net=max(both.b_net, serial))
+    if serial <= both.b_net:
+        return both
+    return replace(both, b_net=serial, directions=2)
 
 
 def _shuffle_group(hosts: Sequence[int], owners: Sequence[int],
-                   destinations: Sequence[int] | None = None, messages: int = 0) -> Terms:
+                   destinations: Sequence[int] | None = None, messages: int = 0,
+                   small: float = 0.0) -> Terms:
     """One shuffle: pieces to their gather ranks, reduced pieces back to
     ``destinations`` (every rank by default), gather and scatter as one step: the
     gather rank sends each message back as it is added. With ``messages`` (per piece),
@@ -341,13 +390,14 @@ def _shuffle_group(hosts: Sequence[int], owners: Sequence[int],
     for owner in owners:
         gather += [(r, owner, frac, 1) for r in range(p) if r != owner]
         scatter += [(owner, d, frac, 1) for d in targets if d != owner]
-    both = _step(gather + scatter, hosts)
+    both = _step(gather + scatter, hosts, small)
     if not messages:
         return both
     return _serial(both, _step(gather, hosts).b_net, _step(scatter, hosts).b_net, messages)
 
 
-def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int], messages: int = 0) -> Terms:
+def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int], messages: int = 0,
+                     small: float = 0.0) -> Terms:
     """:func:`_shuffle_group` for every rank as destination, counted per host instead
     of per message (large jobs: p x s messages)."""
     p, s = len(hosts), len(owners)
@@ -371,7 +421,8 @@ def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int], messages: int 
                for h, k in per_host.items())
     count = max(pieces.get(r, 0) * (p - per_host[hosts[r]])
                 + (s - on_host.get(hosts[r], 0)) for r in range(p))
-    both = Terms(l_net=count, b_net=load, share=max(per_host.values()))
+    both = Terms(l_net=count, b_net=load, share=max(per_host.values()),
+                 l_inline=count if 0 < 1 / s <= small else 0.0)
     if not messages:
         return both
     # each phase alone: into a host its pieces' remote contributions, out of it its
@@ -381,7 +432,8 @@ def _shuffle_counted(hosts: Sequence[int], owners: Sequence[int], messages: int 
     return _serial(both, phase, phase, messages)
 
 
-def _shuffle(hosts: Sequence[int], shards: int, nbytes: int | None = None) -> Terms:
+def _shuffle(hosts: Sequence[int], shards: int, nbytes: int | None = None,
+             small: float = 0.0) -> Terms:
     """``pscpu#shards``; with ``nbytes``, a call on its own (each piece's first message
     gathered whole before it goes back, :func:`_serial`), without, a pipeline stage
     whose phases overlap those of the pieces before and after it."""
@@ -396,28 +448,32 @@ def _shuffle(hosts: Sequence[int], shards: int, nbytes: int | None = None) -> Te
     messages = 0 if nbytes is None else \
         max(1, -(-nbytes // (len(groups[0]) * piece_bytes)))
     count = _shuffle_counted if p * len(groups[0]) > 4096 else _shuffle_group
-    parts = [count(hosts, g, messages=messages) for g in groups]
+    parts = [count(hosts, g, messages=messages, small=small) for g in groups]
     mean = sum(parts[1:], parts[0]).scaled(1 / len(parts), 1 / len(parts))
     return replace(mean, share=max(t.share for t in parts))
 
 
 def _flat(alg: str, hosts: Sequence[int], shards: int, nbytes: int,
-          alone: bool = True) -> Terms:
+          alone: bool = True, inline: int = 0) -> Terms:
     """Terms of a flat algorithm on ranks with these hosts (in the communicator's
-    order; all but ``native`` run host-major); ``alone``: a call of its own, not a
-    stage of a pipeline."""
+    order; all but ``native`` run host-major, ``native`` is MPICH's composition);
+    ``alone``: a call of its own, not a stage of a pipeline; messages across links of
+    at most ``inline`` bytes go inline."""
     if alg == "shm":
         k = len(hosts)
         if len(set(hosts)) > 1:
             raise KeyError("shm across hosts")
         return Terms(l_in=2.0, b_in=2 * (k - 1) / k) if k > 1 else Terms()
-    order = list(hosts) if alg == "native" else _host_major(hosts)
+    small = inline / nbytes if inline > 0 and nbytes > 0 else 0.0  # of the buffer
+    if alg == "native":
+        return _native(hosts, nbytes, small)
+    order = _host_major(hosts)
     if alg in _RINGS:
-        return _ring(order, shards if alg == "xring" else 1)
+        return _ring(order, shards if alg == "xring" else 1, small)
     if alg in _HALVING:
-        return _halving_doubling(order, nbytes)
+        return _halving_doubling(order, nbytes, small)
     if alg in _SHUFFLES:
-        return _shuffle(order, shards, nbytes if alone else None)
+        return _shuffle(order, shards, nbytes if alone else None, small)
     raise KeyError(alg)
 
 
@@ -445,7 +501,7 @@ def _broadcast(alg: str, k: int, nbytes: int) -> Terms:
 
 
 def _stages(info: Any, shards: int, layout: Layout, nbytes: int,
-            alone: bool = True) -> list[Terms]:
+            alone: bool = True, inline: int = 0) -> list[Terms]:
     """The stages of ``a/b`` at ``nbytes`` bytes (one stage on a single node);
     ``alone``: not pipelined."""
     groups = layout.node_groups
@@ -459,7 +515,7 @@ def _stages(info: Any, shards: int, layout: Layout, nbytes: int,
                       k if info.intra in _SHUFFLES else 1, nbytes)]
     leaders = [hosts[g[0]] for g in groups]
     return [_reduce_to_leader(info.intra, k, nbytes),
-            _flat(info.inter, leaders, shards, nbytes, alone),
+            _flat(info.inter, leaders, shards, nbytes, alone, inline),
             _broadcast(info.intra, k, nbytes)]
 
 
@@ -478,7 +534,8 @@ def pipeline_pieces(alg: str, layout: Layout, nbytes: int) -> int:
 
 
 def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
-          params: Sequence[float] | None = None, nodes: int | None = None) -> Terms:
+          params: Sequence[float] | None = None, nodes: int | None = None,
+          inline: int = 0) -> Terms:
     """The critical path of ``alg#shards`` for ``nbytes`` bytes on ``layout`` (or a
     rank count, spread evenly over ``nodes`` hosts).
 
@@ -500,9 +557,9 @@ def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
     if layout.ranks <= 1:
         return Terms()
     if not info.hierarchical:
-        return _flat(alg, layout.host_of_rank, shards, nbytes)
+        return _flat(alg, layout.host_of_rank, shards, nbytes, inline=inline)
     pieces = pipeline_pieces(alg, layout, nbytes)
-    stages = _stages(info, shards, layout, -(-nbytes // pieces))
+    stages = _stages(info, shards, layout, -(-nbytes // pieces), inline=inline)
     if pieces == 1:
         return sum(stages[1:], stages[0])
     # the first piece runs its stages as a call of its own; in the stream of pieces
@@ -510,7 +567,7 @@ def terms(alg: str, shards: int, layout: Layout | int, nbytes: int = 1 << 20, *,
     piece = [s.scaled(1, 1 / pieces) for s in stages]
     steady = piece if info.inter not in _SHUFFLES else \
         [s.scaled(1, 1 / pieces) for s in
-         _stages(info, shards, layout, -(-nbytes // pieces), alone=False)]
+         _stages(info, shards, layout, -(-nbytes // pieces), alone=False, inline=inline)]
     if params is None:
         slowest = max(steady, key=lambda s: (s.b_net, s.l_net, s.b_in, s.l_in))
     else:
@@ -631,13 +688,16 @@ class Fit:
     intra_from: str | None = None  # the entry whose alpha_in/beta_in this one took
     beta_burst: float = 0.0  # seconds per byte of a call's first `burst` bytes on a link
     burst: float = 0.0  # bytes a link direction passes per call before beta_net applies
+    inline: int = 0  # bytes: a message across links of at most this many goes inline
+    inline_saving: float = 0.0  # the part of alpha_net an inline message does not cost
 
     @property
     def params(self) -> tuple[float, float, float, float]:
         return (self.alpha_in, self.beta_in, self.alpha_net, self.beta_net)
 
     def terms(self, nbytes: int, layout: Layout) -> Terms:
-        return terms(self.alg, self.shards, layout, nbytes, params=self.params)
+        return terms(self.alg, self.shards, layout, nbytes, params=self.params,
+                     inline=self.inline)
 
     def parts(self, nbytes: int, layout: Layout) -> tuple[float, float, float, float]:
         """Seconds per term: intra messages, intra bytes, net messages, net bytes (the
@@ -646,8 +706,8 @@ class Fit:
 
     def parts_of(self, t: Terms, nbytes: int) -> tuple[float, float, float, float]:
         """:meth:`parts` of the terms ``t`` of an ``nbytes`` call."""
-        l_in, b_in, l_net, b_net = t.features(nbytes)
-        within, beyond = _split_burst(b_net, self.burst)
+        l_in, b_in, l_net, b_net = t.features(nbytes, self.inline_saving)
+        within, beyond = _split_burst(b_net, self.burst * t.directions)
         return (self.alpha_in * l_in, self.beta_in * b_in, self.alpha_net * l_net,
                 self.beta_burst * within + self.beta_net * beyond)
 
@@ -676,11 +736,15 @@ class Fit:
                          f"{_ns(self.beta_in)} inside hosts")
         if t.l_net or t.b_net:
             net = f"{t.b_net:.4g} n x {_ns(self.beta_net)}"
-            if self.burst > 0:
-                burst = format_bytes(int(self.burst))
+            if self.burst > 0:  # (each direction taking turns passes its own)
+                burst = format_bytes(int(self.burst * t.directions))
                 net = (f"min(x, {burst}) x {_ns(self.beta_burst)} + max(0, x - {burst}) x "
                        f"{_ns(self.beta_net)} with x = {t.b_net:.4g} n")
-            parts.append(f"{t.l_net:g} x {_us(self.alpha_net)} + {net} across links "
+            msgs = f"{t.l_net:g} x {_us(self.alpha_net)}"
+            if t.l_inline and self.inline_saving:
+                msgs = (f"({t.l_net:g} - {self.inline_saving:g} x {t.l_inline:g} inline) x "
+                        f"{_us(self.alpha_net)}")
+            parts.append(f"{msgs} + {net} across links "
                          f"({t.share} rank(s) of a host on its link at once)")
         return "t = " + (" + ".join(parts) if parts else "0 (nothing to exchange)")
 
@@ -689,6 +753,7 @@ class Fit:
                 "alpha_in_s": self.alpha_in, "beta_in_s_per_byte": self.beta_in,
                 "alpha_net_s": self.alpha_net, "beta_net_s_per_byte": self.beta_net,
                 "beta_burst_s_per_byte": self.beta_burst, "link_burst_bytes": self.burst,
+                "inline_bytes": self.inline, "inline_saving": self.inline_saving,
                 "shared": list(self.shared), "intra_from": self.intra_from,
                 "median_rel_error": self.median_error,
                 "max_rel_error": self.max_error, "points": len(self.checks),
@@ -702,7 +767,9 @@ class Fit:
                    data["beta_net_s_per_byte"], tuple(data.get("shared", ())),
                    intra_from=data.get("intra_from"),
                    beta_burst=float(data.get("beta_burst_s_per_byte", 0.0)),
-                   burst=float(data.get("link_burst_bytes", 0.0)))
+                   burst=float(data.get("link_burst_bytes", 0.0)),
+                   inline=int(data.get("inline_bytes", 0)),
+                   inline_saving=float(data.get("inline_saving", 0.0)))
 
 
 def _us(seconds: float) -> str:
@@ -720,13 +787,15 @@ def _split_burst(net_bytes: float, burst: float) -> tuple[float, float]:
 
 def _fit_group(label: str, alg: str, shards: int,
                group: Sequence[tuple[Point, Layout, str]],
-               intra: Fit | None = None, burst: float = 0.0) -> Fit:
+               intra: Fit | None = None, burst: float = 0.0,
+               inline: tuple[int, float] = (0, 0.0)) -> Fit:
     """Fit one algorithm's points (each with its layout), non-negative, on absolute
     relative errors (:func:`_nnls`), sharing a parameter between levels where the points cannot
     separate it, or taking alpha_in and beta_in from ``intra`` (the same stages inside
     hosts, fitted on more layouts); with a ``burst``, the bytes of a call within it get
-    their own ``beta_burst``. Pipelined points are refitted until their slowest stage is
-    stable."""
+    their own ``beta_burst``; with ``inline`` (bytes, saving), a message across links of
+    at most that many bytes counts as ``1 - saving`` of one. Pipelined points are
+    refitted until their slowest stage is stable."""
     sizes = [p.nbytes for p, _, _ in group]
     times = [p.median for p, _, _ in group]
     params: Sequence[float] | None = None
@@ -734,12 +803,13 @@ def _fit_group(label: str, alg: str, shards: int,
     beta_burst = 0.0
     feats: list[tuple[float, float, float, float]] = []
     for _ in range(6):
-        previous, feats = feats, [terms(alg, shards, lay, n, params=params).features(n)
-                                  for n, (_, lay, _) in zip(sizes, group)]
+        moved = [terms(alg, shards, lay, n, params=params, inline=inline[0])
+                 for n, (_, lay, _) in zip(sizes, group)]
+        previous, feats = feats, [t.features(n, inline[1]) for t, n in zip(moved, sizes)]
         if feats == previous:  # the same slowest stages: the same fit
             break
         # (within the burst, beyond it): the last feature split in two
-        split = [_split_burst(f[3], burst) for f in feats]
+        split = [_split_burst(f[3], burst * t.directions) for f, t in zip(feats, moved)]
         if intra is not None:
             known = [intra.alpha_in * f[0] + intra.beta_in * f[1] for f in feats]
             rows = [[f[2], beyond, within] for f, (within, beyond) in zip(feats, split)]
@@ -779,7 +849,8 @@ def _fit_group(label: str, alg: str, shards: int,
     assert params is not None
     fitted = Fit(label, alg, shards, *params,  # type: ignore[misc, arg-type]  # 4 floats
                  shared=shared, intra_from=intra.label if intra is not None else None,
-                 beta_burst=beta_burst, burst=burst)
+                 beta_burst=beta_burst, burst=burst, inline=inline[0],
+                 inline_saving=inline[1])
     checks = tuple(Check(name, n, t, fitted.time(n, lay))
                    for n, t, (_, lay, name) in zip(sizes, times, group))
     return replace(fitted, checks=checks)
@@ -787,9 +858,13 @@ def _fit_group(label: str, alg: str, shards: int,
 
 # the link bursts tried: none, then 16 KiB .. 4 MiB (x2)
 BURSTS = (0, *(1 << k for k in range(14, 23)))
+# the inline sends tried (largest message in bytes, the part of alpha_net it saves)
+# after the burst: none, then 64 B .. 1 KiB (x2) saving a quarter, half or three quarters
+INLINES = ((0, 0.0), *((1 << k, saving) for k in range(6, 11) for saving in (0.25, 0.5, 0.75)))
 
 
-def fit_sweeps(sweeps: Sequence[Sweep], bursts: Sequence[int] | None = None) -> CostModel:
+def fit_sweeps(sweeps: Sequence[Sweep], bursts: Sequence[int] | None = None,
+               inlines: Sequence[tuple[int, float]] | None = None) -> CostModel:
     """Fit every single-algorithm entry over all ``sweeps`` together (only correct
     points count; an algorithm is fitted on the sweeps that measured it).
 
@@ -798,7 +873,13 @@ def fit_sweeps(sweeps: Sequence[Sweep], bursts: Sequence[int] | None = None) -> 
     between calls lets drain): each burst of ``bursts`` (default :data:`BURSTS` where
     some sweep spans several hosts, else none) is tried for every algorithm at once,
     and the one with the least total relative error is kept, so a link without one
-    fits as the plain model (burst 0)."""
+    fits as the plain model (burst 0).
+
+    Likewise a transport may send a message of up to some bytes inline (with the
+    request, no completion to wait for: libfabric's inject size), which costs less than
+    another message: with the burst chosen, each ``(bytes, saving)`` of ``inlines``
+    (default :data:`INLINES` across hosts) is tried, and kept where it lowers the total
+    error."""
     by_label: dict[str, list[tuple[Point, Layout, str]]] = {}
     for sweep in sweeps:
         name = sweep.layout.describe()
@@ -819,22 +900,32 @@ def fit_sweeps(sweeps: Sequence[Sweep], bursts: Sequence[int] | None = None) -> 
                            f"{group[0][1].ranks} rank(s))")
             continue
         groups[label] = (alg, shards, keep)
+    across = any(s.layout.hosts > 1 for s in sweeps)
     if bursts is None:
-        bursts = BURSTS if any(s.layout.hosts > 1 for s in sweeps) else (0,)
+        bursts = BURSTS if across else (0,)
+    if inlines is None:
+        inlines = INLINES if across else ((0, 0.0),)
     best: tuple[float, list[Fit]] | None = None
-    for burst in bursts:
-        fits = _fit_all(groups, float(burst))
+    chosen = 0.0
+    # every burst without inline sends, then every inline size with the burst chosen
+    tries: list[tuple[float | None, tuple[int, float]]] = [(float(b), (0, 0.0))
+                                                           for b in bursts]
+    tries += [(None, inline) for inline in inlines if inline[0] > 0]
+    for burst, inline in tries:
+        fits = _fit_all(groups, chosen if burst is None else burst, inline)
         errors = [abs(c.error) for f in fits for c in f.checks]
-        # a larger burst must do better by more than rounding (an exact fit stays at 0)
+        # a larger burst, or an inline size, must do better by more than rounding (an
+        # exact fit stays at the plain model)
         if best is None or sum(errors) < best[0] - 1e-6 * len(errors):
             best = (sum(errors), fits)
+            chosen = chosen if burst is None else burst
     return CostModel(tuple(best[1]) if best else (), tuple(skipped), _named_layouts(sweeps))
 
 
 def _fit_all(groups: Mapping[str, tuple[str, int, list[tuple[Point, Layout, str]]]],
-             burst: float) -> list[Fit]:
-    """:func:`fit_sweeps` with one link burst."""
-    fits = [_fit_group(label, alg, shards, keep, burst=burst)
+             burst: float, inline: tuple[int, float] = (0, 0.0)) -> list[Fit]:
+    """:func:`fit_sweeps` with one link burst and one inline size."""
+    fits = [_fit_group(label, alg, shards, keep, burst=burst, inline=inline)
             for label, (alg, shards, keep) in groups.items()]
     # an entry measured only across hosts (a/b#2: shards need several nodes) takes the
     # terms inside hosts from the same algorithm with another shard count, fitted on
@@ -848,7 +939,7 @@ def _fit_all(groups: Mapping[str, tuple[str, int, list[tuple[Point, Layout, str]
         sibling = separated.get(f.alg)
         if f.shared and sibling is not None and sibling is not f:
             fits[i] = _fit_group(f.label, f.alg, f.shards, groups[f.label][2], intra=sibling,
-                                 burst=burst)
+                                 burst=burst, inline=inline)
     return fits
 
 
@@ -916,6 +1007,12 @@ class CostModel:
         """The link burst of the fit in bytes (0: none; one value serves every fit)."""
         return max((f.burst for f in self.fits), default=0.0)
 
+    @property
+    def inline(self) -> tuple[int, float]:
+        """The largest message across links that goes inline, in bytes, and the part of
+        alpha_net it saves ((0, 0.0): none; one value serves every fit)."""
+        return max(((f.inline, f.inline_saving) for f in self.fits), default=(0, 0.0))
+
     def lines(self) -> list[str]:
         where = "; ".join(lay.describe() + (f" ({name})" if name else "")
                           for lay, name in self.layouts) or "?"
@@ -925,10 +1022,16 @@ class CostModel:
         if burst:
             net = (f"b_burst*min(x, {format_bytes(int(burst))}) + b_net*max(0, x - "
                    f"{format_bytes(int(burst))}) with x = B_net*n (the link's burst: "
-                   f"the least error of those tried)")
+                   f"the least error of those tried; twice that where a shuffle's gather "
+                   f"and scatter take turns on the link, each direction passing its own)")
         else:
             net = "b_net*B_net*n"
-        out = [f"# Cost model t = a_in*L_in + b_in*B_in*n + a_net*L_net + {net} "
+        size, saving = self.inline
+        msgs = "a_net*L_net"
+        if size:
+            msgs = (f"a_net*(L_net - {saving:g}*L_inline) (L_inline: the messages of at most "
+                    f"{format_bytes(size)}, which go inline: the least error of those tried)")
+        out = [f"# Cost model t = a_in*L_in + b_in*B_in*n + {msgs} + {net} "
                f"(inside hosts / across links), {how}"]
         names = list(dict.fromkeys(lay.describe() for lay, _ in self.layouts))
         rows = [("algorithm", "a_in(us)", "b_in(ns/B)", "a_net(us)",
@@ -1049,6 +1152,7 @@ class Prediction:
     formulas: dict[str, str] = field(default_factory=dict)
     terms: dict[str, tuple[Terms, ...]] = field(default_factory=dict)
     burst: float = 0.0  # the fitted link burst in bytes (net bytes within it cost less)
+    inline: tuple[int, float] = (0, 0.0)  # messages inline across links: bytes, saving
 
     def best(self) -> list[str]:
         return [min(self.times, key=lambda label: self.times[label][i])
@@ -1058,7 +1162,9 @@ class Prediction:
         layout = Layout.per_host(self.ranks, self.ranks_per_node)
         return (f"# Predicted time (us) at {self.ranks} ranks, {self.ranks_per_node} per host "
                 f"({layout.describe()}), every link like the measured ones"
-                + (f" (burst {format_bytes(int(self.burst))} per call)" if self.burst else ""))
+                + (f" (burst {format_bytes(int(self.burst))} per call)" if self.burst else "")
+                + (f" (messages of at most {format_bytes(self.inline[0])} inline)"
+                   if self.inline[0] else ""))
 
     def lines(self, detail: bool = True) -> list[str]:
         labels = list(self.times)
@@ -1097,6 +1203,7 @@ class Prediction:
                 "nodes": self.nodes, "sizes": list(self.sizes),
                 "times_s": {k: list(v) for k, v in self.times.items()}, "best": self.best(),
                 "formulas": dict(self.formulas), "link_burst_bytes": self.burst,
+                "inline_bytes": self.inline[0], "inline_saving": self.inline[1],
                 "parts_s": {k: [list(x) for x in v] for k, v in self.parts.items()},
                 "terms": {k: [[t.l_in, t.b_in, t.l_net, t.b_net, t.share] for t in v]
                           for k, v in self.terms.items()}}
@@ -1135,7 +1242,7 @@ def predict(model: CostModel, ranks: int, ranks_per_node: int,
     if not times:
         raise ValueError(f"no fitted algorithm runs on {layout.describe()} (shm needs one host)")
     return Prediction(ranks, per_node, layout.hosts, sizes, times, parts, formulas,
-                      all_terms, model.burst)
+                      all_terms, model.burst, model.inline)
 
 
 # ------------------------------------------------------------------ a run's model

@@ -80,9 +80,8 @@ def test_halving_doubling_levels_depend_on_rank_order():
     # step crosses with both ranks of a host at once (2 x n/4 on each link direction)
     t = terms("rechd", 1, TWO_HOSTS, MiB)
     assert as_tuple(t) == approx_terms(2, 1.0, 2, 1.0) and t.share == 2
-    # interleaved order (native keeps the launcher's): the n/2 step crosses, 2 ranks at once
-    t = terms("native", 1, Layout((0, 1, 0, 1)), MiB)
-    assert as_tuple(t) == approx_terms(2, 0.5, 2, 2.0) and t.share == 2
+    # interleaved order (rechd sorts by host): the same counts
+    assert terms("rechd", 1, Layout((0, 1, 0, 1)), MiB) == t
     # 4 hosts x 4: lg k steps inside, lg H across carrying 2(H-1)/H on each link
     t = terms("rechd", 1, Layout.per_host(16, 4), MiB)
     assert as_tuple(t) == approx_terms(4, 1.5, 4, 1.5) and t.share == 4
@@ -96,6 +95,26 @@ def test_halving_doubling_levels_depend_on_rank_order():
     # 6 ranks on one host: fold in, 2 lg 4 steps among 4, fold out
     assert as_tuple(terms("rechd", 1, Layout.from_counts([6]), MiB)) == \
         approx_terms(6, 1.5 + 2)
+
+
+def test_native_is_mpich_node_aware_composition():
+    # 2 x 2: reduce and broadcast inside each host (rechd's counts on 2 ranks), between
+    # them the two leaders' reduce-scatter + allgather: n/2 each way twice, one rank per
+    # link, whatever the launcher's rank order
+    t = terms("native", 1, TWO_HOSTS, MiB)
+    assert as_tuple(t) == approx_terms(2, 1.0, 2, 1.0) and t.share == 1
+    assert terms("native", 1, Layout((0, 1, 0, 1)), MiB) == t
+    # 1 KiB: recursive doubling inside hosts (rechd's short buffers), still
+    # reduce-scatter + allgather among the leaders (more elements than leaders)
+    assert as_tuple(terms("native", 1, TWO_HOSTS, KiB)) == approx_terms(1, 1.0, 2, 1.0)
+    # one element among two leaders: recursive doubling, one step of the whole buffer
+    assert as_tuple(terms("native", 1, Layout.from_counts([1, 1]), 4)) == \
+        approx_terms(l_net=1, b_net=1.0)
+    # uneven 3 + 1: the host of 3 ranks sets the steps inside hosts
+    assert as_tuple(terms("native", 1, Layout.from_counts([3, 1]), MiB)) == \
+        approx_terms(4, 1.0 + 2, 2, 1.0)
+    # one host: rechd's counts
+    assert terms("native", 1, ONE_HOST, MiB) == terms("rechd", 1, ONE_HOST, MiB)
 
 
 def test_shuffle_link_load():
@@ -250,6 +269,86 @@ def test_a_link_burst_is_found_and_kept():
     exact = costmodel.fit_sweeps([Sweep(tuple(synthetic(TWO_HOSTS, labels=labels)), TWO_HOSTS),
                                   Sweep(tuple(synthetic(ONE_HOST, labels=labels)), ONE_HOST)])
     assert exact.burst == 0 and "b_burst" not in "\n".join(exact.lines())
+
+
+def test_phases_that_take_turns_on_a_link_pass_a_burst_each():
+    # pscpu#1 on 2 x 2 in one message: the gather comes in on the gather rank's link
+    # (2 x 64 KiB), then the scatter goes out on it: each direction passes its own burst
+    t = terms("pscpu", 1, TWO_HOSTS, 64 * KiB)
+    assert t.b_net == pytest.approx(4) and t.directions == 2
+    fit = costmodel.Fit("pscpu", "pscpu", 1, *TRUE, beta_burst=2e-9, burst=128 * KiB)
+    assert fit.parts(64 * KiB, TWO_HOSTS)[3] == pytest.approx(2e-9 * 256 * KiB)
+    # rechd uses both directions at once: one burst
+    t = terms("rechd", 1, TWO_HOSTS, 256 * KiB)
+    assert t.directions == 1
+    fit = costmodel.Fit("rechd", "rechd", 1, *TRUE, beta_burst=2e-9, burst=128 * KiB)
+    assert fit.parts(256 * KiB, TWO_HOSTS)[3] == pytest.approx(
+        2e-9 * 128 * KiB + TRUE[3] * (t.b_net * 256 * KiB - 128 * KiB))
+    # a shuffle whose link is busiest with both phases at once (one gather rank per
+    # host) gets one burst too
+    t = terms("pscpu", 2, TWO_HOSTS, 64 * KiB)
+    assert t.directions == 1
+
+
+def test_inline_messages_are_counted_apart():
+    # 2 x 2 host-major: xring#2 at 256 B sends 32 B chunks, at 1 KiB 128 B, at 4 KiB 512 B
+    for n, inline in ((256, True), (KiB, True), (4 * KiB, False)):
+        t = terms("xring", 2, TWO_HOSTS, n, inline=128)
+        assert t.l_net == 12 and t.l_inline == (12 if inline else 0), n
+    # rechd at 256 B: recursive doubling of the whole buffer, too large to go inline;
+    # its steps inside hosts never count
+    t = terms("rechd", 1, TWO_HOSTS, 256, inline=128)
+    assert (t.l_net, t.l_inline) == (1, 0)
+    assert terms("rechd", 1, TWO_HOSTS, 256, inline=256).l_inline == 1
+    # pscpu#2: pieces of n/2; shm/xring: the leaders' ring of n/2 chunks
+    assert terms("pscpu", 2, TWO_HOSTS, 256, inline=128).l_inline > 0
+    assert terms("pscpu", 2, TWO_HOSTS, 1024, inline=128).l_inline == 0
+    leaders = terms("shm/xring", 1, TWO_HOSTS, 256, inline=128)
+    assert leaders.l_inline == leaders.l_net == 2
+    # no inline size: nothing counts, and a saving without inline messages changes nothing
+    assert terms("xring", 2, TWO_HOSTS, 256).l_inline == 0
+    t = terms("xring", 2, TWO_HOSTS, 256, inline=128)
+    assert t.features(256, 0.5)[2] == pytest.approx(6)
+    # the counted form of the shuffle (large jobs) agrees
+    assert terms("pscpu", 1, Layout.per_host(8192, 8), 256, inline=128).l_inline == 0
+    big = terms("pscpu", 8192, Layout.per_host(8192, 8), 64 * KiB, inline=128)
+    assert big.l_inline == big.l_net > 0
+
+
+def test_an_inline_size_is_found_and_kept():
+    # the links pass messages of at most 128 B for half the cost of others
+    labels = ["xring", "xring#2", "rechd", "pscpu#2", "shm/xring"]
+    truth = {label: costmodel.Fit(label, *_alg_shards(label), *TRUE, inline=128,
+                                  inline_saving=0.5) for label in labels}
+
+    def sweep(layout):
+        return Sweep(tuple(point(label, n, truth[label].time(n, layout))
+                           for label in labels for n in SIZES), layout)
+
+    sweeps = [sweep(TWO_HOSTS), sweep(ONE_HOST)]
+    model = costmodel.fit_sweeps(sweeps, bursts=(0,))
+    assert model.inline == (128, 0.5)
+    for f in model.fits:
+        assert f.params == pytest.approx(TRUE, rel=1e-6), f.label
+        assert f.max_error < 1e-6, f.label
+    # without it, the small sizes of the forms with small messages miss
+    plain = costmodel.fit_sweeps(sweeps, bursts=(0,), inlines=((0, 0.0),))
+    assert plain.inline == (0, 0.0) and max(f.max_error for f in plain.fits) > 0.05
+    text = "\n".join(model.lines())
+    assert "a_net*(L_net - 0.5*L_inline) (L_inline: the messages of at most 128 B" in text
+    xring2 = next(f for f in model.fits if f.label == "xring#2")
+    assert "(12 - 0.5 x 12 inline) x 90 us" in xring2.formula(TWO_HOSTS, 256)
+    assert "inline" not in xring2.formula(TWO_HOSTS, MiB)
+    # kept in the saved model and in predictions
+    loaded = costmodel.CostModel.from_dict(model.as_dict(), "fit.json")
+    assert loaded.inline == (128, 0.5)
+    prediction = costmodel.predict(loaded, 16, 4, [256, MiB])
+    assert "(messages of at most 128 B inline)" in prediction.lines()[0]
+    assert prediction.as_dict()["inline_bytes"] == 128
+    # an exact plain fit stays without one
+    exact = costmodel.fit_sweeps([Sweep(tuple(synthetic(TWO_HOSTS, labels=labels)), TWO_HOSTS),
+                                  Sweep(tuple(synthetic(ONE_HOST, labels=labels)), ONE_HOST)])
+    assert exact.inline == (0, 0.0) and "L_inline" not in "\n".join(exact.lines())
 
 
 def _alg_shards(label):
