@@ -305,10 +305,13 @@ def test_inline_messages_are_counted_apart():
     assert terms("pscpu", 2, TWO_HOSTS, 1024, inline=128).l_inline == 0
     leaders = terms("shm/xring", 1, TWO_HOSTS, 256, inline=128)
     assert leaders.l_inline == leaders.l_net == 2
-    # no inline size: nothing counts, and a saving without inline messages changes nothing
+    # no inline size: nothing counts; a saving takes its part off the inline messages
+    # only
     assert terms("xring", 2, TWO_HOSTS, 256).l_inline == 0
     t = terms("xring", 2, TWO_HOSTS, 256, inline=128)
     assert t.features(256, 0.5)[2] == pytest.approx(6)
+    t = terms("xring", 2, TWO_HOSTS, 4 * KiB, inline=128)
+    assert t.features(4 * KiB, 0.5)[2] == pytest.approx(12)
     # the counted form of the shuffle (large jobs) agrees
     assert terms("pscpu", 1, Layout.per_host(8192, 8), 256, inline=128).l_inline == 0
     big = terms("pscpu", 8192, Layout.per_host(8192, 8), 64 * KiB, inline=128)
