@@ -1186,7 +1186,9 @@ class Prediction:
             return []
         out = [f"# {label}: {self.formulas.get(label, '')}  (at {format_bytes(self.sizes[-1])})"]
         rows: list[tuple[str, ...]] = [("size", "L_in", "B_in", "L_net", "B_net", "a_in*L_in",
-                                        "b_in*B_in*n", "a_net*L_net",
+                                        "b_in*B_in*n",
+                                        "a_net*L_net" if not self.inline[1]
+                                        else "a_net*(L_net-s*L_inline)",
                                         "b_net*B_net*n" if not self.burst else "net bytes",
                                         "total(us)", "net share")]
         for i, size in enumerate(self.sizes):

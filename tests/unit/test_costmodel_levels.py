@@ -347,6 +347,7 @@ def test_an_inline_size_is_found_and_kept():
     assert loaded.inline == (128, 0.5)
     prediction = costmodel.predict(loaded, 16, 4, [256, MiB])
     assert "(messages of at most 128 B inline)" in prediction.lines()[0]
+    assert "a_net*(L_net-s*L_inline)" in "\n".join(prediction.lines())
     assert prediction.as_dict()["inline_bytes"] == 128
     # an exact plain fit stays without one
     exact = costmodel.fit_sweeps([Sweep(tuple(synthetic(TWO_HOSTS, labels=labels)), TWO_HOSTS),
