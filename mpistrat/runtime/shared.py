@@ -37,7 +37,7 @@ from ._mpi import Comm, mpi, world
 from .topology import get_topology
 
 __all__ = ["Block", "shared_empty", "shared_zeros", "shared_arrays", "free_shared",
-           "allocate", "locate", "is_shared", "recycled", "POOL_SLOTS"]
+           "node_empty", "allocate", "locate", "is_shared", "recycled", "POOL_SLOTS"]
 
 _PAGE = 4096
 _BLOCKS: dict[int, Block] = {}  # uid -> live block, in creation order
@@ -53,10 +53,11 @@ class Block:
         comm: the node communicator (a duplicate owned by the block).
         win: the MPI window (a passive-target ``Lock_all`` epoch is open for its life).
         rank, size: this rank in ``comm`` and its size.
-        nbytes: the size of every rank's segment.
+        nbytes: the size of every rank's segment (of rank 0's alone, ``node``).
         segments: ``segments[q]`` is rank ``q``'s segment as a ``uint8`` array.
         base: the address of this rank's own segment.
-        owner: what the block was made for (``"user"`` or an internal name).
+        owner: what the block was made for (``"user"`` or an internal name; ``"node"``:
+            one segment, rank 0's, that every rank uses).
     """
 
     uid: int
@@ -113,7 +114,8 @@ def _agree_uid(comm: Comm) -> int:
 
 
 def allocate(node_comm: Comm, nbytes: int, owner: str = "user") -> Block:
-    """Allocate a shared window of ``nbytes`` per rank over ``node_comm`` (collective).
+    """Allocate a shared window of ``nbytes`` per rank over ``node_comm`` (collective);
+    with ``owner="node"``, ``nbytes`` on rank 0 alone, the one segment of the block.
 
     Every rank of ``node_comm`` must share memory with the others (one node) and pass
     the same ``nbytes``.
@@ -138,23 +140,27 @@ def allocate(node_comm: Comm, nbytes: int, owner: str = "user") -> Block:
         )
     comm = node_comm.Dup()
     size = max(_PAGE, -(-int(nbytes) // _PAGE) * _PAGE)
+    rank = comm.Get_rank()
+    common = owner == "node"
     info = MPI.Info.Create()
     info.Set("alloc_shared_noncontig", "true")
     try:
-        win = MPI.Win.Allocate_shared(size, 1, info=info, comm=comm)
+        win = MPI.Win.Allocate_shared(size if rank == 0 or not common else 0, 1,
+                                      info=info, comm=comm)
     finally:
         info.Free()
     win.Lock_all(MPI.MODE_NOCHECK)
-    rank = comm.Get_rank()
     segments = []
-    for q in range(comm.Get_size()):
+    for q in range(1 if common else comm.Get_size()):
         memory, _unit = win.Shared_query(q)
         segments.append(np.frombuffer(memory, dtype=np.uint8, count=size))
-    segments[rank].fill(0)  # first touch by the owner: pages on its NUMA node, faulted in now
+    if rank < len(segments):  # first touch by the owner: its NUMA node, faulted in now
+        segments[rank].fill(0)
     win.Sync()
     uid = _agree_uid(comm)
-    block = Block(uid, comm, win, rank, comm.Get_size(), size, segments,
-                  segments[rank].__array_interface__["data"][0], owner)
+    # (a node block is nobody's own segment but rank 0's: see locate)
+    base = segments[min(rank, len(segments) - 1)].__array_interface__["data"][0]
+    block = Block(uid, comm, win, rank, comm.Get_size(), size, segments, base, owner)
     _BLOCKS[uid] = block
     return block
 
@@ -172,6 +178,8 @@ def locate(array: np.ndarray) -> tuple[Block, int] | None:
     start = array.__array_interface__["data"][0]
     end = start + array.nbytes
     for candidate in _BLOCKS.values():
+        if candidate.owner == "node" and candidate.rank:
+            continue  # rank 0's segment, not this rank's own
         if candidate.base <= start and end <= candidate.base + candidate.nbytes:
             return candidate, start - candidate.base
     return None
@@ -227,6 +235,28 @@ def shared_empty(shape: Any, dtype: Any = float, comm: Comm | None = None,
     return own[:nbytes].view(dtype).reshape(shape)
 
 
+def node_empty(shape: Any, dtype: Any = float, comm: Comm | None = None,
+               ranks_per_node: int | None = None) -> np.ndarray:
+    """A new uninitialised array of which the ranks of a node group share one copy:
+    every rank's array is the same memory (on the group's first rank), so a store by
+    one rank is what the others load.
+
+    Collective over the node group of ``comm``, as :func:`shared_empty`. Stores by
+    several ranks to the same elements race; order them with the node group's barrier
+    (or another collective) before other ranks read. Freed as :func:`shared_empty`'s
+    arrays (:func:`free_shared`, with the communicator, or at exit).
+    """
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimensions are not allowed in shape {shape}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    node_comm = get_topology(world() if comm is None else comm, ranks_per_node).node_comm
+    made = allocate(node_comm, nbytes, owner="node")
+    comm_cache(node_comm).setdefault("shared_user_blocks", _UserBlocks()).blocks.append(made)
+    return made.segments[0][:nbytes].view(dtype).reshape(shape)
+
+
 def shared_zeros(shape: Any, dtype: Any = float, comm: Comm | None = None,
                  ranks_per_node: int | None = None) -> np.ndarray:
     """Like :func:`shared_empty`, filled with zeros."""
@@ -264,12 +294,19 @@ def shared_arrays(shapes: Any, dtype: Any = np.float32, comm: Comm | None = None
 
 def free_shared(array: np.ndarray) -> None:
     """Free the shared memory behind an array from :func:`shared_empty` (or the first of
-    :func:`shared_arrays`), collective over its node group, like the allocation. The
-    array, and every view of it, must not be used afterwards.
+    :func:`shared_arrays`, or :func:`node_empty`), collective over its node group, like
+    the allocation. The array, and every view of it, must not be used afterwards.
 
     Raises:
         ValueError: ``array`` is not the whole of a block from :func:`shared_empty`.
     """
+    if isinstance(array, np.ndarray):
+        start = array.__array_interface__["data"][0]
+        for candidate in list(_BLOCKS.values()):
+            if candidate.owner == "node" and candidate.segments \
+                    and candidate.segments[0].__array_interface__["data"][0] == start:
+                candidate.free()
+                return
     found = locate(array)
     if found is None or found[0].owner != "user" or found[1] != 0:
         raise ValueError("free_shared takes an array returned by mpistrat.shared_empty, or "

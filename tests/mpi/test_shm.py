@@ -495,3 +495,30 @@ def test_shm_refuses_device_buffers():
     with pytest.raises(mpistrat.BackendUnavailable, match="host memory"):
         shm.all_reduce(MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else MPI.COMM_SELF,
                        np.ones(3), op=ReduceOp.SUM, backend=FakeBackend())
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 1])
+def test_node_arrays_are_one_copy_per_node_group(comm, ranks_per_node):
+    """``node_empty``: every rank of a node group sees the same memory (the group's last
+    rank stores, every rank loads after a barrier), the all-reduce does not take it for a
+    rank's own shared buffer, and ``free_shared`` frees it (collective)."""
+    from mpistrat.runtime.topology import get_topology
+
+    node = get_topology(comm, ranks_per_node).node_comm
+    array = shared.node_empty((3, 5), np.float64, comm, ranks_per_node)
+    problems: list[str] = []
+    if node.Get_rank() == node.Get_size() - 1:
+        array[...] = np.arange(15).reshape(3, 5) + comm.rank
+    node.Barrier()
+    last = node.bcast(comm.rank, root=node.Get_size() - 1)
+    if not np.array_equal(array, np.arange(15).reshape(3, 5) + last):
+        problems.append(f"rank {comm.rank} does not see what rank {last} stored")
+    if node.Get_rank() and shared.is_shared(array):
+        problems.append("another rank's node array counts as this rank's own shared buffer")
+    mine = array.copy()
+    node.Barrier()  # nobody stores into the node array while others still read it
+    result = mpistrat.all_reduce(mine, "sum", "shm", comm=node)
+    if not np.array_equal(result, mine * node.Get_size()):
+        problems.append("shm of a copy of the node array went wrong")
+    mpistrat.free_shared(array)
+    finish(comm, problems, [])
