@@ -59,8 +59,8 @@ from .runtime.shared import shared_empty
 from .runtime.topology import get_topology
 from .spec import parse_spec
 
-__all__ = ["DistributedDataParallel", "broadcast_parameters", "broadcast_optimizer_state",
-           "DEFAULT_BUCKET_BYTES", "FUSED_BYTES"]
+__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "DEFAULT_BUCKET_BYTES", "FUSED_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # few large buckets: measured on ResNet-50, docs/torch.md
 # gradients up to this size, in one bucket, go into it at the end of backward in one fused
@@ -492,3 +492,6 @@ class DistributedDataParallel(torch.nn.Module):
                     param.grad = None
                 elif param.grad is None:
                     param.grad = self._views[index]
+
+
+from .torch_zero import ZeroRedundancyOptimizer  # noqa: E402  (needs nothing above)
