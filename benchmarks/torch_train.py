@@ -2,7 +2,7 @@
 """Training-step time of PyTorch data-parallel recipes over MPI on the CPU, interleaved.
 
     mpiexec -n 2 python benchmarks/torch_train.py [--model resnet50,digits] [--rounds 15]
-        [--steps N] [--batch N] [--variants local,mpi4py,ddp,mpistrat,mpistrat-hooks]
+        [--steps N] [--batch N] [--variants local,mpi4py,ddp,mpistrat,mpistrat-zero]
         [--bucket-bytes 8M[,25M...]] [--spec SPEC] [--json FILE]
 
 Variants, each on its own copy of the same model with SGD (momentum 0.9):
@@ -18,7 +18,9 @@ Variants, each on its own copy of the same model with SGD (momentum 0.9):
   own choice; one variant per ``--bucket-bytes`` size); ``mpistrat-hooks`` the same with
   every gradient through its hook, also where the model would take the fused pass at
   the end of backward (:data:`mpistrat.torch.FUSED_BYTES`), ``mpistrat-fused`` with the
-  fused pass for a model in one bucket of any size.
+  fused pass for a model in one bucket of any size, ``mpistrat-zero`` with
+  :class:`mpistrat.torch.ZeroRedundancyOptimizer` (each rank of a node steps its share
+  of the parameters, which the node's ranks share).
 
 Models: ``resnet50``, ResNet-50's bottleneck network built here (25.6 M parameters in 161
 tensors, 1000 classes) on 3x32x32 inputs; ``digits``, the CNN of
@@ -160,7 +162,11 @@ class Variant:
             finally:
                 mt.FUSED_BYTES = fused
         self.model = model
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        if name.startswith("mpistrat-zero"):  # each rank of a node steps its share
+            self.optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
+                                                        comm=comm, lr=1e-3, momentum=0.9)
+        else:
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         self.reduce = name == "mpi4py" and size > 1
         self.size = size
         self.times: list[float] = []
