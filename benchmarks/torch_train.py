@@ -246,7 +246,7 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet50,digits")
-    parser.add_argument("--variants", default="local,mpi4py,ddp,mpistrat")
+    parser.add_argument("--variants", default="local,mpi4py,ddp,mpistrat,mpistrat-zero")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=0,
                         help="per variant per round (default: 2 for resnet50, 20 for digits)")
