@@ -145,6 +145,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._node = node
         self._all = [p for g in groups for p in g["params"]]
         self._share_memory(node)
+        self._pointers = [p.data_ptr() for p in self._all]
         owner = _shares([p.numel() for p in self._all], node.Get_size())
         self._owned = {id(p) for p, o in zip(self._all, owner) if o == node.Get_rank()}
         # this rank's optimizer: the groups it has parameters of, and where they sit
@@ -211,18 +212,32 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Step this rank's share (the parameters' gradients must be the reduced ones),
         then wait for the node's other ranks: when it returns, every parameter is
-        updated. Collective over the node's ranks. ``closure``, if given, is called
-        (with gradients enabled) on every rank first, as for any optimizer."""
+        updated. Collective over the node's ranks; an error on one of them (its step
+        failed, or a parameter's storage was replaced since construction) raises on
+        all. ``closure``, if given, is called (with gradients enabled) on every rank
+        first, as for any optimizer."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_settings()
+        error: BaseException | None = None
         try:
+            moved = [i for i, (p, at) in enumerate(zip(self._all, self._pointers))
+                     if p.data_ptr() != at]
+            if moved:
+                raise RuntimeError(
+                    f"the storage of parameter(s) {moved[:5]} was replaced after the "
+                    f"ZeroRedundancyOptimizer was made (module.to(), .double(), "
+                    f"param.data = ...): the node's ranks no longer share them, so each "
+                    f"would update only its own share; make the optimizer after such "
+                    f"changes")
+            self._sync_settings()
             if self.optim is not None:
                 self.optim.step()
-        finally:
-            self._node.Barrier()
+        except Exception as exc:  # raised on every rank of the node by the agreement
+            error = exc
+        agree(self._node, None if error is not None else "step", error,
+              "ZeroRedundancyOptimizer.step", "a step")
         self._consolidated_on = None
         return loss
 

@@ -180,3 +180,27 @@ def test_bad_arguments_raise_on_every_rank(comm):
         optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     with pytest.raises(ValueError, match="to must be a rank"):
         optimizer.consolidate_state_dict(to=comm.size)
+
+
+def test_replaced_storage_raises_on_every_rank_of_the_node(comm):
+    from mpistrat.runtime.topology import get_topology
+
+    model = model_for(0)
+    ddp = mt.DistributedDataParallel(model, comm=comm)
+    optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm=comm,
+                                           lr=0.1)
+    x, y = batch(comm.rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    optimizer.step()  # fine
+    node = get_topology(comm).node_comm
+    if node.Get_rank() == 0:  # as module.to() or .double() would, on one rank only
+        first = next(model.parameters())
+        first.data = first.data.clone()
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    with pytest.raises(Exception) as raised:
+        optimizer.step()
+    if node.Get_rank() == 0:
+        assert "was replaced after the ZeroRedundancyOptimizer was made" in str(raised.value)
+    else:
+        assert "ZeroRedundancyOptimizer.step" in str(raised.value), str(raised.value)
