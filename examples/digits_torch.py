@@ -7,10 +7,12 @@ images, 10 classes; no download), with :mod:`mpistrat.torch`.
 
 Every rank starts from rank 0's model (``DistributedDataParallel`` broadcasts it), takes
 its shard of each global batch, and ``loss.backward()`` leaves the gradient averaged over
-the ranks in every ``.grad``. The loss of a rank is the mean over its shard, so with equal
-shards the averaged gradient is the gradient of the global batch's mean loss: 1, 2 or 4
-ranks with the same global batch train the same model (up to float rounding). PyTorch
-uses one thread per rank. Rank 0 prints one line per epoch.
+the ranks in every ``.grad``; ``ZeroRedundancyOptimizer`` then has each rank of a node
+update its share of the parameters, which the node's ranks hold in one shared copy. The
+loss of a rank is the mean over its shard, so with equal shards the averaged gradient is
+the gradient of the global batch's mean loss: 1, 2 or 4 ranks with the same global batch
+train the same model (up to float rounding). PyTorch uses one thread per rank. Rank 0
+prints one line per epoch.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> float:
     x_train, y_train, x_test, y_test = load_data(args.seed)
     # rank 0's initial model reaches every rank (the same seed makes it the same anyway)
     model = mt.DistributedDataParallel(make_model(args.seed), comm=comm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    # SGD, each rank of a node stepping its share of the parameters, which the node's
+    # ranks hold once (the same bits as torch.optim.SGD on every rank)
+    optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm=comm,
+                                           lr=args.lr, momentum=args.momentum)
     loss_fn = nn.CrossEntropyLoss()
     shard = args.batch_size // size
     x_test_t, y_test_t = torch.from_numpy(x_test), torch.from_numpy(y_test)
