@@ -223,16 +223,23 @@ def shared_empty(shape: Any, dtype: Any = float, comm: Comm | None = None,
         The array. Its memory is freed by :func:`free_shared`, when ``comm``'s node
         communicator is freed, or at exit.
     """
+    return _user_array(shape, dtype, comm, ranks_per_node, "user")
+
+
+def _user_array(shape: Any, dtype: Any, comm: Comm | None, ranks_per_node: int | None,
+                owner: str) -> np.ndarray:
+    """:func:`shared_empty` (``owner="user"``: this rank's segment) or :func:`node_empty`
+    (``"node"``: the node group's one segment)."""
     dtype = np.dtype(dtype)
     shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"negative dimensions are not allowed in shape {shape}")
     nbytes = math.prod(shape) * dtype.itemsize
     node_comm = get_topology(world() if comm is None else comm, ranks_per_node).node_comm
-    made = allocate(node_comm, nbytes)
+    made = allocate(node_comm, nbytes, owner=owner)
     comm_cache(node_comm).setdefault("shared_user_blocks", _UserBlocks()).blocks.append(made)
-    own = made.segments[made.rank]
-    return own[:nbytes].view(dtype).reshape(shape)
+    segment = made.segments[0 if owner == "node" else made.rank]
+    return segment[:nbytes].view(dtype).reshape(shape)
 
 
 def node_empty(shape: Any, dtype: Any = float, comm: Comm | None = None,
@@ -246,15 +253,7 @@ def node_empty(shape: Any, dtype: Any = float, comm: Comm | None = None,
     (or another collective) before other ranks read. Freed as :func:`shared_empty`'s
     arrays (:func:`free_shared`, with the communicator, or at exit).
     """
-    dtype = np.dtype(dtype)
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"negative dimensions are not allowed in shape {shape}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    node_comm = get_topology(world() if comm is None else comm, ranks_per_node).node_comm
-    made = allocate(node_comm, nbytes, owner="node")
-    comm_cache(node_comm).setdefault("shared_user_blocks", _UserBlocks()).blocks.append(made)
-    return made.segments[0][:nbytes].view(dtype).reshape(shape)
+    return _user_array(shape, dtype, comm, ranks_per_node, "node")
 
 
 def shared_zeros(shape: Any, dtype: Any = float, comm: Comm | None = None,
