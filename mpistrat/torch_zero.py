@@ -44,6 +44,8 @@ from .runtime.topology import get_topology
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
+_ALIGN = 64  # bytes: every parameter starts on a cache line of its own
+
 
 def _groups(params: Any) -> list[dict[str, Any]]:
     """``params`` as an optimizer takes them (tensors, or dicts of options with a
@@ -158,7 +160,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             optimizer_class([local[i] for i in self._local_of], **defaults) \
             if self._local_of else None
         super().__init__(groups, probe.defaults)
-        self._optimizer_class, self._defaults = optimizer_class, defaults
         self._ready = True
         self._consolidated_on: int | None = None
 
@@ -173,14 +174,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
             members = by_dtype[dtype]
-            item = members[0].element_size()
-            memory = node_empty(max(1, sum(p.numel() for p in members) * item), "uint8",
-                                self.comm)
+            align = max(1, _ALIGN // members[0].element_size())  # elements per 64 bytes
+            starts, at = [], 0
+            for p in members:  # each parameter on a cache line of its own
+                starts.append(at)
+                at += -(-p.numel() // align) * align
+            memory = node_empty(max(1, at) * members[0].element_size(), "uint8", self.comm)
             flat = torch.from_numpy(memory).view(dtype)
-            views, at = [], 0
-            for p in members:
-                views.append(flat[at:at + p.numel()].view(p.shape))
-                at += p.numel()
+            views = [flat[start:start + p.numel()].view(p.shape)
+                     for start, p in zip(starts, members)]
             if node.Get_rank() == 0:
                 with torch.no_grad():
                     for view, p in zip(views, members):
