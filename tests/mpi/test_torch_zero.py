@@ -204,3 +204,26 @@ def test_replaced_storage_raises_on_every_rank_of_the_node(comm):
         assert "was replaced after the ZeroRedundancyOptimizer was made" in str(raised.value)
     else:
         assert "ZeroRedundancyOptimizer.step" in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("ranks_per_node", ["1", "3"])
+def test_virtual_nodes_each_hold_and_update_a_copy(world, monkeypatch, ranks_per_node):
+    """Nodes of 1 rank (every rank steps everything) and uneven 3 + 1 (on 4 ranks): each
+    node updates its copy alike, the same bits as unsharded."""
+    from mpistrat.runtime.topology import get_topology
+
+    monkeypatch.setenv("MPISTRAT_RANKS_PER_NODE", ranks_per_node)
+    comm = world.Dup()
+    try:
+        problems: list[str] = []
+        expected = min(int(ranks_per_node), comm.size - comm.rank // int(ranks_per_node)
+                       * int(ranks_per_node))
+        if get_topology(comm).node_comm.Get_size() != expected:
+            problems.append(f"node group of {get_topology(comm).node_comm.Get_size()} ranks, "
+                            f"expected {expected}")
+        runs = pair(comm, torch.optim.SGD, lr=0.1, momentum=0.9)
+        train(comm, runs, 3)
+        digests = compare(runs, problems, f"nodes of {ranks_per_node}")
+        finish(comm, problems, digests)
+    finally:
+        comm.Free()
