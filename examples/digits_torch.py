@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> float:
                   f"  train acc {totals[1] / totals[2]:.4f}  test acc {accuracy:.4f}"
                   f"  ({time.perf_counter() - started:.2f} s, {size} ranks)", flush=True)
     if rank == 0:
-        checksum = sum(float(p.double().sum()) for p in model.parameters())
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         print(f"final test accuracy {accuracy:.4f}  parameter sum {checksum:.6f}", flush=True)
     return accuracy
 
