@@ -17,7 +17,8 @@ message crosses the link in the same step). ``b`` is the links' burst: the bytes
 direction passes per call before its rate applies (a shaped link's token bucket that the
 barrier between timed calls refills, buffers in NICs and switches); without one (``b =
 0``) the last two terms are ``beta_net * B_net * n``. A transport may also send small
-messages inline (libfabric's inject size: 128 B for MPICH's ``ofi``/``tcp``): the
+messages inline (below a size of its own, as libfabric's inject size; MPICH's
+``ofi``/``tcp`` between ``bin/cluster-local`` hosts is cheaper up to 128 B): the
 ``L_inline`` of ``L_net`` messages of at most that many bytes count as ``1 - saving``
 of one, both numbers one pair for the links like ``b``. :func:`terms` derives the counts
 by laying each algorithm's messages out over the ranks' hosts, so any layout works
@@ -876,8 +877,8 @@ def fit_sweeps(sweeps: Sequence[Sweep], bursts: Sequence[int] | None = None,
     fits as the plain model (burst 0).
 
     Likewise a transport may send a message of up to some bytes inline (with the
-    request, no completion to wait for: libfabric's inject size), which costs less than
-    another message: with the burst chosen, each ``(bytes, saving)`` of ``inlines``
+    request, no completion to wait for, as libfabric's inject size allows), which costs
+    less than another message: with the burst chosen, each ``(bytes, saving)`` of ``inlines``
     (default :data:`INLINES` across hosts) is tried, and kept where it lowers the total
     error."""
     by_label: dict[str, list[tuple[Point, Layout, str]]] = {}
