@@ -135,8 +135,8 @@ def allocate(node_comm: Comm, nbytes: int, owner: str = "user") -> Block:
         raise TopologyError(
             f"the {node_comm.Get_size()} ranks of this communicator are not all on one node, "
             f"so they cannot share memory; use the node group of the communicator "
-            f"(mpistrat.runtime.topology.get_topology(comm).node_comm), or a hierarchical algorithm "
-            f"such as 'shm/xring' across nodes"
+            f"(mpistrat.runtime.topology.get_topology(comm).node_comm), or a hierarchical "
+            f"algorithm such as 'shm/xring' across nodes"
         )
     comm = node_comm.Dup()
     size = max(_PAGE, -(-int(nbytes) // _PAGE) * _PAGE)
