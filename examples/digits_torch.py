@@ -2,17 +2,18 @@
 images, 10 classes; no download), with :mod:`mpistrat.torch`.
 
     mpistrat run -n 2 examples/digits_torch.py                # 2 ranks
-    mpiexec -n 4 mpistrat run examples/digits_torch.py --epochs 10
+    mpiexec -n 4 mpistrat run examples/digits_torch.py --epochs 10 --zero
     python examples/digits_torch.py                           # one process
 
 Every rank starts from rank 0's model (``DistributedDataParallel`` broadcasts it), takes
 its shard of each global batch, and ``loss.backward()`` leaves the gradient averaged over
-the ranks in every ``.grad``; ``ZeroRedundancyOptimizer`` then has each rank of a node
-update its share of the parameters, which the node's ranks hold in one shared copy. The
-loss of a rank is the mean over its shard, so with equal shards the averaged gradient is
-the gradient of the global batch's mean loss: 1, 2 or 4 ranks with the same global batch
-train the same model (up to float rounding). PyTorch uses one thread per rank. Rank 0
-prints one line per epoch.
+the ranks in every ``.grad``. The loss of a rank is the mean over its shard, so with
+equal shards the averaged gradient is the gradient of the global batch's mean loss: 1, 2
+or 4 ranks with the same global batch train the same model (up to float rounding).
+``--zero`` steps with ``ZeroRedundancyOptimizer`` instead of ``torch.optim.SGD``: each
+rank of a node updates its share of the parameters, which the node's ranks hold in one
+shared copy (the same bits). PyTorch uses one thread per rank. Rank 0 prints one line per
+epoch.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        sys.exit("this example reads scikit-learn's bundled digits: pip install 'mpistrat[examples]'")
+        sys.exit("this example reads scikit-learn's bundled digits: "
+                 "pip install 'mpistrat[examples]'")
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
     y = digits.target.astype(np.int64)
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zero", action="store_true",
+                        help="step with mpistrat.torch.ZeroRedundancyOptimizer (the same "
+                             "bits; it pays on models much larger than this one)")
     args = parser.parse_args(argv)
 
     from mpi4py import MPI
@@ -76,10 +81,11 @@ def main(argv: list[str] | None = None) -> float:
     x_train, y_train, x_test, y_test = load_data(args.seed)
     # rank 0's initial model reaches every rank (the same seed makes it the same anyway)
     model = mt.DistributedDataParallel(make_model(args.seed), comm=comm)
-    # SGD, each rank of a node stepping its share of the parameters, which the node's
-    # ranks hold once (the same bits as torch.optim.SGD on every rank)
-    optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm=comm,
-                                           lr=args.lr, momentum=args.momentum)
+    if args.zero:  # each rank of a node steps its share of parameters the node holds once
+        optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
+                                               comm=comm, lr=args.lr, momentum=args.momentum)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     loss_fn = nn.CrossEntropyLoss()
     shard = args.batch_size // size
     x_test_t, y_test_t = torch.from_numpy(x_test), torch.from_numpy(y_test)

@@ -67,11 +67,13 @@ def test_custom_loop_on_three_ranks_with_two_replicas():
 def test_digits_torch_on_two_ranks_trains_the_one_process_model():
     pytest.importorskip("torch", reason="the example trains a PyTorch CNN")
     args = ("examples/digits_torch.py", "--epochs", "3")
-    runs = [_run(n, *args) for n in (1, 2)]
+    runs = [_run(1, *args), _run(2, *args), _run(2, *args, "--zero")]
     found = [re.search(r"final test accuracy (\S+)  parameter sum (\S+)", out) for out in runs]
     assert all(found), runs
-    (acc_one, sum_one), (acc_two, sum_two) = [(float(m.group(1)), float(m.group(2)))
-                                              for m in found if m]
+    (acc_one, sum_one), (acc_two, sum_two), _ = [(float(m.group(1)), float(m.group(2)))
+                                                 for m in found if m]
+    # the sharded optimizer: the same bits as torch.optim.SGD
+    assert found[2] and found[1] and found[2].group(0) == found[1].group(0), runs[1:]
     assert acc_two >= 0.8
     assert abs(acc_one - acc_two) <= 1 / 360  # at most one of the 360 test images differs
     # the same global batches and MEAN-reduced gradients: equal up to float rounding
