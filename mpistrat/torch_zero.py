@@ -240,7 +240,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             error = exc
         agree(self._node, None if error is not None else "step", error,
               "ZeroRedundancyOptimizer.step", "a step")
-        self._consolidated_on = None
+        if self._consolidated_on is not None:  # the gathered state is stale now
+            self.state.clear()
+            self._consolidated_on = None
         return loss
 
     # --- state ---------------------------------------------------------------------------
@@ -248,12 +250,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to`` of ``comm`` (from the ranks of
         its node, which hold it between them), so that :meth:`state_dict` works there.
-        Collective over ``comm``."""
+        Collective over ``comm``: every rank passes the same ``to`` (checked)."""
         MPI = mpi()
+        error: BaseException | None = None
         if isinstance(to, bool) or not isinstance(to, int) \
                 or not 0 <= to < self.comm.Get_size():
-            raise ValueError(f"to must be a rank of the communicator (0 to "
-                             f"{self.comm.Get_size() - 1}), got {to!r}")
+            error = ValueError(f"to must be a rank of the communicator (0 to "
+                               f"{self.comm.Get_size() - 1}), got {to!r}")
+        agree(self.comm, None if error is not None else f"to={to}", error,
+              "consolidate_state_dict", "the same rank to gather on")
         world_group, node_group = self.comm.Get_group(), self._node.Get_group()
         try:
             here = MPI.Group.Translate_ranks(world_group, [to], node_group)[0] \

@@ -131,6 +131,11 @@ def test_consolidated_state_is_the_unsharded_optimizers(comm):
     else:
         with pytest.raises(RuntimeError, match="consolidate_state_dict"):
             sharded_opt.state_dict()
+    train(comm, runs, 1, first_step=3)  # a step makes the gathered state stale
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        sharded_opt.state_dict()
+    if sharded_opt.state:
+        problems.append("the gathered state outlived the next step")
     # a new sharded optimizer loading the plain one's state (a copy, as from a file: a
     # live state_dict's tensors are the optimizer's own) goes on with the same bits
     plain_state = copy.deepcopy(plain_opt.state_dict())
@@ -138,7 +143,7 @@ def test_consolidated_state_is_the_unsharded_optimizers(comm):
                                        comm=comm, lr=0.5, momentum=0.9)
     fresh.load_state_dict(plain_state)
     runs = [runs[0], (runs[1][0], fresh)]
-    train(comm, runs, 2, first_step=3)
+    train(comm, runs, 2, first_step=4)
     digests = compare(runs, problems, "after loading")
     finish(comm, problems, digests)
 
@@ -181,6 +186,9 @@ def test_bad_arguments_raise_on_every_rank(comm):
         optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
     with pytest.raises(ValueError, match="to must be a rank"):
         optimizer.consolidate_state_dict(to=comm.size)
+    if comm.size > 1:
+        with pytest.raises(CollectiveMismatchError):
+            optimizer.consolidate_state_dict(to=comm.rank)
 
 
 def test_replaced_storage_raises_on_every_rank_of_the_node(comm):
