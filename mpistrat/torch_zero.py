@@ -149,17 +149,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._share_memory(node)
         self._pointers = [p.data_ptr() for p in self._all]
         owner = _shares([p.numel() for p in self._all], node.Get_size())
-        self._owned = {id(p) for p, o in zip(self._all, owner) if o == node.Get_rank()}
+        owned = {id(p) for p, o in zip(self._all, owner) if o == node.Get_rank()}
         # this rank's optimizer: the groups it has parameters of, and where they sit
         local = [{**{k: v for k, v in g.items() if k != "params"},
-                  "params": [p for p in g["params"] if id(p) in self._owned]}
+                  "params": [p for p in g["params"] if id(p) in owned]}
                  for g in groups]
         self._local_of = [i for i, g in enumerate(local) if g["params"]]
-        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         self.optim: torch.optim.Optimizer | None = \
             optimizer_class([local[i] for i in self._local_of], **defaults) \
             if self._local_of else None
-        super().__init__(groups, probe.defaults)
+        # the class's defaults filled in (a rank that owns nothing asks a throwaway one)
+        filled = (self.optim or optimizer_class([torch.zeros(1, requires_grad=True)],
+                                                **defaults)).defaults
+        super().__init__(groups, filled)
         self._ready = True
         self._consolidated_on: int | None = None
 
