@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._atomic import write_atomically
 from .results import Point, baseline_of, group_by_size
 
 __all__ = ["write_json", "read_json", "write_csv", "write_text", "CSV_FIELDS"]
@@ -30,12 +31,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically, creating the parent folder."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    write_atomically(target, text)
 
 
 def _records(points: Sequence[Point]) -> list[dict[str, Any]]:

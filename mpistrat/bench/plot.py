@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._atomic import write_atomically
 from ..errors import BackendUnavailable
 from ..spec import format_bytes
 from .results import Point
@@ -104,4 +105,5 @@ def plot(points: Sequence[Point], path: str | os.PathLike,
             f"{meta.get('nodes', '?')} node(s); {meta.get('mpi_library', '')[:60]}",
             fontsize="medium")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path, dpi=110)
+    suffix = os.path.splitext(str(path))[1].lstrip(".").lower() or "png"
+    write_atomically(path, lambda file: figure.savefig(file, dpi=110, format=suffix))

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._atomic import write_atomically
 from ..runtime import stall
 from ..runtime._mpi import Comm, mpi
 from ..runtime.stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
@@ -524,12 +525,7 @@ def write_report(path: str, text: str) -> None:
     """Write ``text`` to ``path`` atomically (a reader sees all of it or nothing)."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as file:
-            file.write(text.rstrip("\n") + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        write_atomically(path, text.rstrip("\n") + "\n")
     except OSError:
         pass  # a report file is a convenience; stderr has the report
 
