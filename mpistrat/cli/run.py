@@ -168,14 +168,16 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
             # here, not at the top: only this command needs it (start-up time)
             from ..runner import launch_command, self_launch
             from ..runner.execute import check_target
-            from ..runner.monitor import JobMonitor
+            from ..runner.launch import job_hosts
+            from ..runner.monitor import JobMonitor, bind_address
 
             problem = check_target(options)  # the ranks check again, on their nodes
             if problem is not None:
                 raise _SetupError(f"mpistrat run: {problem}")
-            # the monitor names lost hosts when the launcher cannot (runner/monitor.py)
-            with JobMonitor(np_, timeout=options.timeout,
-                            report_dir=options.report_dir) as monitor:
+            # the monitor names lost hosts when the launcher cannot (runner/monitor.py);
+            # it listens where only the job's hosts can reach it
+            with JobMonitor(np_, timeout=options.timeout, report_dir=options.report_dir,
+                            bind=bind_address(job_hosts())) as monitor:
                 status = monitor.finish(self_launch(launch_command(options, np_, mpiexec)))
             ctx.exit(status)
         # here, not at the top: only this command needs it (start-up time)

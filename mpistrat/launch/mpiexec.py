@@ -47,6 +47,7 @@ class Launcher:
         command: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
+        inherit: Sequence[str] = (),
         as_root: bool | None = None,
     ) -> list[str]:
         """The argv that runs ``command`` on ``nprocs`` ranks.
@@ -57,6 +58,10 @@ class Launcher:
             command: the program and its arguments.
             env: variables to set on every rank, passed with the launcher's own flags
                 (they also reach the ranks through the launcher's environment).
+            inherit: variables of the launcher's environment that every rank gets, their
+                values never on the command line (which every user can read): Open MPI's
+                ``-x NAME``; MPICH's hydra passes its whole environment to every host
+                already (``-genvall``, its default), so nothing is added for it.
             as_root: whether we run as root (default: ask the OS); Open MPI then needs
                 ``--allow-run-as-root``.
         """
@@ -69,6 +74,8 @@ class Launcher:
                 argv.append("--allow-run-as-root")
             for key, value in (env or {}).items():
                 argv += ["-x", f"{key}={value}"]
+            for key in inherit:
+                argv += ["-x", key]
         elif self.flavour == "mpich":
             for key, value in (env or {}).items():
                 argv += ["-genv", key, value]

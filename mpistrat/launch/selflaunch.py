@@ -50,10 +50,13 @@ class Watch(Protocol):
 def launch_argv(what: str, option: str, nprocs: int, command: Sequence[str], *,
                 mpiexec: str | None = None, env: Mapping[str, str] | None = None,
                 python: str = sys.executable,
-                rank_env: Mapping[str, str] | None = None) -> list[str]:
+                rank_env: Mapping[str, str] | None = None,
+                inherit: Sequence[str] = ()) -> list[str]:
     """The ``mpiexec`` command line that runs ``command`` on ``nprocs`` ranks, with the
     ``mpiexec`` that matches mpi4py's MPI library (``what``/``option``, e.g. ``"mpistrat
-    run"``/``"-n"``, name the caller in messages; ``rank_env``: variables every rank gets).
+    run"``/``"-n"``, name the caller in messages; ``rank_env``: variables every rank gets;
+    ``inherit``: variables of this environment every rank gets, named but not valued on
+    the command line, see :meth:`~mpistrat.launch.mpiexec.Launcher.argv`).
 
     Raises:
         RunSetupError: this process already runs under an MPI launcher with several
@@ -66,7 +69,8 @@ def launch_argv(what: str, option: str, nprocs: int, command: Sequence[str], *,
         raise RunSetupError(
             f"{what} {option} {nprocs}: already running under {launched.launcher} with "
             f"{launched.size} ranks; leave out {option} (the launcher started the ranks)")
-    return find_launcher(mpiexec, env, python).argv(nprocs, list(command), env=rank_env)
+    return find_launcher(mpiexec, env, python).argv(nprocs, list(command), env=rank_env,
+                                                    inherit=inherit)
 
 
 def self_launch(argv: list[str], watch: Watch | None = None) -> int:

@@ -9,7 +9,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import cast
 
-__all__ = ["group_by_host", "name_ranks", "local_addresses"]
+__all__ = ["group_by_host", "name_ranks", "local_addresses", "route_sources"]
 
 
 def group_by_host(ranks: Iterable[int], hostnames: Sequence[str]) -> dict[str, list[int]]:
@@ -69,3 +69,21 @@ def local_addresses() -> list[str]:
         if not address.startswith("127.") and address not in unique:
             unique.append(address)
     return unique
+
+
+def route_sources(addresses: Iterable[str]) -> list[str]:
+    """The addresses of this host that packets to ``addresses`` leave from (what the
+    routing table picks; nothing is sent), each once, in order."""
+    found: list[str] = []
+    for address in addresses:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect((address, 9))  # (a datagram socket's connect only routes)
+            source = cast(str, probe.getsockname()[0])
+        except OSError:
+            continue  # no route: it cannot be reached from here at all
+        finally:
+            probe.close()
+        if source not in found:
+            found.append(source)
+    return found

@@ -7,16 +7,27 @@ ends every other rank at once."""
 from __future__ import annotations
 
 import os
+import re
+import socket
 import sys
 from collections.abc import Mapping
 
+from ..errors import TopologyError
 from ..launch import selflaunch
 from ..launch.hugepages import malloc_hugepages_env
 from ..launch.selflaunch import FORWARDED_SIGNALS
+from .auth import SECRET_ENV
 from .monitor import MONITOR_ENV, active
 from .options import RunOptions
 
-__all__ = ["launch_command", "self_launch", "FORWARDED_SIGNALS"]
+__all__ = ["launch_command", "self_launch", "job_hosts", "FORWARDED_SIGNALS"]
+
+# where other resource managers hand the launcher its hosts (not read here: the monitor
+# then listens on every address, still authenticated)
+_OTHER_HOST_LISTS = ("PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE",
+                     "OAR_NODEFILE", "COBALT_NODEFILE", "PRTE_MCA_prte_default_hostfile",
+                     "OMPI_MCA_orte_default_hostfile", "OMPI_MCA_rmaps_base_hostfile")
+_MAX_HOST_FILE = 1 << 20  # bytes of a host file read here
 
 
 def launch_command(options: RunOptions, nprocs: int, mpiexec: str | None = None,
@@ -36,13 +47,43 @@ def launch_command(options: RunOptions, nprocs: int, mpiexec: str | None = None,
         MpistratError: no ``mpiexec`` was found (the message says how to get one).
     """
     command = [python, "-m", "mpistrat", "run", *options.command_line()]
+    environ = os.environ if env is None else env
     if rank_env is None:
-        environ = os.environ if env is None else env
-        value = environ.get(MONITOR_ENV)
-        rank_env = {MONITOR_ENV: value} if value else {}
-        rank_env.update(malloc_hugepages_env(environ) or {})
+        rank_env = dict(malloc_hugepages_env(environ) or {})
+    # the job monitor's address and the job's secret reach the ranks by name, their
+    # values through the environment only: a command line is readable by every user
+    inherit = [name for name in (MONITOR_ENV, SECRET_ENV) if environ.get(name)]
     return selflaunch.launch_argv("mpistrat run", "-n", nprocs, command, mpiexec=mpiexec,
-                                  env=env, python=python, rank_env=rank_env)
+                                  env=env, python=python, rank_env=rank_env, inherit=inherit)
+
+
+def job_hosts(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The hosts ``mpiexec`` will start ranks on, as far as its environment tells (what
+    hydra reads: ``HYDRA_HOST_FILE``, else a Slurm allocation's node list); this host
+    alone when nothing names others; None when another resource manager's list decides
+    (not read here)."""
+    environ = os.environ if env is None else env
+    path = environ.get("HYDRA_HOST_FILE")
+    if path:
+        try:
+            with open(path, "rb") as file:
+                text = file.read(_MAX_HOST_FILE).decode(errors="replace")
+        except OSError:
+            return None  # (hydra says so itself)
+        hosts = [re.split(r"[:\s]", line.split("#", 1)[0].strip(), maxsplit=1)[0]
+                 for line in text.splitlines()]
+        return [h for h in hosts if h] or None
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if nodelist:
+        from ..cluster.hostlist import expand_hostlist
+
+        try:
+            return expand_hostlist(nodelist, "SLURM_JOB_NODELIST")
+        except TopologyError:
+            return None
+    if any(environ.get(name) for name in _OTHER_HOST_LISTS):
+        return None
+    return [socket.gethostname()]
 
 
 def self_launch(argv: list[str]) -> int:

@@ -16,27 +16,51 @@ on the far side of a network partition. After the launcher ends, the monitor tur
 into one message (:meth:`JobMonitor.summary`, :func:`lost_text`). Under a plain
 ``mpiexec`` the ranks start the same monitor in a process of their own
 (:mod:`.sidecar`).
+
+Nobody but the job's ranks can speak to the monitor (see ``docs/security.md``): it
+listens on the loopback when the job runs on this host alone, else on the address this
+host reaches the job's hosts from; on every connection it first sends a random challenge,
+and every line a rank sends carries an HMAC of the challenge and the line under the
+job's secret (:mod:`.auth`), so a line forged, or recorded on one connection and replayed
+on another, is refused. Each rank is accepted once, only within ``range(size)``; lines are
+at most :data:`MAX_LINE` bytes; a connection that has not said a valid hello within
+:data:`HELLO_WITHIN` seconds is closed, and at most :data:`MAX_PENDING` such connections
+are held at once (the oldest goes first). A bad line closes its connection with a note and
+changes nothing else; nothing a client sends can stop the monitor's thread.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import selectors
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
-from .hosts import local_addresses, name_ranks
+from . import auth
+from .hosts import local_addresses, name_ranks, route_sources
+from .reports import read_report, report_path
 
 __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
-           "LAUNCHER_GRACE", "address", "listen", "lost_text"]
+           "LAUNCHER_GRACE", "address", "listen", "bind_address", "lost_text",
+           "MAX_LINE", "MAX_PENDING", "HELLO_WITHIN"]
 
 MONITOR_ENV = "MPISTRAT_RUN_MONITOR"
 _CONNECT_TIMEOUT = 1.0  # seconds per address a rank tries to reach the monitor
+_CHALLENGE_WAIT = 10.0  # seconds a rank waits for the monitor's challenge (a busy start)
+MAX_LINE = 512  # bytes of one line to the monitor (a hello with a 255-byte host name: ~360)
+MAX_PENDING = 64  # connections held at once that have not said a valid hello yet
+HELLO_WITHIN = 10.0  # seconds a connection has to say a valid hello
+_PAUSE = 0.25  # seconds the monitor stops accepting when it has no file descriptor left
+_GREETING = b"mpistrat-monitor 1 "
+_HELLO = re.compile(rb"hello (\d{1,9}) ([!-~]{1,255}) (\d{1,10}) ([0-9a-f]{64})")
+_END = re.compile(rb"end (-?\d{1,6}) ([0-9a-f]{64})")
 _SETTLE = 1.0  # seconds the summary waits for the connections of ended ranks to close
 # Once a rank has failed or vanished, the launcher gets this long (beyond --timeout and the
 # watchdog's hard stop) to end before it is ended: it may wait forever for a host it has
@@ -66,8 +90,12 @@ class RankRecord:
 @dataclass
 class _Connection:
     sock: socket.socket
-    buffer: bytes = b""
+    peer: str
+    challenge: str
+    opened: float = field(default_factory=time.monotonic)
+    buffer: bytearray = field(default_factory=bytearray)
     rank: int | None = None
+    ended: bool = False
 
 
 @dataclass
@@ -83,24 +111,34 @@ class JobMonitor:
         size: the number of ranks.
         timeout: the job's ``--timeout`` (for the launcher's bound, :attr:`bound`).
         report_dir: the job's ``--report-dir``, where cut-off ranks leave their reports.
-        listener: a listening socket to accept the ranks on (default: a new one, see
-            :func:`listen`).
+        secret: the job's secret (default: a new one, see :mod:`.auth`).
+        listener: a listening socket to accept the ranks on (default: a new one on
+            ``bind``, see :func:`listen`).
+        bind: the address to listen on when no ``listener`` is given (default: the
+            loopback; ``""``: every address).
     """
 
     size: int
     timeout: float | None = None
     report_dir: str | None = None
+    secret: bytes = field(default_factory=auth.new_secret, repr=False)
     records: dict[int, RankRecord] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     # (signal, time.time()) of every signal passed on to the launcher (:meth:`forwarded`)
     signals: list[tuple[int, float]] = field(default_factory=list)
+    # messages refused (forged, replayed, malformed, oversized): how many, the first's note
+    refused: int = 0
+    first_refusal: str | None = None
     listener: InitVar[socket.socket | None] = None
+    bind: InitVar[str] = "127.0.0.1"
 
-    def __post_init__(self, listener: socket.socket | None) -> None:
-        self._listener = listener if listener is not None else listen(self.size)
+    def __post_init__(self, listener: socket.socket | None, bind: str) -> None:
+        self._listener = listener if listener is not None else listen(self.size, bind)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._pending: dict[socket.socket, _Connection] = {}  # (insertion: oldest first)
+        self._paused_until: float | None = None  # accepting stopped (no descriptors)
         self._events = 0  # ends announced and connections closed, counted in order
         self.lock = threading.Lock()  # held while the records change
         self._stopped = threading.Event()
@@ -121,7 +159,7 @@ class JobMonitor:
 
     def __enter__(self) -> JobMonitor:
         self.start()
-        self._saved = os.environ.get(MONITOR_ENV)
+        self._saved = {name: os.environ.get(name) for name in self.env()}
         os.environ.update(self.env())
         _ACTIVE.append(self)
         return self
@@ -129,15 +167,21 @@ class JobMonitor:
     def __exit__(self, *exc: object) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        if self._saved is None:
-            os.environ.pop(MONITOR_ENV, None)
-        else:
-            os.environ[MONITOR_ENV] = self._saved
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         self.close()
 
     def finish(self, status: int) -> int:
         """Print :meth:`summary` of a launcher that ended with ``status``; return it."""
         text = self.summary(status, self.report_dir)
+        if self.refused:
+            text = "\n".join(filter(None, [text, (
+                f"mpistrat run: the job monitor refused {self.refused} message(s) that were "
+                f"not this job's ranks' (the first: {self.first_refusal}); they changed "
+                f"nothing. Something else connects to its port.")]))
         if text:
             sys.stdout.flush()
             sys.stderr.write(text + "\n")
@@ -150,8 +194,10 @@ class JobMonitor:
         self.signals.append((signum, time.time()))
 
     def env(self) -> dict[str, str]:
-        """``MPISTRAT_RUN_MONITOR=PORT HOST ADDRESS,...`` (see :func:`address`)."""
-        return {MONITOR_ENV: address(self._listener)}
+        """``MPISTRAT_RUN_MONITOR=PORT HOST ADDRESS,...`` (see :func:`address`) and the
+        job's secret (``MPISTRAT_JOB_SECRET``): the ranks' environment, never a command
+        line."""
+        return {MONITOR_ENV: address(self._listener), auth.SECRET_ENV: auth.encode(self.secret)}
 
     def close(self) -> None:
         """Stop listening (after the launcher ended); keeps the records."""
@@ -167,21 +213,72 @@ class JobMonitor:
             # epoll returns ready connections in the order they became ready: the order
             # of closes below is the order in which the kernel saw them
             for key, _ in self._selector.select(timeout=0.2):
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._read(key.data)
+                try:
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._read(key.data)
+                except Exception as exc:  # noqa: BLE001 - no client can stop the monitor
+                    if key.data is not None:
+                        self._refuse(key.data, f"{type(exc).__name__} while reading it")
+            self._sweep()
+
+    def _refuse(self, connection: _Connection, why: str) -> None:
+        """Close ``connection`` for ``why`` (a note; nothing else changes)."""
+        with self.lock:
+            self.refused += 1
+            if self.first_refusal is None:
+                self.first_refusal = f"from {connection.peer}: {why}"
+        self._drop(connection)
+
+    def _drop(self, connection: _Connection) -> None:
+        self._pending.pop(connection.sock, None)
+        try:
+            self._selector.unregister(connection.sock)
+        except (KeyError, ValueError):
+            pass
+        connection.sock.close()
+
+    def _sweep(self) -> None:
+        """Close connections that said no valid hello in time; accept again after a pause."""
+        now = time.monotonic()
+        for connection in [c for c in self._pending.values()
+                           if now - c.opened > HELLO_WITHIN]:
+            self._refuse(connection, f"no valid hello within {HELLO_WITHIN:g} s")
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
 
     def _accept(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # no descriptor for it: make room, or stop accepting a moment (the
+                    # listener would stay readable, and this loop spin)
+                    if self._pending:
+                        self._refuse(next(iter(self._pending.values())),
+                                     "closed to make room (no file descriptors left)")
+                    else:
+                        self._selector.unregister(self._listener)
+                        self._paused_until = time.monotonic() + _PAUSE
                 return
-            sock.setblocking(False)
-            self._selector.register(sock, selectors.EVENT_READ, _Connection(sock))
+            if len(self._pending) >= MAX_PENDING:
+                self._refuse(next(iter(self._pending.values())),
+                             f"closed for a newer connection ({MAX_PENDING} without a hello)")
+            challenge = os.urandom(16).hex()
+            connection = _Connection(sock, auth.printable(f"{peer[0]}:{peer[1]}"), challenge)
+            try:
+                sock.setblocking(False)
+                sock.send(_GREETING + challenge.encode() + b"\n")
+            except OSError:
+                sock.close()
+                continue
+            self._pending[sock] = connection
+            self._selector.register(sock, selectors.EVENT_READ, connection)
 
     def _read(self, connection: _Connection) -> None:
         try:
@@ -191,13 +288,19 @@ class JobMonitor:
         except OSError:
             data = b""
         if data:
+            start = len(connection.buffer)
             connection.buffer += data
-            *lines, connection.buffer = connection.buffer.split(b"\n")
-            for line in lines:
-                self._line(connection, line.decode(errors="replace").split())
+            # (only the new bytes are searched: a long line costs its length, once)
+            while (end := connection.buffer.find(b"\n", start)) >= 0:
+                line = bytes(connection.buffer[:end])
+                del connection.buffer[:end + 1]
+                start = 0
+                if not self._line(connection, line):
+                    return  # (refused: closed)
+            if len(connection.buffer) > MAX_LINE:
+                self._refuse(connection, f"a line longer than {MAX_LINE} bytes")
             return
-        self._selector.unregister(connection.sock)
-        connection.sock.close()
+        self._drop(connection)
         with self.lock:
             record = self.records.get(connection.rank) if connection.rank is not None else None
             if record is not None and record.closed is None:
@@ -205,18 +308,51 @@ class JobMonitor:
                 record.order = self._events
                 self._events += 1
 
-    def _line(self, connection: _Connection, words: list[str]) -> None:
+    def _line(self, connection: _Connection, line: bytes) -> bool:
+        """Act on one line; False when it was refused (and the connection closed)."""
+        if len(line) > MAX_LINE:
+            self._refuse(connection, f"a line longer than {MAX_LINE} bytes")
+            return False
+        if connection.rank is None:
+            hello = _HELLO.fullmatch(line)
+            if hello is None:
+                self._refuse(connection, "not a hello of mpistrat's")
+                return False
+            rank, host, pid, mac = (g.decode("ascii") for g in hello.groups())
+            if not auth.verify(self.secret, bytes.fromhex(mac), "hello", connection.challenge,
+                               rank, host, pid):
+                self._refuse(connection, "a hello without this job's authentication")
+                return False
+            with self.lock:
+                if int(rank) >= self.size or int(rank) in self.records:
+                    why = (f"rank {int(rank)} is not one of the job's {self.size}"
+                           if int(rank) >= self.size else f"rank {int(rank)} said hello before")
+                else:
+                    why = None
+                    connection.rank = int(rank)
+                    self.records[connection.rank] = RankRecord(
+                        connection.rank, auth.printable(host, 64), int(pid))
+            if why is not None:
+                self._refuse(connection, why)
+                return False
+            self._pending.pop(connection.sock, None)
+            return True
+        end = _END.fullmatch(line)
+        if end is None or connection.ended or not auth.verify(
+                self.secret, bytes.fromhex(end.group(2).decode()), "end",
+                connection.challenge, end.group(1).decode()):
+            # (on a rank's own connection: only that rank could have sent it)
+            with self.lock:
+                self.refused += 1
+                self.first_refusal = self.first_refusal or \
+                    f"from {connection.peer}: a line after rank {connection.rank}'s hello"
+            return True
         with self.lock:
-            if len(words) == 4 and words[0] == "hello" and words[1].isdigit() \
-                    and words[3].isdigit():
-                connection.rank = int(words[1])
-                self.records[connection.rank] = RankRecord(connection.rank, words[2],
-                                                           int(words[3]))
-            elif len(words) == 2 and words[0] == "end" and connection.rank is not None \
-                    and words[1].lstrip("-").isdigit():
-                record = self.records[connection.rank]
-                record.status, record.ended = int(words[1]), self._events
-                self._events += 1
+            connection.ended = True
+            record = self.records[connection.rank]
+            record.status, record.ended = int(end.group(1)), self._events
+            self._events += 1
+        return True
 
     # -- what happened
 
@@ -288,8 +424,7 @@ class JobMonitor:
         if vanished:
             lines.append(lost_text(vanished, hostnames, status))
         if silent:
-            files = [os.path.join(report_dir, f"rank-{r}.txt") for r in silent] \
-                if report_dir else []
+            files = [report_path(report_dir, r) for r in silent] if report_dir else []
             lines.append(
                 f"mpistrat run: {name_ranks(silent, hostnames)} never reported how "
                 f"{'it' if len(silent) == 1 else 'they'} ended: this launcher cannot reach "
@@ -298,7 +433,7 @@ class JobMonitor:
                 f"reports cannot reach this terminal either"
                 + (f"; they are written to {report_dir}" if report_dir else
                    "; give --report-dir DIR (on a shared file system) to keep them") + ".")
-            lines += _read_reports(files, silent)
+            lines += _read_reports(files, silent, self.secret)
         if missing and (vanished or silent):
             lines.append(f"mpistrat run: rank(s) {missing} never reached this launcher's "
                          f"monitor; nothing is known of them.")
@@ -344,41 +479,68 @@ def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
     return text + ". Rerun the job to resume from its last complete checkpoint."
 
 
-def listen(size: int) -> socket.socket:
-    """A TCP socket listening on every address of this host, for ``size`` ranks."""
+def listen(size: int, bind: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on ``bind`` (``""``: every address of this host), for
+    ``size`` ranks."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("", 0))
-    listener.listen(min(4096, max(16, size)))
+    listener.bind((bind, 0))
+    listener.listen(min(4096, max(128, 2 * size)))  # (a flood fills a short queue)
     return listener
+
+
+def bind_address(hosts: Iterable[str] | None) -> str:
+    """Where the monitor of a job on ``hosts`` listens: the loopback when every host is
+    this one; else the one address this host reaches all the others from (its address on
+    the cluster's network); ``""`` (every address, still authenticated) when the hosts
+    are not known (None) or are reached from several addresses."""
+    if hosts is None:
+        return ""
+    here = {socket.gethostname(), socket.getfqdn(), "localhost"}
+    others = [h for h in hosts if h not in here]
+    ours = set(local_addresses()) | {"127.0.0.1"}
+    remote: list[str] = []
+    for host in others:
+        try:
+            found = {str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+        except OSError:
+            return ""  # a host this one cannot resolve: hydra will say so
+        # (a name whose addresses are all this host's is another name of this host)
+        remote += [a for a in found if a not in ours and not a.startswith("127.")]
+    if not remote:
+        return "127.0.0.1"
+    sources = route_sources(remote)
+    return sources[0] if len(sources) == 1 else ""
 
 
 def address(listener: socket.socket) -> str:
     """How ranks reach ``listener`` (the value of ``MPISTRAT_RUN_MONITOR``):
-    ``PORT HOST ADDRESS,...``, this host's name (ranks on it connect through the
-    loopback) and its other addresses (for the other hosts)."""
-    port = listener.getsockname()[1]
-    addresses = ",".join(local_addresses()) or "-"
-    return f"{port} {socket.gethostname()} {addresses}"
+    ``PORT HOST ADDRESS,...``: this host's name and the addresses it listens on (the
+    loopback only for ranks on this host)."""
+    bound, port = listener.getsockname()[:2]
+    addresses = ["127.0.0.1", *local_addresses()] if bound == "0.0.0.0" else [bound]
+    return f"{port} {socket.gethostname()} {','.join(addresses)}"
 
 
 def _hostnames(records: Mapping[int, RankRecord], size: int) -> list[str]:
     return [records[r].host if r in records else "?" for r in range(size)]
 
 
-def _read_reports(paths: Sequence[str], ranks: Sequence[int], wait: float = 3.0) -> list[str]:
-    """The report files of ``ranks`` (waiting a little for ones still being written)."""
+def _read_reports(paths: Sequence[str], ranks: Sequence[int], secret: bytes,
+                  wait: float = 3.0) -> list[str]:
+    """The report files of ``ranks`` that this job wrote (waiting a little for ones still
+    being written); files of earlier jobs, or of anyone else, are named and ignored."""
     deadline = time.monotonic() + wait
     while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = []
     for rank, path in zip(ranks, paths):
-        try:
-            with open(path) as file:
-                text = file.read().rstrip("\n")
-        except OSError:
+        text, why = read_report(path, secret, rank)
+        if why is not None:
+            lines.append(f"mpistrat run: {auth.printable(path)} is ignored: {why}.")
+        if text is None:
             continue
-        lines.append(f"mpistrat run: rank {rank}'s report ({path}):")
+        lines.append(f"mpistrat run: rank {rank}'s report ({auth.printable(path)}):")
         lines += [f"  {line}" for line in text.split("\n")]
     return lines
 
@@ -386,35 +548,51 @@ def _read_reports(paths: Sequence[str], ranks: Sequence[int], wait: float = 3.0)
 class MonitorClient:
     """A rank's connection to the job monitor (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, rank: int) -> None:
+    def __init__(self, sock: socket.socket, rank: int, secret: bytes, challenge: str) -> None:
         self._sock = sock
         self.rank = rank
+        self._secret = secret
+        self._challenge = challenge
         self._lock = threading.Lock()
 
     @classmethod
-    def connect(cls, env: Mapping[str, str] | None, rank: int, host: str) -> MonitorClient | None:
-        """Connect to the monitor named in ``MPISTRAT_RUN_MONITOR`` and say hello; None
-        without the variable or when no address answers (the job runs on, unmonitored)."""
-        words = (os.environ if env is None else env).get(MONITOR_ENV, "").split()
-        if len(words) != 3 or not words[0].isdigit():
+    def connect(cls, env: Mapping[str, str] | None, rank: int, host: str,
+                secret: bytes | None = None) -> MonitorClient | None:
+        """Connect to the monitor named in ``MPISTRAT_RUN_MONITOR``, answer its
+        challenge and say hello, authenticated with ``secret`` (default: the job's, from
+        ``env``, see :func:`.auth.take_secret`). None without the variable or a secret,
+        or when no address answers as the monitor (the job runs on, unmonitored)."""
+        source = os.environ if env is None else env
+        if secret is None:
+            secret = auth.take_secret(env)
+        words = source.get(MONITOR_ENV, "").split()
+        if secret is None or len(words) != 3 or not re.fullmatch(r"\d{1,5}", words[0]):
             return None
         port, monitor_host, addresses = words
         # the loopback only on the monitor's own host: elsewhere it is another machine's
-        candidates = ["127.0.0.1"] if socket.gethostname() == monitor_host else []
-        candidates += [a for a in addresses.split(",") if a != "-"]
+        here = socket.gethostname() == monitor_host
+        candidates = [a for a in addresses.split(",")
+                      if a not in ("", "-") and (here or not a.startswith("127."))]
+        name = host.split()[0] if host and host.split() else "?"
+        name = "".join(c if "!" <= c <= "~" else "?" for c in name[:255])
         for address in candidates:
             try:
                 sock = socket.create_connection((address, int(port)),
                                                 timeout=_CONNECT_TIMEOUT)
-            except OSError:
+            except (OSError, ValueError):
                 continue
             try:
-                sock.sendall(f"hello {rank} {host.split()[0] if host else '?'} "
-                             f"{os.getpid()}\n".encode())
+                challenge = _read_challenge(sock)
+                if challenge is None:
+                    sock.close()
+                    continue
+                pid = os.getpid()
+                mac = auth.tag(secret, "hello", challenge, rank, name, pid).hex()
+                sock.sendall(f"hello {rank} {name} {pid} {mac}\n".encode())
             except OSError:
                 sock.close()
                 continue
-            return cls(sock, rank)
+            return cls(sock, rank, secret, challenge)
         return None
 
     def end(self, status: int) -> None:
@@ -424,9 +602,23 @@ class MonitorClient:
                 return
             try:
                 self._sock.settimeout(1.0)
-                self._sock.sendall(f"end {int(status)}\n".encode())
+                mac = auth.tag(self._secret, "end", self._challenge, int(status)).hex()
+                self._sock.sendall(f"end {int(status)} {mac}\n".encode())
             except OSError:
                 pass
             finally:
                 self._sock.close()
                 self._sock = None  # type: ignore[assignment]
+
+
+def _read_challenge(sock: socket.socket) -> str | None:
+    """The monitor's greeting line: its challenge, or None when what answers is not it."""
+    sock.settimeout(_CHALLENGE_WAIT)
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 64:
+        chunk = sock.recv(64 - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    match = re.fullmatch(re.escape(_GREETING) + rb"([0-9a-f]{32})\n", data)
+    return match.group(1).decode() if match else None

@@ -14,12 +14,13 @@ from ..ps.roles import NUM_PS_ENV
 from ..runtime import stall
 from ..runtime._mpi import mpi
 from ..strategy.mirrored import LOCAL_REPLICAS
-from . import sidecar
+from . import auth, sidecar
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
 from .monitor import MONITOR_ENV, MonitorClient
 from .options import RunOptions
 from .output import RankOutput
+from .reports import report_path
 from .watchdog import Watchdog
 
 __all__ = ["run", "RunSetupError"]
@@ -65,19 +66,23 @@ def run(options: RunOptions, *,
             watch = stall.watch(options.stall_check or None, options.timeout,
                                  report=output.report)
             host = mpi().Get_processor_name()
+            # the job's secret (docs/security.md): mpistrat run -n's, else rank 0's own;
+            # every rank holds rank 0's, broadcast over MPI (the job's own channel)
+            mine = auth.take_secret(env)
+            secret = world.bcast((mine or auth.new_secret()) if rank == 0 else None, root=0)
             if MONITOR_ENV in (os.environ if env is None else env):  # mpistrat run -n
-                client = MonitorClient.connect(env, rank, host)
+                client = MonitorClient.connect(env, rank, host, secret)
             else:  # a plain mpiexec across hosts: the job's own monitor (collective)
-                client = sidecar.start(world, rank, host)
+                client = sidecar.start(world, rank, host, secret)
             notify = client.end if client is not None else None
             dog = None
             try:
                 if watch is not None:
-                    report_file = (os.path.join(options.report_dir, f"rank-{rank}.txt")
+                    report_file = (report_path(options.report_dir, rank)
                                    if options.report_dir else None)
                     dog = Watchdog.start(watch, watch.side, output.report, report_file,
                                          (lambda status, text: notify(status))
-                                         if notify is not None else None)
+                                         if notify is not None else None, secret=secret)
                     dog.phase = "running the script"
                 outcome = _run_script(options, strategy_factory, set_strategy)
                 if dog is not None:

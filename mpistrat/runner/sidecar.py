@@ -19,6 +19,10 @@ either. ``mpistrat run -n`` names it from its own process (:mod:`.monitor`). Und
   writes there which host's ranks all ended first without a word (:func:`verdict`);
 * it ends with the job: once every rank has ended or vanished, or once ``mpiexec`` ended.
 
+The ranks authenticate to it as to ``mpistrat run -n``'s monitor, with the job's secret
+(given to the monitor process in its environment, never on its command line), and it
+listens on the address its host reaches the job's other hosts from.
+
 A job on one host, or under another launcher (``srun``, Open MPI), starts nothing.
 """
 
@@ -34,6 +38,8 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from . import auth
+from .hosts import local_addresses, route_sources
 from .monitor import MONITOR_ENV, JobMonitor, MonitorClient, address, listen, lost_text
 
 __all__ = ["hydra_launcher", "start", "main"]
@@ -93,29 +99,36 @@ def hydra_launcher(pid: int | None = None, proc: str = "/proc") -> int | None:
     return None
 
 
-def start(comm: Any, rank: int, host: str) -> MonitorClient | None:
+def start(comm: Any, rank: int, host: str, secret: bytes) -> MonitorClient | None:
     """Collective over ``comm`` (every rank of the job): start the job monitor beside a
     plain hydra job that spans several hosts, and connect this rank to it (see the module
-    docstring). None where nothing was started."""
+    docstring), authenticated with ``secret`` (the job's, the same on every rank). None
+    where nothing was started."""
     launcher = hydra_launcher()
     seen = comm.allgather((host, launcher is not None))
     hosts = {h for h, _ in seen}
     starter = next((r for r, (_, here) in enumerate(seen) if here), None)
     if len(hosts) < 2 or starter is None:
         return None
+    # (the other hosts' addresses: the monitor listens where they reach this host)
+    addresses = comm.gather(local_addresses() if host != seen[starter][0] else [],
+                            root=starter)
     value = None
     if rank == starter:
-        value = _spawn(launcher, comm.Get_size())  # type: ignore[arg-type]
+        remote = [a for found in addresses for a in found]
+        sources = route_sources(remote)
+        value = _spawn(launcher, comm.Get_size(),  # type: ignore[arg-type]
+                       secret, sources[0] if len(sources) == 1 else "")
     value = comm.bcast(value, root=starter)
     if not value:
         return None
-    return MonitorClient.connect({MONITOR_ENV: value}, rank, host)
+    return MonitorClient.connect({MONITOR_ENV: value}, rank, host, secret)
 
 
-def _spawn(launcher: int, size: int) -> str | None:
-    """Start the monitor process for ``launcher``'s job of ``size`` ranks; its address.
-    The launcher's standard error and a handle on its end are opened here, while it
-    certainly runs: the monitor process takes a moment to start."""
+def _spawn(launcher: int, size: int, secret: bytes, bind: str) -> str | None:
+    """Start the monitor process for ``launcher``'s job of ``size`` ranks, listening on
+    ``bind``; its address. The launcher's standard error and a handle on its end are
+    opened here, while it certainly runs: the monitor process takes a moment to start."""
     for child in list(_CHILD):
         if child.poll() is not None:
             _CHILD.remove(child)
@@ -127,14 +140,15 @@ def _spawn(launcher: int, size: int) -> str | None:
             opened.append(os.pidfd_open(launcher))
         except (AttributeError, OSError):
             opened.append(-1)  # (polled instead)
-        listener = listen(size)
+        listener = listen(size, bind)
         fds = (listener.fileno(), *(fd for fd in opened if fd >= 0))
         _CHILD.append(subprocess.Popen(
             [sys.executable, "-c", _BOOT, "--launcher", str(launcher), "--size", str(size),
              "--listener", str(listener.fileno()), "--out", str(opened[0]), "--pidfd",
              str(opened[1])],
             pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True))
+            stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, auth.SECRET_ENV: auth.encode(secret)}))
         return address(listener)
     except OSError:
         return None  # (no /proc, or another user's launcher: nowhere to report)
@@ -236,8 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pidfd", type=int, default=-1, help="a pidfd of mpiexec")
     args = parser.parse_args(argv)
     listener = socket.socket(fileno=args.listener)
+    secret = auth.take_secret()
+    if secret is None:
+        return 2  # (started by hand, not by a rank: nothing to authenticate the ranks with)
     with open(args.out, "a") as out:
-        monitor = JobMonitor(args.size, listener=listener).start()
+        monitor = JobMonitor(args.size, secret=secret, listener=listener).start()
         try:
             watch(monitor, _ended(args.launcher, args.pidfd), out)
         finally:

@@ -18,14 +18,20 @@ off in the middle leaves the rank blocked for good. Hence a thread per rank:
   ends it even if the interpreter cannot (:data:`HARD_STOP`). After ``--stall-check``
   seconds (and every as long) it reports such a collective without ending anything.
   MPI calls release the GIL, so the thread runs while the rank is blocked in one.
-* **The liveness probe.** Every rank has a UDP socket; the addresses and ports are
-  exchanged once at the start. The watchdog thread answers every probe at once with what
+* **The liveness probe.** Every rank has a UDP socket (on the loopback when the job
+  runs on one host); the addresses and ports are exchanged once at the start. The watchdog thread answers every probe at once with what
   its rank is doing ("in all_reduce (collective #12 ...) for 10.3 s", "running the
   script", "ending"). A probe sends one datagram to every rank (three tries in
   :data:`PROBE_SECONDS`) and collects the answers: ranks that do not answer are
   unreachable — killed, their host down, or cut off by a network partition — and are
   named grouped by host (``host node2 (ranks 2, 3)``). Probes happen only when something
   is already wrong (a timeout, a stall report, a failed rank whose peers do not come).
+  Every datagram carries an HMAC under the job's secret (:mod:`.auth`) over its kind,
+  the probe's random number, the sender's rank and its text; an answer counts only for a
+  probe in progress and once per rank, so forged or replayed datagrams change nothing. A
+  probe is answered at the sender's known address only, never at an arbitrary source
+  (no reflection), and each wake-up reads at most :data:`MAX_DRAIN` datagrams, so a
+  flood cannot keep the watchdog from its checks.
 
 Of the ranks that a fault stops together, the lowest one that answers the probe and is
 itself stuck or failing prints the full report; the others print one line pointing to it,
@@ -37,8 +43,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import random
 import runpy
+import secrets
 import select
 import socket
 import struct
@@ -50,15 +56,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._atomic import write_atomically
 from ..runtime import stall
 from ..runtime._mpi import Comm, mpi
 from ..runtime.stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
 from ..runtime.topology import get_topology
+from . import auth
 from .hosts import group_by_host, local_addresses, name_ranks
+from .reports import write_report
 
-__all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "name_ranks",
-           "group_by_host", "local_addresses", "abort_and_exit"]
+__all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "MAX_DRAIN",
+           "name_ranks", "group_by_host", "local_addresses", "abort_and_exit"]
 
 PROBE_SECONDS = 1.0  # how long a probe waits for answers
 _TRIES = (0.0, 0.3, 0.6)  # when, within a probe, the datagrams are (re)sent
@@ -69,9 +76,12 @@ _DELIVERY = 0.25  # seconds between the last report and MPI_Abort (the launcher 
 ABORT_WAIT = 1.0  # seconds after MPI_Abort starts before the rank ends itself
 _FOLLOWER_DELAY = 1.0  # a non-reporting rank gives the reporter's report time to get out
 _TROUBLED_AFTER = 1.0  # seconds in one collective after which a rank counts as stuck
-_PING, _PONG, _WAKE = b"msp?", b"msp!", b"msp."
-_HEADER = struct.Struct("!4sQII")  # kind, job key, nonce, rank
+_PING, _PONG = b"msp?", b"msp!"
+_HEADER = struct.Struct("!4sQI")  # kind, the probe's number, the sender's rank; then the
+_TAG = 16  # text (answers: troubled, state), then this many bytes of HMAC over all of it
 _MAX_STATE = 700  # bytes of a state text in an answer
+_MAX_DATAGRAM = _HEADER.size + 1 + _MAX_STATE + _TAG
+MAX_DRAIN = 64  # datagrams read per wake-up of the thread (then it checks its bounds)
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class Watchdog:
     """
 
     def __init__(self, watch: Any, rank: int, hostnames: Sequence[str],
-                 peers: Sequence[tuple[int, Sequence[str]]], sock: socket.socket, key: int,
+                 peers: Sequence[tuple[int, Sequence[str]]], sock: socket.socket, key: bytes,
                  report: Callable[[str], None], report_file: str | None = None,
                  notify: Callable[[int, str], None] | None = None) -> None:
         self.watch = watch
@@ -138,7 +148,7 @@ class Watchdog:
         self._finish_probed = 0.0
         self._sock = sock
         self._key = key
-        self._targets = [self._addresses(r, port, addresses)
+        self._targets = [[(str(a), int(p)) for a, p in self._addresses(r, port, addresses)]
                          for r, (port, addresses) in enumerate(peers)]
         self._pongs: dict[int, dict[int, Answer]] = {}
         self._lock = threading.Lock()
@@ -155,17 +165,23 @@ class Watchdog:
     @classmethod
     def start(cls, watch: Any, comm: Comm, report: Callable[[str], None],
               report_file: str | None = None,
-              notify: Callable[[int, str], None] | None = None) -> Watchdog:
+              notify: Callable[[int, str], None] | None = None,
+              secret: bytes | None = None) -> Watchdog:
         """Exchange the probe addresses over ``comm`` (a private duplicate of
         ``COMM_WORLD``; collective: every rank calls it), start the thread, and hand the
-        watch its diagnosis (for the stall reports)."""
+        watch its diagnosis (for the stall reports). ``secret``: the job's (the same on
+        every rank); default: rank 0 makes one and broadcasts it."""
         hostnames = _hostnames(mpi().COMM_WORLD)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind(("", 0))
+        # one host: nobody else needs to reach it (the loopback); else every address,
+        # as the peers' packets arrive on whichever this host has on their route
+        sock.bind(("127.0.0.1" if len(set(hostnames)) == 1 else "", 0))
         sock.setblocking(False)
-        key = comm.bcast(random.getrandbits(63) if comm.Get_rank() == 0 else None, root=0)
-        peers = comm.allgather((sock.getsockname()[1], local_addresses()))
-        dog = cls(watch, comm.Get_rank(), hostnames, peers, sock, key, report, report_file,
+        if secret is None:
+            secret = comm.bcast(auth.new_secret() if comm.Get_rank() == 0 else None, root=0)
+        lone = len(set(hostnames)) == 1
+        peers = comm.allgather((sock.getsockname()[1], [] if lone else local_addresses()))
+        dog = cls(watch, comm.Get_rank(), hostnames, peers, sock, secret, report, report_file,
                   notify)
         watch.diagnose = dog.explain_missing
         dog._thread.start()
@@ -175,9 +191,8 @@ class Watchdog:
         """Stop the thread and close the socket (not collective)."""
         self.watch.diagnose = None
         self._stopped.set()
-        try:
-            self._sock.sendto(_HEADER.pack(_WAKE, self._key, 0, self.rank),
-                              ("127.0.0.1", self._sock.getsockname()[1]))
+        try:  # (any datagram wakes the thread; this one is dropped unread)
+            self._sock.sendto(b"wake", ("127.0.0.1", self._sock.getsockname()[1]))
         except OSError:
             pass
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -212,31 +227,53 @@ class Watchdog:
                 self._drain()
 
     def _drain(self) -> None:
-        while True:
+        for _ in range(MAX_DRAIN):
             try:
-                data, source = self._sock.recvfrom(4096)
+                data, source = self._sock.recvfrom(_MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                return  # e.g. an ICMP error of an earlier datagram
-            if len(data) < _HEADER.size:
+                continue  # e.g. an ICMP error of an earlier datagram
+            message = self._open(data)
+            if message is None:
                 continue
-            kind, key, nonce, rank = _HEADER.unpack_from(data)
-            if key != self._key or not 0 <= rank < self.size:
-                continue
+            kind, nonce, rank, text = message
             if kind == _PING:
                 troubled, state = self.state()
-                text = state.encode()[:_MAX_STATE]
-                reply = _HEADER.pack(_PONG, self._key, nonce, self.rank) + \
-                    bytes([troubled]) + text
-                try:
-                    self._sock.sendto(reply, source)
-                except OSError:
-                    pass
-            elif kind == _PONG and nonce in self._pongs and len(data) > _HEADER.size:
+                self._send(_PONG, nonce, bytes([troubled]) + state.encode()[:_MAX_STATE],
+                           self._reply_to(rank, source))
+            elif kind == _PONG and nonce in self._pongs and text and \
+                    rank not in self._pongs[nonce]:
                 self._pongs[nonce][rank] = Answer(
-                    rank, bool(data[_HEADER.size]),
-                    data[_HEADER.size + 1:].decode(errors="replace"))
+                    rank, bool(text[0]), text[1:].decode(errors="replace"))
+
+    def _open(self, data: bytes) -> tuple[bytes, int, int, bytes] | None:
+        """(kind, nonce, rank, text) of an authentic datagram from another rank; None
+        for anything else (short, long, forged, of an unknown kind or rank)."""
+        if not _HEADER.size + _TAG <= len(data) <= _MAX_DATAGRAM:
+            return None
+        kind, nonce, rank = _HEADER.unpack_from(data)
+        text, mac = data[_HEADER.size:-_TAG], data[-_TAG:]
+        if kind not in (_PING, _PONG) or not 0 <= rank < self.size or rank == self.rank or \
+                not auth.verify(self._key, mac, kind, nonce, rank, text):
+            return None
+        return kind, nonce, rank, text
+
+    def _send(self, kind: bytes, nonce: int, text: bytes,
+              targets: Sequence[tuple[str, int]]) -> None:
+        datagram = _HEADER.pack(kind, nonce, self.rank) + text
+        datagram += auth.tag(self._key, kind, nonce, self.rank, text, size=_TAG)
+        for target in targets:
+            try:
+                self._sock.sendto(datagram, target)
+            except OSError:
+                pass  # no route (a link that is down): no answer either
+
+    def _reply_to(self, rank: int, source: tuple[str, int]) -> list[tuple[str, int]]:
+        """Where to answer rank ``rank``'s probe: where it came from when that is one of
+        the rank's own addresses, else to those addresses (never to a stranger)."""
+        targets = self._targets[rank]
+        return [source] if tuple(source[:2]) in targets else targets
 
     # -- what this rank is doing
 
@@ -279,7 +316,7 @@ class Watchdog:
     def probe(self, wait: float = PROBE_SECONDS) -> Diagnosis:
         """Ask every rank what it is doing; those that do not answer within ``wait``
         seconds are unreachable. Any thread may call it."""
-        nonce = random.getrandbits(31) + 1
+        nonce = secrets.randbits(64)
         answers: dict[int, Answer] = {}
         self._pongs[nonce] = answers
         troubled, state = self.state()
@@ -294,15 +331,9 @@ class Watchdog:
                     self._pump(min(left, 0.05))
                 if when >= wait or len(answers) == self.size:
                     break
-                ping = _HEADER.pack(_PING, self._key, nonce, self.rank)
                 for rank, targets in enumerate(self._targets):
-                    if rank in answers:
-                        continue
-                    for target in targets:
-                        try:
-                            self._sock.sendto(ping, target)
-                        except OSError:
-                            pass  # no route (a link that is down): no answer either
+                    if rank not in answers:
+                        self._send(_PING, nonce, b"", targets)
         finally:
             self._pongs.pop(nonce, None)
         unreachable = [r for r in range(self.size) if r not in answers]
@@ -486,7 +517,7 @@ class Watchdog:
         """Keep a report where it survives a cut link: the report file, and the job
         monitor of ``mpistrat run -n``."""
         if self.report_file:
-            write_report(self.report_file, text)
+            write_report(self.report_file, text, self._key, self.rank, self.host)
         if self.notify is not None:
             try:
                 self.notify(status, text)
@@ -519,15 +550,6 @@ def abort_and_exit(status: int, wait: Callable[[float], None] = time.sleep) -> N
 
 _ENDING = ("An MPI job cannot continue without its ranks: this rank ends now, and the "
            "others with it; rerun the job to resume from its last complete checkpoint.")
-
-
-def write_report(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a reader sees all of it or nothing)."""
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        write_atomically(path, text.rstrip("\n") + "\n")
-    except OSError:
-        pass  # a report file is a convenience; stderr has the report
 
 
 def _article(word: str) -> str:

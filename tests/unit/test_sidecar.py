@@ -16,6 +16,7 @@ from mpistrat.runner import sidecar
 from mpistrat.runner.monitor import MONITOR_ENV, JobMonitor, MonitorClient
 
 HOSTS = ("node1", "node1", "node2", "node2")
+SECRET = bytes(range(32))
 
 
 def _settle(predicate, timeout=10.0):
@@ -46,8 +47,8 @@ def test_the_launcher_is_the_mpiexec_above_the_hydra_proxy(tmp_path):
     assert sidecar.hydra_launcher(99, proc) is None
 
 
-def _clients(address, hosts=HOSTS):
-    return [MonitorClient.connect({MONITOR_ENV: address}, rank, host)
+def _clients(address, hosts=HOSTS, secret=SECRET):
+    return [MonitorClient.connect({MONITOR_ENV: address}, rank, host, secret)
             for rank, host in enumerate(hosts)]
 
 
@@ -58,7 +59,7 @@ def _vanish(monitor, client):
 
 @pytest.fixture
 def monitor():
-    monitor = JobMonitor(4).start()
+    monitor = JobMonitor(4, secret=SECRET).start()
     yield monitor
     monitor.close()
 
@@ -122,7 +123,7 @@ def test_the_monitor_process_writes_the_lost_host_into_the_launchers_stderr(tmp_
     launcher = _launcher(tmp_path)
     try:
         before = _sidecar_pids()
-        address = sidecar._spawn(launcher.pid, 4)
+        address = sidecar._spawn(launcher.pid, 4, SECRET, "127.0.0.1")
         assert address is not None
         child = sidecar._CHILD[-1]
         clients = _clients(address)
@@ -152,7 +153,7 @@ def test_the_monitor_process_writes_the_lost_host_into_the_launchers_stderr(tmp_
 def test_the_monitor_process_ends_with_a_job_that_ends_well(tmp_path):
     launcher = _launcher(tmp_path)
     try:
-        address = sidecar._spawn(launcher.pid, 4)
+        address = sidecar._spawn(launcher.pid, 4, SECRET, "127.0.0.1")
         child = sidecar._CHILD[-1]
         for client in _clients(address):
             client.end(0)
@@ -165,7 +166,7 @@ def test_the_monitor_process_ends_with_a_job_that_ends_well(tmp_path):
 
 
 def test_no_launcher_to_report_to_starts_nothing():
-    assert sidecar._spawn(2 ** 22 + 12345, 4) is None  # no such process
+    assert sidecar._spawn(2 ** 22 + 12345, 4, SECRET, "") is None  # no such process
 
 
 class _Comm:
@@ -187,6 +188,7 @@ class _Comm:
 def test_a_job_on_one_host_or_not_under_hydra_starts_nothing(monkeypatch):
     monkeypatch.setattr(sidecar, "_spawn", lambda *a: pytest.fail("started"))
     monkeypatch.setattr(sidecar, "hydra_launcher", lambda: 1234)
-    assert sidecar.start(_Comm(["a", "a"]), 0, "a") is None  # one host
+    assert sidecar.start(_Comm(["a", "a"]), 0, "a", SECRET) is None  # one host
     monkeypatch.setattr(sidecar, "hydra_launcher", lambda: None)
-    assert sidecar.start(_Comm(["a", "b"]), 0, "a") is None  # srun, Open MPI, ssh'd host
+    assert sidecar.start(_Comm(["a", "b"]), 0, "a", SECRET) is None  # srun, Open MPI, ssh'd
+

@@ -16,9 +16,11 @@ import pytest
 from mpistrat.runtime.stall import AGREED, STARTED, new_entry
 from mpistrat.runner.failure import outcome_of
 from mpistrat.runner.monitor import JobMonitor, MonitorClient
+from mpistrat.runner.reports import write_report
 from mpistrat.runner.watchdog import Watchdog, name_ranks
 
 HOSTS = ("node1", "node1", "node2", "node2")
+KEY = bytes(range(32))
 
 
 @pytest.mark.parametrize("ranks, words", [
@@ -57,7 +59,7 @@ def dogs():
     made = []
     for rank, sock in enumerate(socks):
         watch = FakeWatch(timeout=0.5 if rank == 0 else None)
-        dog = Watchdog(watch, rank, HOSTS, peers, sock, key=1234, report=lambda text: None)
+        dog = Watchdog(watch, rank, HOSTS, peers, sock, key=KEY, report=lambda text: None)
         dog.ended = []
         dog.end = (lambda d: lambda status, text, reporter=True:
                    d.ended.append((status, text, reporter)))(dog)
@@ -259,9 +261,11 @@ def test_ranks_ended_by_the_launcher_after_a_reported_failure_are_not_lost(monke
 
 def test_ranks_cut_off_from_the_launcher_are_named_with_their_reports(tmp_path, monkeypatch):
     monkeypatch.delenv("MPISTRAT_RUN_MONITOR", raising=False)
-    (tmp_path / "rank-2.txt").write_text("PeerLostError: lost host node1 (ranks 0, 1)\n")
     with JobMonitor(4, report_dir=str(tmp_path)) as monitor:
         import os
+
+        write_report(str(tmp_path / "rank-2.txt"), "PeerLostError: lost host node1 (ranks 0, "
+                     "1)\n", monitor.secret, 2, "node2")
 
         assert os.environ["MPISTRAT_RUN_MONITOR"] == monitor.env()["MPISTRAT_RUN_MONITOR"]
         clients = _clients(monitor)
@@ -278,12 +282,15 @@ def test_ranks_cut_off_from_the_launcher_are_named_with_their_reports(tmp_path, 
 
 
 def test_no_monitor_variable_means_no_client():
-    assert MonitorClient.connect({}, 0, "node1") is None
-    assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": "1 127.0.0.1"}, 0, "n") is None
+    assert MonitorClient.connect({}, 0, "node1", KEY) is None
+    assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": "1 127.0.0.1"}, 0, "n", KEY) is None
     # another host's monitor: no loopback (it would reach whatever listens here)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
         assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": f"{port} elsewhere -"},
-                                     0, "n") is None
+                                     0, "n", KEY) is None
+        # and no secret, no connection
+        here = f"{port} {socket.gethostname()} 127.0.0.1"
+        assert MonitorClient.connect({"MPISTRAT_RUN_MONITOR": here}, 0, "n") is None
