@@ -19,9 +19,9 @@ off in the middle leaves the rank blocked for good. Hence a thread per rank:
   seconds (and every as long) it reports such a collective without ending anything.
   MPI calls release the GIL, so the thread runs while the rank is blocked in one.
 * **The liveness probe.** Every rank has a UDP socket (on the loopback when the job
-  runs on one host); the addresses and ports are exchanged once at the start. The watchdog thread answers every probe at once with what
-  its rank is doing ("in all_reduce (collective #12 ...) for 10.3 s", "running the
-  script", "ending"). A probe sends one datagram to every rank (three tries in
+  runs on one host); the addresses and ports are exchanged once at the start. The
+  watchdog thread answers every probe at once with what its rank is doing ("in
+  all_reduce (collective #12 ...) for 10.3 s", "running the script", "ending"). A probe sends one datagram to every rank (three tries in
   :data:`PROBE_SECONDS`) and collects the answers: ranks that do not answer are
   unreachable — killed, their host down, or cut off by a network partition — and are
   named grouped by host (``host node2 (ranks 2, 3)``). Probes happen only when something
