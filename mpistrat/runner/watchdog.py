@@ -18,20 +18,20 @@ off in the middle leaves the rank blocked for good. Hence a thread per rank:
   ends it even if the interpreter cannot (:data:`HARD_STOP`). After ``--stall-check``
   seconds (and every as long) it reports such a collective without ending anything.
   MPI calls release the GIL, so the thread runs while the rank is blocked in one.
-* **The liveness probe.** Every rank has a UDP socket (on the loopback when the job
-  runs on one host); the addresses and ports are exchanged once at the start. The
-  watchdog thread answers every probe at once with what its rank is doing ("in
-  all_reduce (collective #12 ...) for 10.3 s", "running the script", "ending"). A probe sends one datagram to every rank (three tries in
-  :data:`PROBE_SECONDS`) and collects the answers: ranks that do not answer are
-  unreachable — killed, their host down, or cut off by a network partition — and are
-  named grouped by host (``host node2 (ranks 2, 3)``). Probes happen only when something
-  is already wrong (a timeout, a stall report, a failed rank whose peers do not come).
-  Every datagram carries an HMAC under the job's secret (:mod:`.auth`) over its kind,
-  the probe's random number, the sender's rank and its text; an answer counts only for a
-  probe in progress and once per rank, so forged or replayed datagrams change nothing. A
-  probe is answered at the sender's known address only, never at an arbitrary source
-  (no reflection), and each wake-up reads at most :data:`MAX_DRAIN` datagrams, so a
-  flood cannot keep the watchdog from its checks.
+* **The liveness probe.** Every rank has a UDP socket (on the loopback when the job runs
+  on one host); the addresses and ports are exchanged once at the start. The watchdog
+  thread answers every probe at once with what its rank is doing ("in all_reduce
+  (collective #12 ...) for 10.3 s", "running the script", "ending"). A probe sends one
+  datagram to every rank (three tries in :data:`PROBE_SECONDS`) and collects the
+  answers: ranks that do not answer are unreachable — killed, their host down, or cut
+  off by a network partition — and are named grouped by host (``host node2 (ranks 2,
+  3)``). Probes happen only when something is already wrong (a timeout, a stall report,
+  a failed rank whose peers do not come). Every datagram carries an HMAC under the job's
+  secret (:mod:`.auth`) over its kind, the probe's random number, the sender's rank and
+  its text; an answer counts only for a probe in progress and once per rank, so forged
+  or replayed datagrams change nothing. A probe is answered at the sender's known
+  address only, never at an arbitrary source (no reflection), and each wake-up reads at
+  most :data:`MAX_DRAIN` datagrams, so a flood cannot keep the watchdog from its checks.
 
 Of the ranks that a fault stops together, the lowest one that answers the probe and is
 itself stuck or failing prints the full report; the others print one line pointing to it,
