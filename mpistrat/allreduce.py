@@ -29,8 +29,12 @@ What happens on every rank, in order:
 
 Calls are planned once: what a call needs beyond its arrays (the parsed op and spec, the
 signature's hash, the views on the exchange's buffers) is kept per communicator, keyed by
-the array's shape and dtype and the arguments, so a loop of small calls costs one
-allgather and a few NumPy operations.
+the array's shape and dtype and the arguments (a spec as a string, an ``AllReduceSpec``
+or a tuple of str and int items, TF's form), so a loop of small calls costs one
+allgather and a few NumPy operations. What a plan cannot stand for, because it may
+change between calls with equal keys, is checked on each call: with ``inplace=True``,
+that the array is writeable (a read-only one takes the unplanned path, which raises on
+every rank).
 
 Inputs are never modified unless ``inplace=True``. Results are bitwise identical on
 every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the dtype.
@@ -39,6 +43,7 @@ every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the 
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -319,6 +324,16 @@ class _Door:
         self.size = comm.Get_size()
 
 
+_PLAIN_TUPLES = frozenset(
+    (str, *rest) for rest in itertools.chain.from_iterable(
+        itertools.product((int, str), repeat=count) for count in range(3)))
+"""The item types of a tuple spec (``(alg, shards, limit)``, 1 to 3 items) whose calls are
+planned: tuples compare items by value, so ``("xring", True)`` or ``("xring", 1.0)`` would
+find the plan of ``("xring", 1)`` although they are errors; keyed by a plain tuple alone,
+a plan is found only by tuples that mean the same spec. Other tuples (NumPy integers
+among them) take the unplanned path."""
+
+
 _LAST: tuple[Any, Any] = (None, None)  # (communicator object, its _Door): the last one used
 
 
@@ -409,6 +424,8 @@ def all_reduce(
         if value.dtype is hit[1] and op is hit[2] and spec is hit[3] \
                 and inplace is hit[4] and check is hit[5] and value.shape == hit[0]:
             plan = hit[6]
+        elif isinstance(spec, tuple) and tuple(map(type, spec)) not in _PLAIN_TUPLES:
+            plan = None  # ("xring", True) equals ("xring", 1): it must not find that plan
         else:
             key = (value.shape, value.dtype, op, spec, inplace, check)
             try:
@@ -417,7 +434,10 @@ def all_reduce(
                 plan = key = None
             if plan is not None:
                 door.last = (*key, plan)  # type: ignore[misc]
-        if plan is not None:
+        # a plan stands for everything _prepare checks but the array's writeability,
+        # which can change from call to call: a read-only array with inplace=True takes
+        # the unplanned path, whose agreement raises on every rank
+        if plan is not None and (not inplace or value.flags.writeable):
             result = plan(value)
             if result is not None:
                 return result
@@ -439,9 +459,9 @@ def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, 
     if call is None:
         agree_exchange(comm, None, error, _WHAT, _HINT)  # raises, on every rank
     assert call is not None
+    # (a key is made only for a tuple spec of plain str and int items, see _PLAIN_TUPLES)
     plannable = key is not None and type(op) in (str, ReduceOp) \
-        and type(spec) in (str, AllReduceSpec)  # (a tuple spec ("xring", True) would
-    #                                             find the plan of ("xring", 1))
+        and (type(spec) in (str, AllReduceSpec) or isinstance(spec, tuple))
     if isinstance(call, _Call) and call.small:
         plan = _small_plan(comm, call, check)
         if plannable:

@@ -460,6 +460,73 @@ def test_repeated_large_calls_run_planned_and_still_check(comm, inplace):
                           np.full(n, comm.size, np.float32))
 
 
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("which", ["all-read-only", "rank0-read-only"])
+@pytest.mark.parametrize("count", [3, 3000], ids=["small", "large"])
+def test_read_only_inplace_after_a_plan_raises_on_every_rank(comm, count, which, check):
+    """A plan is cached by a call on writeable arrays; the next call's array is read-only
+    (on every rank, or on rank 0 only) with inplace=True: it raises as the unplanned call
+    does, on every rank, before anything is written or sent (checked: the read-only ranks
+    their own ValueError, the others a CollectiveMismatchError naming them), and the plan
+    still serves the next writeable call."""
+    if not check and which == "rank0-read-only" and comm.size > 1:
+        pytest.skip("unchecked, the writeable ranks would wait for rank 0 (check=False's "
+                    "contract: every rank passes the same call)")
+    x = np.full(count, comm.rank + 1, np.float32)
+    all_reduce(x, "sum", "xring", comm, inplace=True, check=check)  # cached
+    x[:] = comm.rank + 1
+    read_only = which == "all-read-only" or comm.rank == 0
+    x.flags.writeable = not read_only
+    out, exc = outcome(lambda: all_reduce(x, "sum", "xring", comm, inplace=True,
+                                          check=check))
+    names = comm.allgather(type(exc).__name__ if exc is not None else None)
+    problems = []
+    if read_only and not (isinstance(exc, ValueError)
+                          and "inplace=True needs writeable arrays" in str(exc)):
+        problems.append(f"rank {comm.rank} (read-only): got {exc!r} / {out!r}")
+    if not read_only and not (isinstance(exc, CollectiveMismatchError)
+                              and "rank(s) [0]" in str(exc) and "read-only" in str(exc)):
+        problems.append(f"rank {comm.rank}: got {exc!r} / {out!r}")
+    if not np.array_equal(x, np.full(count, comm.rank + 1, np.float32)):
+        problems.append(f"rank {comm.rank}: the array changed")
+    x.flags.writeable = True
+    got = all_reduce(x, "sum", "xring", comm, inplace=True, check=check)
+    want = np.full(count, comm.size * (comm.size + 1) // 2, np.float32)
+    if got is not x or not np.array_equal(x, want):
+        problems.append(f"rank {comm.rank}: the next call gave {got!r}")
+    assert not problems, f"{problems} (every rank: {names})"
+    finish(comm, problems, [("after", digest(x))])
+
+
+@pytest.mark.parametrize("count", [3, 3000], ids=["small", "large"])
+def test_tuple_specs_are_planned(comm, monkeypatch, count):
+    """A tuple spec (TF's form) is planned as its string is: calls after the first, with
+    the same tuple or an equal new one, run from the plan; a tuple that only compares
+    equal (a bool for the shards) does not find that plan and raises on every rank."""
+    from mpistrat import allreduce
+    from mpistrat.runtime._commcache import comm_cache
+
+    unplanned = []
+    original = allreduce._unplanned
+
+    def counting(*args, **kwargs):
+        unplanned.append(args[5])  # (the spec)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(allreduce, "_unplanned", counting)
+    x = np.full(count, comm.rank + 1.0)
+    want = np.full(count, comm.size * (comm.size + 1) / 2)
+    for spec in [("xring", 1, -1), ("xring", 1, -1), tuple(["xring", 1, -1]),
+                 tuple(["xring", 1, "-1"]), tuple(["xring", 1, "-1"]), ("pscpu",)]:
+        assert np.array_equal(all_reduce(x, "sum", spec, comm), want), spec
+    assert unplanned == [("xring", 1, -1), ("xring", 1, "-1"), ("pscpu",)]
+    door = comm_cache(comm)["all_reduce"]
+    assert ((count,), x.dtype, "sum", ("xring", 1, -1), False, True) in door.plans
+    with pytest.raises(SpecTypeError, match="shards must be an integer"):
+        all_reduce(x, "sum", ("xring", True, -1), comm)
+    assert len(unplanned) == 4
+
+
 @pytest.mark.parametrize(
     ("spec_a", "spec_b"),
     [("rechd", ("rechd",)), ("pscpu:1:-1", ("pscpu", 1, -1)), ("native", "native#1")],
