@@ -177,7 +177,8 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
             # the monitor names lost hosts when the launcher cannot (runner/monitor.py);
             # it listens where only the job's hosts can reach it
             with JobMonitor(np_, timeout=options.timeout, report_dir=options.report_dir,
-                            bind=bind_address(job_hosts())) as monitor:
+                            bind=bind_address(job_hosts(),
+                                              os.environ.get("HYDRA_IFACE"))) as monitor:
                 status = monitor.finish(self_launch(launch_command(options, np_, mpiexec)))
             ctx.exit(status)
         # here, not at the top: only this command needs it (start-up time)

@@ -9,7 +9,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import cast
 
-__all__ = ["group_by_host", "name_ranks", "local_addresses", "route_sources"]
+__all__ = ["group_by_host", "name_ranks", "local_addresses", "interface_address",
+           "route_sources"]
 
 
 def group_by_host(ranks: Iterable[int], hostnames: Sequence[str]) -> dict[str, list[int]]:
@@ -39,26 +40,35 @@ def name_ranks(ranks: Iterable[int], hostnames: Sequence[str]) -> str:
     return "; ".join(parts) if len(parts) > 2 else " and ".join(parts)
 
 
-def local_addresses() -> list[str]:
-    """This host's IPv4 addresses other than loopback (every interface's, and what the
-    host name resolves to), for peers on other hosts to send probes to."""
-    found: list[str] = []
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` (None: no such interface, no
+    IPv4 address on it, or not a POSIX system)."""
     try:
         import fcntl  # POSIX only: the rest of the module works without it
 
         probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            for _, name in socket.if_nameindex():
-                try:
-                    packed = fcntl.ioctl(probe.fileno(), 0x8915,  # SIOCGIFADDR
-                                         struct.pack("256s", name.encode()[:15]))
-                except OSError:
-                    continue  # no IPv4 address on it
-                found.append(socket.inet_ntoa(packed[20:24]))
+            packed = fcntl.ioctl(probe.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", name.encode()[:15]))
         finally:
             probe.close()
     except (ImportError, OSError, AttributeError):
-        pass
+        return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def local_addresses() -> list[str]:
+    """This host's IPv4 addresses other than loopback (every interface's, and what the
+    host name resolves to), for peers on other hosts to send probes to."""
+    found: list[str] = []
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = []
+    for name in names:
+        address = interface_address(name)
+        if address is not None:
+            found.append(address)
     try:
         for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
             found.append(cast(str, info[4][0]))  # (AF_INET: the address is a str)

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
 from . import auth
-from .hosts import local_addresses, name_ranks, route_sources
+from .hosts import interface_address, local_addresses, name_ranks, route_sources
 from .reports import read_report, report_path
 
 __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
@@ -489,24 +489,31 @@ def listen(size: int, bind: str = "127.0.0.1") -> socket.socket:
     return listener
 
 
-def bind_address(hosts: Iterable[str] | None) -> str:
+def bind_address(hosts: Iterable[str] | None, interface: str | None = None) -> str:
     """Where the monitor of a job on ``hosts`` listens: the loopback when every host is
-    this one; else the one address this host reaches all the others from (its address on
-    the cluster's network); ``""`` (every address, still authenticated) when the hosts
-    are not known (None) or are reached from several addresses."""
+    this one; else this host's address on the cluster's network: that of ``interface``
+    when given (hydra's ``HYDRA_IFACE``, the interface its proxies call back on), or the
+    one address this host reaches all the others from; ``""`` (every address, still
+    authenticated) when that cannot be told (hosts not known, not resolvable here, or
+    reached from several addresses)."""
     if hosts is None:
-        return ""
+        return interface_address(interface) or "" if interface else ""
     here = {socket.gethostname(), socket.getfqdn(), "localhost"}
     others = [h for h in hosts if h not in here]
+    if not others:
+        return "127.0.0.1"
+    if interface and (found := interface_address(interface)):
+        return found
     ours = set(local_addresses()) | {"127.0.0.1"}
     remote: list[str] = []
     for host in others:
         try:
-            found = {str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+            found_all = {str(info[4][0])
+                         for info in socket.getaddrinfo(host, None, socket.AF_INET)}
         except OSError:
-            return ""  # a host this one cannot resolve: hydra will say so
+            return ""  # a host this one cannot resolve (hydra's launcher may)
         # (a name whose addresses are all this host's is another name of this host)
-        remote += [a for a in found if a not in ours and not a.startswith("127.")]
+        remote += [a for a in found_all if a not in ours and not a.startswith("127.")]
     if not remote:
         return "127.0.0.1"
     sources = route_sources(remote)

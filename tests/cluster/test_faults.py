@@ -103,6 +103,41 @@ def _sidecars(cluster) -> list[str]:
             if "mpistrat.runner.sidecar" in cmd]
 
 
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        return dict(item.decode(errors="replace").split("=", 1)
+                    for item in file.read().split(b"\0") if b"=" in item)
+
+
+def _check_control_plane(cluster, job: _Job, launch: str) -> None:
+    """The job's secret is on no process's command line on any host (only the
+    environments of mpiexec, the ranks' launcher chain and the monitor hold it), and the
+    monitor listens on the address the job's hosts reach, not on every interface."""
+    if launch == "mpistrat run -n":
+        with open(f"/proc/{job.process.pid}/task/{job.process.pid}/children") as file:
+            holder = int(file.read().split()[0])  # mpiexec
+        monitor = _environ(holder)["MPISTRAT_RUN_MONITOR"].split()
+        subnet = cluster.control["CLUSTER_LOCAL_SUBNET"]
+        assert monitor[2] == f"{subnet}.254", monitor  # the bridge: where node1, node2 are
+    else:
+        holders = [pid for host in cluster.hosts
+                   for pid, cmd in _processes(cluster, host).items()
+                   if "mpistrat.runner.sidecar" in cmd]
+        assert holders, "no job monitor process beside the plain mpiexec"
+        holder = holders[0]
+    secret = _environ(holder)["MPISTRAT_JOB_SECRET"]
+    assert len(secret) == 64
+    seen = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # (one process table: every host)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                if secret.encode() in file.read():
+                    seen.append(pid)
+        except OSError:
+            pass
+    assert not seen, f"the job's secret is on the command line of processes {seen}"
+
+
 def _kill_host(cluster, host: str, keep_slurmd: bool = True) -> None:
     """SIGKILL every process of ``host`` (but its slurmd, which the Slurm tests need,
     unless ``keep_slurmd`` is False)."""
@@ -206,6 +241,8 @@ def _fault_run(cluster, tmp_path: Path, launch: str, fault: str):
                   90, "two checkpoints")
         assert job.process.poll() is None, job.output
         assert _ranks(cluster, "node1") and _ranks(cluster, "node2"), job.output
+        if fault != "term":
+            _check_control_plane(cluster, job, launch)
         fault_at = time.monotonic()
         if fault == "kill":
             _kill_host(cluster, "node2")

@@ -257,6 +257,10 @@ def test_the_hosts_of_a_host_file_or_an_allocation(tmp_path):
     assert job_hosts({"PBS_NODEFILE": "/x"}) is None  # not read here: every address
     assert bind_address(None) == ""
     assert bind_address(["localhost", socket.gethostname()]) == "127.0.0.1"
+    # hydra's HYDRA_IFACE: the interface its proxies call back on (bin/cluster-local's
+    # bridge); a host name this host cannot resolve: every address (still authenticated)
+    assert bind_address(["node1", "node2"], "lo") == "127.0.0.1"
+    assert bind_address(["no-such-host.invalid"]) == ""
 
 
 def test_the_secret_reaches_the_ranks_by_environment_never_the_command_line(monkeypatch):
