@@ -14,7 +14,9 @@ is reduced by the first entry whose ``limit >= B``; the last entry has ``limit =
 
 Limits are **bytes** (TensorFlow's code compared element counts although its docs said
 bytes; mpistrat follows the docs). The suffixes K, M, G and T are powers of two
-(``1K`` = 1024), written ``1K``, ``1KB`` or ``1KiB`` in any case.
+(``1K`` = 1024), written ``1K``, ``1KB`` or ``1KiB`` in any case. A limit is at most
+:data:`MAX_BYTES` (2**63 - 1, the largest size NumPy can give an array) and ``shards`` at
+most :data:`MAX_SHARDS` (1024).
 
 Validation is eager and complete: every problem TensorFlow let through (a dict or
 None silently becoming an empty spec, unknown names found only at reduce time, limits
@@ -34,6 +36,8 @@ from .errors import SpecError, SpecTypeError
 
 __all__ = [
     "check_entry",
+    "MAX_SHARDS",
+    "MAX_BYTES",
     "AllReduceSpecTuple",
     "AllReduceSpec",
     "PlanRow",
@@ -45,6 +49,19 @@ __all__ = [
 ]
 
 UNBOUNDED = -1
+
+MAX_SHARDS = 1024
+"""The most shards a spec entry may have. Ring pipelines (``xring#S``) each run a ring of
+their own: a call posts ``2 S`` messages per step and cuts the buffer into ``n S`` chunks,
+so its cost grows with ``S`` while the overlap it buys levels off after a few, and pipeline
+``s`` sends with MPI tag ``s`` (MPI promises tags up to 32767 only). Gather ranks
+(``pscpu#k``) are bounded by the ranks or devices of the job as well; 1024 of them is a
+shuffle in which each of 1024 ranks gathers a piece from every other."""
+
+MAX_BYTES = (1 << 63) - 1
+"""The largest limit a spec entry may have, in bytes: an array's size is an int64."""
+
+_MAX_DIGITS = len(str(MAX_BYTES))
 
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _LIMIT_RE = re.compile(r"^\s*(\d+)\s*(?:([KMGT])(?:I?B)?|B)?\s*$", re.IGNORECASE)
@@ -67,24 +84,42 @@ def parse_bytes(text: str | int) -> int:
 
     Raises:
         SpecError: the text is not a whole number of bytes with an optional K/M/G/T
-            suffix, nor -1 (``SpecTypeError`` for a value that is neither str nor int).
+            suffix, nor -1, or it is above :data:`MAX_BYTES` (``SpecTypeError`` for a
+            value that is neither str nor int).
     """
     if not isinstance(text, str):
         if isinstance(text, bool) or not _is_integer(text):
             raise SpecTypeError(
-                f"a byte count must be a str or an int, got {text!r} ({type(text).__name__})"
+                f"a byte count must be a str or an int, got {_show(text)} "
+                f"({type(text).__name__})"
             )
-        text = str(operator.index(text))
+        value = operator.index(text)
+        if abs(value) > MAX_BYTES:  # (never str() of thousands of digits: Python refuses)
+            raise SpecError(_too_large(_show(value)) if value > 0 else _not_bytes(_show(value)))
+        text = str(value)
     if text.strip() == "-1":
         return UNBOUNDED
     match = _LIMIT_RE.match(text)
     if not match:
-        raise SpecError(
-            f"byte count {text!r} is not a whole number of bytes: expected digits with an "
-            f"optional K/M/G/T suffix (powers of two, e.g. 1024, 32K, 4MiB) or -1 for no limit"
-        )
+        raise SpecError(_not_bytes(_quote(text)))
     number, unit = match.groups()
-    return int(number) << (10 * _UNITS[(unit or "").upper()])
+    digits = number.lstrip("0")
+    if len(digits) > _MAX_DIGITS:  # (before int(): Python refuses more than 4300 digits)
+        raise SpecError(_too_large(_quote(text)))
+    value = int(digits or "0") << (10 * _UNITS[(unit or "").upper()])
+    if value > MAX_BYTES:
+        raise SpecError(_too_large(_quote(text)))
+    return value
+
+
+def _not_bytes(shown: str) -> str:
+    return (f"byte count {shown} is not a whole number of bytes: expected digits with an "
+            f"optional K/M/G/T suffix (powers of two, e.g. 1024, 32K, 4MiB) or -1 for no limit")
+
+
+def _too_large(shown: str) -> str:
+    return (f"byte count {shown} is too large: at most {MAX_BYTES} bytes (2**63 - 1, 8 EiB); "
+            f"give a smaller count, or -1 for no limit")
 
 
 def format_limit(limit: int) -> str:
@@ -171,12 +206,12 @@ class AllReduceSpec:
         raw = self.entries
         if not isinstance(raw, (tuple, list)) or not all(isinstance(e, tuple) for e in raw):
             raise SpecTypeError(
-                f"AllReduceSpec takes a tuple of (alg, shards, limit) tuples, got {raw!r}; "
+                f"AllReduceSpec takes a tuple of (alg, shards, limit) tuples, got {_show(raw)}; "
                 f"use parse_spec() for the other forms"
             )
         entries = tuple(_entry_from_tuple(e, i) for i, e in enumerate(raw))
         object.__setattr__(self, "entries", entries)
-        _validate(entries, [repr(e) for e in raw])
+        _validate(entries, [_show(e) for e in raw])
 
     @classmethod
     def parse(cls, spec: SpecLike) -> AllReduceSpec:
@@ -261,7 +296,7 @@ def parse_spec(spec: SpecLike) -> AllReduceSpec:
     if isinstance(spec, str):
         raw, sources = _parse_string(spec)
     elif isinstance(spec, tuple):
-        raw, sources = [_entry_from_tuple(spec, None)], [repr(spec)]
+        raw, sources = [_entry_from_tuple(spec, None)], [_show(spec)]
     elif isinstance(spec, list):
         if not spec:
             raise SpecError(_EMPTY)
@@ -269,18 +304,18 @@ def parse_spec(spec: SpecLike) -> AllReduceSpec:
         for index, element in enumerate(spec):
             if not isinstance(element, tuple):
                 raise SpecTypeError(
-                    f"entry {index} of the spec list is {element!r} (a "
+                    f"entry {index} of the spec list is {_show(element)} (a "
                     f"{type(element).__name__}); each element of a list spec must be a tuple "
-                    f"(alg, shards, limit), e.g. ({element!r}, 1, -1)"
+                    f"(alg, shards, limit), e.g. ({_show(element)}, 1, -1)"
                     + (" — or pass the string alone instead of a list"
                        if isinstance(element, str) and len(spec) == 1 else "")
                 )
             raw.append(_entry_from_tuple(element, index))
-            sources.append(repr(element))
+            sources.append(_show(element))
     else:
         raise SpecTypeError(
             f"an all-reduce spec must be a str, a tuple (alg, shards, limit) or a list of "
-            f"such tuples, got {spec!r} ({type(spec).__name__}); for example 'xring', "
+            f"such tuples, got {_show(spec)} ({type(spec).__name__}); for example 'xring', "
             f"('pscpu', 2), or [('nccl', 1, 1024), ('xring', 2, -1)]"
         )
     # Check the cross-entry rules here, where the messages can quote the user's text.
@@ -307,7 +342,7 @@ def _where(index: int | None, source: str) -> str:
 def _check_alg(alg: Any, where: str) -> str:
     if not isinstance(alg, str):
         raise SpecTypeError(
-            f"{where}: the algorithm must be a str, got {alg!r} ({type(alg).__name__})"
+            f"{where}: the algorithm must be a str, got {_show(alg)} ({type(alg).__name__})"
             + ("; to give several entries, pass a list of tuples, not a tuple of tuples"
                if isinstance(alg, tuple) else "")
         )
@@ -320,16 +355,28 @@ def _check_alg(alg: Any, where: str) -> str:
 
 def _check_shards(shards: Any, where: str) -> int:
     if isinstance(shards, str) and _INT_RE.match(shards):
-        shards = int(shards)
+        text = shards.strip()
+        if len(text.lstrip("+-").lstrip("0")) > _MAX_DIGITS:  # (before int(): Python
+            raise SpecError(  # refuses to convert more than 4300 digits)
+                f"{where}: shards must be an integer from 1 to {MAX_SHARDS}, got "
+                f"{_quote(text)}; use e.g. 1, 2 or 4"
+            )
+        shards = int(text)
     if isinstance(shards, bool) or not _is_integer(shards):
         raise SpecTypeError(
-            f"{where}: shards must be an integer >= 1, got {shards!r}; e.g. 1 or 2"
+            f"{where}: shards must be an integer >= 1, got {_show(shards)}; e.g. 1 or 2"
         )
     shards = operator.index(shards)
     if shards < 1:
         raise SpecError(
-            f"{where}: shards must be an integer >= 1, got {shards}; use 1 for a single "
-            f"ring or gather rank"
+            f"{where}: shards must be an integer >= 1, got {_show(shards)}; use 1 for a "
+            f"single ring or gather rank"
+        )
+    if shards > MAX_SHARDS:
+        raise SpecError(
+            f"{where}: shards must be at most {MAX_SHARDS}, got {_show(shards)}; ring "
+            f"pipelines gain nothing past a few and a shuffle has at most one gather rank "
+            f"per rank: use e.g. 1, 2 or 4"
         )
     return shards
 
@@ -343,13 +390,18 @@ def _check_limit(limit: Any, where: str) -> int:
     if isinstance(limit, bool) or not _is_integer(limit):
         raise SpecTypeError(
             f"{where}: the limit must be an integer number of bytes >= 0, or -1 for no "
-            f"limit, got {limit!r} ({type(limit).__name__})"
+            f"limit, got {_show(limit)} ({type(limit).__name__})"
         )
     limit = operator.index(limit)
     if limit < UNBOUNDED:
         raise SpecError(
             f"{where}: the limit must be an integer number of bytes >= 0, or -1 for no "
-            f"limit, got {limit}"
+            f"limit, got {_show(limit)}"
+        )
+    if limit > MAX_BYTES:
+        raise SpecError(
+            f"{where}: the limit must be at most {MAX_BYTES} bytes (2**63 - 1, 8 EiB), got "
+            f"{_show(limit)}; give a smaller limit, or -1 for no limit"
         )
     return limit
 
@@ -362,8 +414,38 @@ def _is_integer(value: Any) -> bool:
     return True
 
 
+_SHOW = 60  # characters of a value that a message quotes
+
+
+def _quote(text: str) -> str:
+    """``repr(text)`` for a message, shortened past :data:`_SHOW` characters (a spec of
+    thousands of digits stays a one-line error)."""
+    if len(text) <= _SHOW:
+        return repr(text)
+    return f"{text[:_SHOW // 2]!r}...{text[-10:]!r} ({len(text)} characters)"
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` for a message, shortened as :func:`_quote` does; an int too long
+    for ``repr`` (Python converts at most 4300 digits) is described by its size."""
+    if isinstance(value, (tuple, list)):
+        items = [_show(item) for item in value]
+        text = ", ".join(items) + ("," if isinstance(value, tuple) and len(items) == 1 else "")
+        text = f"({text})" if isinstance(value, tuple) else f"[{text}]"
+    elif _is_integer(value) and not isinstance(value, bool) \
+            and abs(operator.index(value)).bit_length() > 200:
+        number = operator.index(value)
+        text = (f"{'-' if number < 0 else ''}<an integer of about "
+                f"{int(number.bit_length() * 0.30103) + 1} digits>")
+    else:
+        text = repr(value)
+    if len(text) <= _SHOW:
+        return text
+    return f"{text[:_SHOW // 2]}...{text[-10:]} ({len(text)} characters)"
+
+
 def _entry_from_tuple(entry: tuple, index: int | None) -> AllReduceSpecTuple:
-    where = _where(index, repr(entry))
+    where = _where(index, _show(entry))
     if not 1 <= len(entry) <= 3:
         raise SpecError(
             f"{where}: a spec tuple has 1 to 3 elements (alg, shards, limit), got "
@@ -386,14 +468,14 @@ def _parse_string(text: str) -> tuple[list[AllReduceSpecTuple], list[str]]:
         return _parse_comma_form(spec)  # a single comma-form entry: alg:shards:limit
     if len(parts) % 2 == 0 and parts[-1].strip() == "-1":
         raise SpecError(
-            f"all-reduce spec {text!r} ends with ':-1': in the form "
+            f"all-reduce spec {_quote(text)} ends with ':-1': in the form "
             f"alg[#shards][:limit:alg[#shards]]... the last entry has no limit, so leave "
-            f"it out (e.g. {':'.join(parts[:-1])!r}), or write every entry as "
+            f"it out (e.g. {_quote(':'.join(parts[:-1]))}), or write every entry as "
             f"alg:shards:limit separated by commas"
         )
     if len(parts) % 2 == 0:
         raise SpecError(
-            f"all-reduce spec {text!r} is not well formed: expected "
+            f"all-reduce spec {_quote(text)} is not well formed: expected "
             f"alg[#shards][:limit:alg[#shards]]... (an algorithm after every limit, e.g. "
             f"'nccl#2:1K:pscpu/pscpu#2') or the comma form alg:shards:limit,... "
             f"(e.g. 'nccl:2:1024,pscpu/pscpu:2:-1')"
@@ -402,9 +484,9 @@ def _parse_string(text: str) -> tuple[list[AllReduceSpecTuple], list[str]]:
     for position in range(0, len(parts), 2):
         alg_spec = parts[position].strip()
         index = position // 2
-        where = _where(index, repr(alg_spec))
+        where = _where(index, _quote(alg_spec))
         if not alg_spec:
-            raise SpecError(f"{where}: missing algorithm name in spec {text!r}")
+            raise SpecError(f"{where}: missing algorithm name in spec {_quote(text)}")
         alg, sep, shards_text = alg_spec.partition("#")
         alg = _check_alg(alg.strip(), where)
         if sep:
@@ -416,16 +498,16 @@ def _parse_string(text: str) -> tuple[list[AllReduceSpecTuple], list[str]]:
         if position + 1 < len(parts):
             limit_text = parts[position + 1]
             source = f"{alg_spec}:{limit_text.strip()}"
-            limit = _check_limit(limit_text, _where(index, repr(source)))
+            limit = _check_limit(limit_text, _where(index, _quote(source)))
             if limit == UNBOUNDED:
                 raise SpecError(
-                    f"{_where(index, repr(source))}: limit -1 (no limit) can only end a "
+                    f"{_where(index, _quote(source))}: limit -1 (no limit) can only end a "
                     f"spec; in this form leave the last limit out instead"
                 )
         else:
             source, limit = alg_spec, UNBOUNDED
         entries.append(AllReduceSpecTuple(alg, shards, limit))
-        sources.append(repr(source))
+        sources.append(_quote(source))
     return entries, sources
 
 
@@ -437,9 +519,9 @@ def _parse_comma_form(spec: str) -> tuple[list[AllReduceSpecTuple], list[str]]:
     entries, sources = [], []
     for index, chunk in enumerate(spec.split(",")):
         chunk = chunk.strip()
-        where = _where(index, repr(chunk))
+        where = _where(index, _quote(chunk))
         if not chunk:
-            raise SpecError(f"{where}: empty entry in the comma form {spec!r}")
+            raise SpecError(f"{where}: empty entry in the comma form {_quote(spec)}")
         if "#" in chunk:
             raise SpecError(
                 f"{where}: the comma form is alg:shards:limit (e.g. 'pscpu:2:1024'); "
@@ -455,7 +537,7 @@ def _parse_comma_form(spec: str) -> tuple[list[AllReduceSpecTuple], list[str]]:
         shards = _check_shards(fields[1].strip(), where) if len(fields) > 1 else 1
         limit = _check_limit(fields[2], where) if len(fields) > 2 else UNBOUNDED
         entries.append(AllReduceSpecTuple(alg, shards, limit))
-        sources.append(repr(chunk))
+        sources.append(_quote(chunk))
     return entries, sources
 
 

@@ -280,6 +280,28 @@ def test_validate_spec_errors_are_usage_errors(spec, message):
     assert message in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (f"xring:{'9' * 5000}:pscpu", "(5000 characters) is too large: at most "
+                                      "9223372036854775807 bytes"),
+        (f"xring#{'9' * 5000}", "shards must be an integer from 1 to 1024"),
+        ("xring#100000000000", "shards must be at most 1024, got 100000000000"),
+        ("pscpu:1025:-1", "shards must be at most 1024, got 1025"),
+    ],
+    ids=["limit-5000-digits", "shards-5000-digits", "shards-1e11", "shards-1025"],
+)
+def test_validate_huge_numbers_are_one_line_usage_errors(spec, message):
+    """A limit or a shard count past its bound (also one of more digits than Python
+    converts) is a one-line usage error, exit status 2, not a traceback."""
+    result = run("validate", spec)
+    _no_traceback(result)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert len(errors[0]) < 400, errors[0]
+
+
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--workers", "4"]])
 def test_validate_spec_error_wins_over_other_options(extra):
     result = run("validate", "xring#0", *extra)

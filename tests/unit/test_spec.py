@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from mpistrat import algorithms
 from mpistrat.errors import SpecError, SpecTypeError, UnknownAlgorithmError
 from mpistrat.spec import (
+    MAX_BYTES,
+    MAX_SHARDS,
     AllReduceSpec,
     AllReduceSpecTuple,
     PlanRow,
@@ -291,6 +293,63 @@ def test_errors_are_raised_eagerly_at_parse_time():
     # an unknown name in the last entry is caught even though routing never reaches it
     with pytest.raises(UnknownAlgorithmError, match="entry 2"):
         parse_spec("nccl:1K:xring:1M:nope")
+
+
+# ------------------------------------------------------------------ bounds
+
+
+DIGITS = "9" * 5000  # more than Python converts between int and str (4300 digits)
+
+
+def test_shards_are_bounded():
+    """Shards go up to MAX_SHARDS (1024), in every form; one more is a SpecError that
+    names the value, the bound and the fix."""
+    assert MAX_SHARDS == 1024
+    for spec in ("xring#1024", ("xring", 1024), "xring:1024:-1", [("pscpu", "1024", -1)]):
+        assert parse_spec(spec)[0].shards == 1024
+    for spec in ("xring#1025", ("xring", 1025), "xring:1025:-1", "xring#100000000000",
+                 [("rechd", 1, 1024), ("pscpu", 10**12, -1)]):
+        with pytest.raises(SpecError, match=r"shards must be at most 1024, got 10\d+; .*"
+                                            r"use e\.g\. 1, 2 or 4"):
+            parse_spec(spec)
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    (f"xring:{DIGITS}:pscpu", r"entry 0 'xring:9+'\.\.\.'9+' \(5006 characters\): limit: "
+                              r"byte count '9+'\.\.\.'9+' \(5000 characters\) is too large: "
+                              r"at most 9223372036854775807 bytes"),
+    (f"xring:1:{DIGITS}0,rechd", r"byte count '9+'\.\.\.'9+0' \(5001 characters\) is too large"),
+    (f"xring#{DIGITS}", r"shards must be an integer from 1 to 1024, got '9+'\.\.\.'9+' "
+                        r"\(5000 characters\)"),
+    (f"xring:-{DIGITS}:-1", r"shards must be an integer from 1 to 1024, got '-9+'"),
+    (("xring", 10**5000), r"spec \('xring', <an integer of about 5001 digits>\): shards must "
+                          r"be at most 1024"),
+    (("xring", 1, 10**5000), r"the limit must be at most 9223372036854775807 bytes"),
+    (("xring", 1, -(10**5000)), r"got -<an integer of about 5001 digits>"),
+    ((10**5000,), r"the algorithm must be a str, got <an integer of about 5001 digits>"),
+    ([("xring", 1, 1 << 63), ("rechd",)], r"at most 9223372036854775807 bytes .*, got "
+                                          r"9223372036854775808"),
+    ("xring:8388608T:rechd", r"byte count '8388608T' is too large"),
+])
+def test_huge_numbers_are_one_line_spec_errors(spec, pattern):
+    """Numbers of thousands of digits (or just past 2**63 - 1 bytes) are a SpecError of
+    one short line that names them, never Python's own ValueError from int() or repr()."""
+    with pytest.raises(SpecError, match=pattern) as info:
+        parse_spec(spec)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 400, message
+
+
+def test_limits_are_bounded_by_an_int64():
+    assert MAX_BYTES == (1 << 63) - 1
+    assert parse_spec("xring:8388607T:rechd")[0].limit == 8388607 * TB
+    assert parse_bytes(MAX_BYTES) == MAX_BYTES
+    assert parse_bytes("0" * 5000 + "1K") == K  # leading zeros are no digits
+    for value in (MAX_BYTES + 1, 10**5000, "9223372036854775808", DIGITS, "8388608T"):
+        with pytest.raises(SpecError, match="is too large: at most 9223372036854775807"):
+            parse_bytes(value)
+    with pytest.raises(SpecError, match=r"-<an integer of about 5001 digits> is not a whole"):
+        parse_bytes(-(10**5000))
 
 
 # ------------------------------------------------------------------ byte counts
