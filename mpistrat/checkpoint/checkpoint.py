@@ -4,27 +4,37 @@ The objects are named keyword arguments, as in ``tf.train.Checkpoint``; each may
 dict, list or tuple of further objects. A leaf is anything with ``numpy()`` and
 ``assign(value)`` (mpistrat's variables, :class:`Scalar`), a NumPy array (restored in
 place), or a ``numpy.random.Generator`` (its state is saved, so shuffles resume too).
+Values are numeric (bool, integers, floats, complex, datetime64/timedelta64) or one of
+ml_dtypes' types (bfloat16, ...); strings and structured arrays are refused when saving.
 
 ``save``/``write``/``restore`` are collective: every rank calls them. Saving writes the
 chief's values (in synchronous training every rank holds the same), from the chief only,
-atomically (see :mod:`mpistrat.checkpoint._files`), and returns once the files are durable
-— or raises the chief's error on every rank. Restoring reads on the chief only and
-broadcasts: the values are then identical on every rank by construction, ranks need not
-share a file system, and a large job does not have every rank read the same file at once.
-A missing, torn or mismatching checkpoint raises the same error on every rank.
+atomically and under the directory's lock (see :mod:`mpistrat.checkpoint._files`), and
+returns once the files are durable — or raises the chief's error on every rank. Restoring
+reads on the chief only: it checks the whole manifest as untrusted input, the data against
+the manifest's size and checksum, every member's dtype and shape against the manifest, and
+the manifest against the objects, then broadcasts its verdict before any data moves. A
+missing, torn, forged or mismatching checkpoint is therefore the same error on every rank
+(and no object has changed); otherwise the values are broadcast, identical on every rank
+by construction, ranks need not share a file system, and a large job does not have every
+rank read the same file at once.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 import time
-from collections.abc import Mapping
-from typing import Any
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import TopologyError
-from ..runtime._mpi import Comm, mpi, state_comm
+from ..runtime._mpi import Comm, state_comm
 from ..runtime.agreement import agree
 from . import _files
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
@@ -141,7 +151,8 @@ class Checkpoint:
         **objects: the state (see the module docstring).
 
     Attributes:
-        save_counter: how many numbered saves this state has had (restored with it).
+        save_counter: the number of this state's newest numbered save (restored with it);
+            the next :meth:`save` writes a higher one.
     """
 
     def __init__(self, comm: Comm | None = None, is_chief: bool | None = None, **objects: Any) -> None:
@@ -190,19 +201,22 @@ class Checkpoint:
             self._chief = chiefs[0]
         return self._chief
 
-    def save(self, file_prefix: str) -> str:
-        """Write the state to ``{file_prefix}-{N}`` with N = ``save_counter + 1``;
-        collective. Returns the path (without suffix)."""
-        path = f"{file_prefix}-{self.save_counter + 1}"
-        self.save_counter += 1
-        try:
-            return self.write(path)
-        except BaseException:
-            self.save_counter -= 1
-            raise
+    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+        """Write the state to ``{file_prefix}-{N}``; collective. Returns the path (without
+        suffix).
 
-    def write(self, path: str) -> str:
-        """Write the state to exactly ``path`` (``path.npz`` + ``path.json``); collective.
+        N is one more than both :attr:`save_counter` and the highest N of any
+        ``file_prefix-N`` checkpoint already on disk (the chief looks, holding the
+        directory's lock), so a save never replaces an existing checkpoint and a new run
+        in the directory of an older one continues its numbering. ``save_counter``
+        becomes N.
+        """
+        return self._save("Checkpoint.save", os.fspath(file_prefix), numbered=True)
+
+    def write(self, path: str | os.PathLike[str]) -> str:
+        """Write the state to exactly ``path`` (``path.json`` and its data file);
+        collective. An existing checkpoint at ``path`` is replaced atomically: until the
+        new manifest is in place, the old one stays and restores.
 
         Returns:
             ``path``, once the files are durable.
@@ -210,23 +224,55 @@ class Checkpoint:
         Raises:
             OSError: the chief could not write (the same error on every rank).
         """
+        return self._save("Checkpoint.write", os.fspath(path), numbered=False)
+
+    def _save(self, what: str, target: str, numbered: bool,
+              after: Callable[[str], None] | None = None) -> str:
+        """Save to ``target`` (``target-N`` when ``numbered``); the chief writes while it
+        holds the directory's lock, then runs ``after(path)`` (pruning) under it too.
+        ``after``'s failure is a warning on the chief: the checkpoint is saved."""
         comm = self.comm
-        chief = self._agree("Checkpoint.write", f"write {path}")
-        failure = None
-        if comm.Get_rank() == chief:
-            try:
-                arrays, entries = self._collect()
+        chief = self._agree(what, f"{what} {target}")
+        counter = self.save_counter
+
+        def work() -> tuple[str, int, str | None]:
+            arrays, entries = self._collect()
+            directory = os.path.dirname(target) or "."
+            os.makedirs(directory, exist_ok=True)
+            with _files.lock(directory):
+                if numbered:
+                    number = max(counter, _files.highest_number(
+                        directory, os.path.basename(target))) + 1
+                    path = f"{target}-{number}"
+                else:
+                    number, path = counter, target
                 _files.write(path, arrays, {
-                    "save_counter": self.save_counter, "entries": entries,
+                    "save_counter": number, "entries": entries,
                     "world_size": comm.Get_size(),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            except (OSError, ValueError, TypeError) as exc:
-                failure = (type(exc).__name__, str(exc))
-        failure = comm.bcast(failure, root=chief)
-        if failure is not None:
-            kind, message = failure
-            raise OSError(f"saving the checkpoint {path!r} failed on the chief (rank {chief}): "
-                          f"{kind}: {message}; check the directory's space and permissions")
+                note = None
+                if after is not None:
+                    try:
+                        after(path)
+                    except Exception as exc:  # noqa: BLE001 - the save itself succeeded
+                        note = f"{type(exc).__name__}: {exc}"
+            return path, number, note
+
+        shown = f"{target}-N" if numbered else target
+
+        def failure(exc: Exception) -> tuple[type[Exception], str]:
+            # the chief's own errors say their fix; a bare OS error gets the usual one
+            hint = "" if isinstance(exc, (TimeoutError, TypeError, ValueError)) or \
+                not isinstance(exc, OSError) else "; check the directory's space and permissions"
+            return OSError, (f"saving the checkpoint {shown!r} failed on the chief (rank "
+                             f"{chief}): {type(exc).__name__}: {exc}{hint}")
+
+        path, number, note = _on_chief(comm, chief, work, failure)
+        self.save_counter = number
+        if note is not None and comm.Get_rank() == chief:
+            warnings.warn(f"saved {path}, but could not delete old checkpoints in "
+                          f"{os.path.dirname(path) or '.'}: {note}", RuntimeWarning,
+                          stacklevel=3)
         return path
 
     def _collect(self) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
@@ -242,24 +288,39 @@ class Checkpoint:
             if value.dtype.hasobject:
                 raise TypeError(f"cannot checkpoint {name!r}: it holds Python objects "
                                 f"(dtype object); use numeric arrays")
+            if value.dtype.byteorder not in "=|":  # stored native, so the name says it all
+                value = value.astype(value.dtype.newbyteorder("="))
+            try:
+                _parse_dtype(value.dtype.name)
+            except ValueError:
+                raise TypeError(
+                    f"cannot checkpoint {name!r}: its dtype {value.dtype} has no name a "
+                    f"manifest can hold and restore (strings, bytes and structured arrays "
+                    f"have none); use {_DTYPES}") from None
             key = f"a{i}"
             arrays[key] = value
             entries.append({"name": name, "kind": kind, "key": key, "dtype": value.dtype.name,
                             "shape": list(value.shape)})
         return arrays, entries
 
-    def restore(self, save_path: str | None) -> str | None:
+    def restore(self, save_path: str | os.PathLike[str] | None) -> str | None:
         """Read the checkpoint at ``save_path`` into the objects, on every rank; collective.
 
         ``None`` (what ``latest_checkpoint`` gives when there is none) restores nothing,
         so ``ckpt.restore(latest_checkpoint(dir))`` starts fresh or resumes.
+
+        The chief reads and checks everything — the manifest field by field, the data's
+        size and checksum, every member's dtype and shape against the manifest, the
+        manifest against the objects — and broadcasts its verdict before any data moves:
+        a bad checkpoint is the same error on every rank, and no object has changed.
 
         Returns:
             ``save_path``.
 
         Raises:
             CheckpointNotFoundError: no complete checkpoint there (on every rank).
-            CheckpointCorruptError: the files do not match their manifest (on every rank).
+            CheckpointCorruptError: the files do not match their manifest, or the
+                manifest is not one mpistrat wrote (on every rank).
             ValueError: the checkpoint holds other names, dtypes or shapes than the
                 objects (on every rank).
         """
@@ -267,38 +328,57 @@ class Checkpoint:
         chief = self._agree("Checkpoint.restore", f"restore {save_path}")
         if save_path is None:
             return None
-        header: Any = None
-        arrays: dict[str, np.ndarray] = {}
-        if comm.Get_rank() == chief:
-            try:
-                manifest, arrays = _files.read(save_path)
-                header = ("ok", manifest)
-            except (CheckpointNotFoundError, CheckpointCorruptError) as exc:
-                header = (type(exc).__name__, str(exc))
-        header = comm.bcast(header, root=chief)
-        if header[0] != "ok":
-            error = {"CheckpointNotFoundError": CheckpointNotFoundError,
-                     "CheckpointCorruptError": CheckpointCorruptError}[header[0]]
-            raise error(f"{header[1]} (read on the chief, rank {chief})")
-        manifest = header[1]
-        plan = self._match(manifest, save_path)
-        for (name, obj), entry in plan:
-            if entry["kind"] == "generator":
-                obj.bit_generator.state = entry["state"]
+        path = os.fspath(save_path)
+        values: list[np.ndarray] = []
+
+        def work() -> tuple[list[tuple[Any, ...]], int]:
+            manifest, arrays = _files.read(path)
+            plan, found = self._plan(manifest, arrays, path)
+            values.extend(found)
+            return plan, manifest["save_counter"]
+
+        def failure(exc: Exception) -> tuple[type[Exception], str]:
+            where = f" (read on the chief, rank {chief})"
+            for known in (CheckpointNotFoundError, CheckpointCorruptError, ValueError):
+                if isinstance(exc, known):
+                    return known, f"{exc}{where}"
+            return CheckpointCorruptError, (
+                f"the checkpoint {path!r} cannot be restored ({type(exc).__name__}: {exc}); "
+                f"{_files._FIX}{where}")
+
+        plan, counter = _on_chief(comm, chief, work, failure)
+        rank, size = comm.Get_rank(), comm.Get_size()
+        received: list[np.ndarray | None] = []
+        chief_values = iter(values)
+        for step in plan:
+            if step[0] == "generator":
+                received.append(None)
                 continue
-            value = arrays.get(entry["key"]) if comm.Get_rank() == chief else None
-            value = _broadcast(comm, value, entry, chief)
-            if isinstance(obj, np.ndarray):
+            if rank == chief:
+                buffer = next(chief_values)
+            else:
+                buffer = np.empty(step[2], dtype=_parse_dtype(step[1]))
+            if buffer.nbytes and size > 1:
+                comm.Bcast(buffer.reshape(-1).view(np.uint8), root=chief)
+            received.append(buffer)
+        # every collective is done: an object that refuses its value fails on its own rank
+        for (_, obj), step, value in zip(self._leaves, plan, received):
+            if step[0] == "generator":
+                obj.bit_generator.state = step[1]
+            elif isinstance(obj, np.ndarray):
                 obj[...] = value
             else:
                 obj.assign(value)
-        self.save_counter = int(manifest.get("save_counter", 0))
-        return save_path
+        self.save_counter = counter
+        return path
 
-    def _match(self, manifest: dict[str, Any], path: str) -> list[tuple[tuple[str, Any], dict]]:
-        """Pair each object with its entry; the same answer on every rank (the objects were
-        agreed, the manifest broadcast)."""
-        entries = {e["name"]: e for e in manifest.get("entries", [])}
+    def _plan(self, manifest: dict[str, Any], arrays: dict[str, np.ndarray],
+              path: str) -> tuple[list[tuple[Any, ...]], list[np.ndarray]]:
+        """On the chief: check the entries and the data (CheckpointCorruptError), then pair
+        them with the objects (ValueError). Returns, in the objects' order, the plan every
+        rank follows — ``("value", dtype name, shape)`` or ``("generator", state)`` — and
+        the chief's arrays for the value steps, C-contiguous in the manifest's dtype."""
+        entries = _check_entries(manifest["entries"], arrays, path + ".json")
         names = [name for name, _ in self._leaves]
         missing = [n for n in names if n not in entries]
         extra = [n for n in entries if n not in names]
@@ -307,53 +387,207 @@ class Checkpoint:
                 f"the checkpoint {path!r} does not hold these objects: missing {missing}, "
                 f"unexpected {extra}; restore it into the objects it was saved from (same "
                 f"keyword names and nesting)")
-        plan = []
+        plan: list[tuple[Any, ...]] = []
+        values = []
         for name, obj in self._leaves:
             entry = entries[name]
             kind = _kind(obj)
-            if (kind == "generator") != (entry["kind"] == "generator"):
-                raise ValueError(f"checkpoint entry {name!r} is a {entry['kind']}, the object "
-                                 f"is a {type(obj).__name__}")
-            if kind == "generator" and entry["state"].get("bit_generator") != \
-                    type(obj.bit_generator).__name__:
-                raise ValueError(f"checkpoint entry {name!r} holds a "
-                                 f"{entry['state'].get('bit_generator')} state, the object "
-                                 f"uses {type(obj.bit_generator).__name__}")
-            if kind != "generator":
-                dtype, shape = _describe(obj)
-                if dtype != entry["dtype"] or list(shape) != entry["shape"]:
-                    raise ValueError(
-                        f"checkpoint entry {name!r} holds {entry['dtype']} of shape "
-                        f"{tuple(entry['shape'])}, the object is {dtype} of shape {shape}; "
-                        f"build the model with the shapes it was saved with")
-            plan.append(((name, obj), entry))
-        return plan
+            if (kind == "generator") != (entry.kind == "generator"):
+                raise ValueError(f"checkpoint entry {name!r} is a {entry.kind}, the object "
+                                 f"is a {type(obj).__name__}; restore it into the objects it "
+                                 f"was saved from")
+            if kind == "generator":
+                assert entry.state is not None
+                ours = type(obj.bit_generator).__name__
+                if entry.state["bit_generator"] != ours:
+                    raise ValueError(f"checkpoint entry {name!r} holds a "
+                                     f"{entry.state['bit_generator']} state, the object uses "
+                                     f"{ours}; create the generator with the bit generator it "
+                                     f"was saved with")
+                plan.append(("generator", entry.state))
+                continue
+            assert entry.dtype is not None and entry.shape is not None and entry.value is not None
+            dtype, shape = _describe(obj)
+            if dtype != entry.dtype.name or shape != entry.shape:
+                raise ValueError(
+                    f"checkpoint entry {name!r} holds {entry.dtype.name} of shape "
+                    f"{entry.shape}, the object is {dtype} of shape {shape}; build the model "
+                    f"with the shapes it was saved with")
+            plan.append(("value", entry.dtype.name, entry.shape))
+            values.append(entry.value)
+        return plan, values
 
 
-def _broadcast(comm: Comm, value: np.ndarray | None, entry: dict[str, Any], root: int) -> np.ndarray:
-    """The chief's array on every rank (moved as bytes, so any dtype travels)."""
-    if value is None:
-        out = np.empty(tuple(entry["shape"]), dtype=_dtype(entry["dtype"]))
+def _on_chief(comm: Comm, chief: int, work: Callable[[], Any],
+              failure: Callable[[Exception], tuple[type[Exception], str]]) -> Any:
+    """``work()`` run on the chief alone; its result on every rank.
+
+    Whatever it raises (any ``Exception``), ``failure`` turns on the chief into an error
+    class and message, which are broadcast, and every rank raises that same error — never
+    the chief alone while the others wait for it in a broadcast."""
+    answer: Any = None
+    original: Exception | None = None
+    if comm.Get_rank() == chief:
+        try:
+            answer = ("ok", work())
+        except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+            original = exc
+            try:
+                cls, message = failure(exc)
+            except Exception:  # noqa: BLE001
+                cls, message = RuntimeError, f"{type(exc).__name__}: {exc}"
+            answer = ("error", cls, message)
+    answer = comm.bcast(answer, root=chief)
+    if answer[0] == "ok":
+        return answer[1]
+    raise answer[1](answer[2]) from original
+
+
+class _Entry(NamedTuple):
+    kind: str
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    value: np.ndarray | None = None  # the member, in ``dtype``, C-contiguous
+    state: dict[str, Any] | None = None
+
+
+_KINDS = ("array", "variable", "generator")
+_DTYPES = ("numeric arrays (bool, integers, floats, complex, datetime64, timedelta64) or "
+           "ml_dtypes' (bfloat16, float8_*, int4, ...)")
+
+
+def _check_entries(raw: list[Any], arrays: dict[str, np.ndarray],
+                   record: str) -> dict[str, _Entry]:
+    """The manifest's entries by name, each checked as untrusted input and against its
+    member of the data file.
+
+    Raises:
+        CheckpointCorruptError: naming the entry, the bad value and what was expected.
+    """
+    found: dict[str, _Entry] = {}
+
+    def bad(i: int, field: str, value: Any, expected: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"the manifest {record}: entry {i} has {field} {_files._show(value)}, expected "
+            f"{expected}; it was damaged or not written by mpistrat: {_files._FIX}")
+
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise bad(i, "type", type(entry).__name__, "an object with name, kind, ...")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad(i, '"name"', name, "a non-empty string")
+        if name in found:
+            raise bad(i, '"name"', name, "a name no other entry has")
+        kind = entry.get("kind")
+        if kind not in _KINDS:
+            raise bad(i, '"kind"', kind, f"one of {list(_KINDS)}")
+        if kind == "generator":
+            found[name] = _Entry(kind, state=_check_state(entry.get("state"),
+                                                          lambda v, e: bad(i, '"state"', v, e)))
+            continue
+        key = entry.get("key")
+        if not isinstance(key, str):
+            raise bad(i, '"key"', key, "the name of a member of the data file")
+        try:
+            dtype = _parse_dtype(entry.get("dtype"))
+        except ValueError as exc:
+            raise bad(i, '"dtype"', entry.get("dtype"), str(exc)) from None
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(_files._is_int(n, 0) for n in shape):
+            raise bad(i, '"shape"', shape, "a list of integers >= 0")
+        if key not in arrays:
+            raise CheckpointCorruptError(
+                f"the data file of {record} has no member {key!r} (entry {name!r}); its "
+                f"members are {sorted(arrays)[:10]}: it was damaged or not written with this "
+                f"manifest; {_files._FIX}")
+        value = _member(arrays[key], dtype, tuple(shape), f"member {key!r} (entry {name!r}) "
+                                                          f"of the data file of {record}")
+        found[name] = _Entry(kind, dtype, tuple(shape), value)
+    return found
+
+
+def _member(member: np.ndarray, dtype: np.dtype, shape: tuple[int, ...],
+            what: str) -> np.ndarray:
+    """The member as the manifest describes it, never by reinterpreting other bytes: the
+    same dtype, the same dtype in the other byte order (converted), or for ml_dtypes'
+    types the raw void of their size that ``np.load`` gives for them."""
+    mine = member.dtype
+    if mine.shape != () or mine.names is not None:
+        value = None
+    elif mine == dtype:
+        value = member
+    elif mine.byteorder in "<>" and mine.newbyteorder("=") == dtype:
+        value = member.astype(dtype)
+    elif mine.kind == "V" and _is_ml_dtype(dtype) and mine.itemsize == dtype.itemsize:
+        value = member.view(dtype)  # bfloat16 and friends are stored as void of their size
     else:
-        out = np.asarray(value, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
-        if out.dtype.name != entry["dtype"]:  # bfloat16 and friends come back as void
-            out = out.view(_dtype(entry["dtype"]))
-        out = out.reshape(tuple(entry["shape"]))
-    if out.nbytes and comm.Get_size() > 1:
-        comm.Bcast(out.reshape(-1).view(np.uint8), root=root)
-    return out
+        value = None
+    if value is None:
+        raise CheckpointCorruptError(
+            f"{what} holds {mine}, the manifest says {dtype.name}: restoring it would "
+            f"reinterpret its bytes; {_files._FIX}")
+    if member.shape != shape:
+        raise CheckpointCorruptError(
+            f"{what} has shape {member.shape}, the manifest says {shape} "
+            f"({math.prod(shape) * dtype.itemsize} bytes, the member has {member.nbytes}); "
+            f"{_files._FIX}")
+    return np.asarray(value, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
 
 
-def _dtype(name: str) -> np.dtype:
+def _check_state(state: Any, bad: Callable[[Any, str], Exception]) -> dict[str, Any]:
+    """A generator entry's state, checked by setting it on a fresh bit generator of the
+    class it names (so it sets on every rank's generator of that class too)."""
+    if not isinstance(state, dict):
+        raise bad(state, "a bit generator's state (an object)")
+    name = state.get("bit_generator")
+    cls = getattr(np.random, name, None) if isinstance(name, str) and name.isidentifier() \
+        else None
+    if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)) or \
+            cls is np.random.BitGenerator:
+        raise bad(name, "the name of a NumPy bit generator (PCG64, MT19937, ...) in "
+                        "\"bit_generator\"")
     try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes  # bfloat16 and friends register their names on import
+        cls().state = state
+    except Exception as exc:  # noqa: BLE001 - NumPy's checks raise several types
+        raise bad(state, f"a state {name} accepts ({type(exc).__name__}: {exc})") from None
+    return state
 
-        return np.dtype(getattr(ml_dtypes, name))
+
+def _is_ml_dtype(dtype: np.dtype) -> bool:
+    return dtype.type.__module__.split(".")[0] == "ml_dtypes"
+
+
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,40}(\[[0-9a-z]{1,8}\])?")
+
+
+def _parse_dtype(name: Any) -> np.dtype:
+    """The dtype a manifest names: NumPy's numeric types by their canonical name, or one
+    of ml_dtypes' (bfloat16 and friends, which register their names on import).
+
+    Raises:
+        ValueError: what was expected instead.
+    """
+    if not isinstance(name, str) or not _DTYPE_NAME.fullmatch(name):
+        raise ValueError("a dtype name such as 'float32'")
+    try:
+        dtype = np.dtype(name)
+    except Exception:  # noqa: BLE001 - NumPy raises TypeError, sometimes others
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError(f"a NumPy dtype name ({name!r} is none; if it is one of "
+                             f"ml_dtypes' types: pip install ml_dtypes)") from None
+        found = getattr(ml_dtypes, name, None)
+        if not (isinstance(found, type) and issubclass(found, np.generic)):
+            raise ValueError("a NumPy or ml_dtypes dtype name") from None
+        dtype = np.dtype(found)
+    if not (dtype.kind in "biufcmM" or _is_ml_dtype(dtype)) or dtype.names is not None \
+            or dtype.shape != () or dtype.name != name:
+        raise ValueError(f"the canonical name of one of {_DTYPES}")
+    return dtype
 
 
 def _jsonable(state: Any) -> Any:
     """A bit generator's state as JSON (its big integers and arrays included)."""
     return json.loads(json.dumps(state, default=lambda o: o.tolist()))
-
