@@ -4,12 +4,15 @@ atomically, and restored identically on every rank.
 * :class:`Checkpoint` — named state (variables, arrays, :class:`Scalar` counters, random
   generators): ``save``/``write`` and ``restore``;
 * :class:`CheckpointManager`, :func:`latest_checkpoint` — numbered checkpoints in a
-  directory, the newest complete one found on restart;
+  directory, the newest complete save found on restart;
 * :class:`PreemptionCheckpointHandler` — save and stop together when Slurm (or anyone)
   signals that the job must end.
 
-On disk a checkpoint ``PATH`` is ``PATH.npz`` (NumPy arrays) and ``PATH.json`` (a manifest
-with the data's SHA-256); see :mod:`mpistrat.checkpoint._files` for the guarantees.
+On disk a checkpoint ``PATH`` is ``PATH.json`` (a manifest, the commit record) and
+``PATH.<sha256[:16]>.npz`` (NumPy arrays, named for their SHA-256, which the manifest
+holds); see :mod:`mpistrat.checkpoint._files` for the format and the guarantees. A
+checkpoint that is missing, torn, forged or not the objects' is the same error on every
+rank, before any object changes.
 """
 
 from __future__ import annotations
