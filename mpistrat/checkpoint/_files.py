@@ -525,4 +525,4 @@ def _acquire(fcntl: Any, fd: int, path: str, directory: str, timeout: float) -> 
                 f"and its save is slow or stuck; give each job its own directory, or end "
                 f"the other job")
         time.sleep(pause)
-        pause = min(pause * 2, 0.5)
+        pause = min(pause * 2, 0.05)  # (short: the holder may save again soon after)

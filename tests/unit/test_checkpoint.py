@@ -757,7 +757,7 @@ def test_the_start_fresh_pattern(tmp_path):
 # --- two writers of one directory ------------------------------------------------------------
 
 WRITER = textwrap.dedent("""\
-    import sys, time
+    import os, sys, time
     import numpy as np
     from mpi4py import MPI
     from mpistrat.checkpoint import Checkpoint, CheckpointManager, Scalar
@@ -767,12 +767,14 @@ WRITER = textwrap.dedent("""\
     rng = np.random.default_rng(me)  # its state (in the manifest) says who wrote it too
     manager = CheckpointManager(Checkpoint(comm=MPI.COMM_SELF, w=w, step=step, writer=writer,
                                            rng=rng), directory, max_to_keep=4)
-    while not __import__("os").path.exists(start):
+    open(f"{start}.{me}", "w").close()  # ready: both start saving together
+    while not os.path.exists(start):
         time.sleep(0.001)
     for i in range(1, saves + 1):
         step.assign(i)
         w[...] = me * 1000 + i
         print(manager.save(), flush=True)
+        time.sleep(0.01)  # a training step
     """)
 
 
@@ -788,13 +790,18 @@ def test_two_processes_saving_into_one_directory(tmp_path):
     writers = [subprocess.Popen([sys.executable, str(script), str(directory), str(me),
                                  str(saves), str(start)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for me in (1, 2)]
-    time.sleep(1.0)  # both started (importing takes most of it)
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(f"{start}.{me}") for me in (1, 2)):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in writers)
+        time.sleep(0.01)
     start.write_text("go")
     outputs = [writer.communicate(timeout=90) for writer in writers]
     for writer, (out, err) in zip(writers, outputs):
         assert writer.returncode == 0, err
     paths = [line for out, _ in outputs for line in out.split()]
     assert len(paths) == 2 * saves and len(set(paths)) == 2 * saves, sorted(paths)
+    first, second = ([int(p.rsplit("-", 1)[1]) for p in out.split()] for out, _ in outputs)
+    assert min(first) < max(second) and min(second) < max(first), (first, second)  # overlap
     kept = CheckpointManager(Checkpoint(comm=SELF, x=Scalar(0)), directory).checkpoints
     assert len(kept) == 4
     assert _names(directory) == sorted(
