@@ -11,6 +11,14 @@ from mpistrat.runner import RunOptions, launch_command
 from mpistrat.runner.rank import RunSetupError
 
 
+@pytest.fixture(autouse=True)
+def _no_restart(monkeypatch):
+    """A rank's 'mpistrat run' replaces its process to set the heap's huge-page tunable
+    when MPI has not started yet (mpistrat.launch.hugepages): in this process that would
+    restart pytest itself, whenever no earlier test happened to import mpi4py.MPI."""
+    monkeypatch.setattr("mpistrat.launch.hugepages.restart_with_hugepages", lambda: None)
+
+
 def _invoke(*args, env=None):
     return CliRunner().invoke(cli, ["run", *args], env=env)
 
