@@ -14,17 +14,22 @@ from typing import cast
 import numpy as np
 
 from ..ops import ReduceOp
-from ..spec import format_bytes, parse_bytes
+from ..spec import MAX_SHARDS, format_bytes, parse_bytes
 
 __all__ = [
     "BenchConfig", "BatchConfig", "sizes", "resolve_dtype", "parse_byte_count",
-    "parse_int_list", "parse_shards_list", "parse_agg", "KiB", "MiB",
+    "parse_int_list", "parse_shards_list", "parse_agg", "KiB", "MiB", "MAX_SIZES",
 ]
 
 KiB, MiB = 1 << 10, 1 << 20
 
 #: ``--shards`` token meaning "every gather rank of the algorithm's pool".
 ALL_SHARDS = "all"
+
+MAX_SIZES = 4096
+"""The most sizes one sweep measures: each takes about ``--time-per-point`` seconds per
+algorithm (1 s by default), so 4096 sizes are hours already; ``-b 1K -e 1M -i 1K`` (1024
+sizes) fits."""
 
 
 def parse_byte_count(text: str, what: str) -> int:
@@ -43,12 +48,18 @@ def parse_byte_count(text: str, what: str) -> int:
     return value
 
 
-def parse_int_list(text: str, what: str, minimum: int = 1) -> tuple[int, ...]:
-    """A comma list of distinct integers >= ``minimum`` (``"1,2,4"``), in the given order."""
+def parse_int_list(text: str, what: str, minimum: int = 1,
+                   maximum: int | None = None) -> tuple[int, ...]:
+    """A comma list of distinct integers from ``minimum`` to ``maximum`` (``"1,2,4"``), in
+    the given order."""
     values: list[int] = []
     for token in (t.strip() for t in text.split(",")):
         if not token:
             continue
+        if len(token) > 18 and token.lstrip("+-").isdigit():  # (int() refuses > 4300 digits)
+            raise ValueError(f"{what} value {token[:18]}... ({len(token)} digits) is too "
+                             f"large; give integers from {minimum} to "
+                             f"{maximum if maximum is not None else 'a few thousand'}")
         try:
             value = int(token)
         except ValueError:
@@ -56,18 +67,23 @@ def parse_int_list(text: str, what: str, minimum: int = 1) -> tuple[int, ...]:
                              f"{token!r} in {text!r}") from None
         if value < minimum:
             raise ValueError(f"{what} values must be >= {minimum}, got {value} in {text!r}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{what} values must be at most {maximum}, got {value} in "
+                             f"{text!r}")
         if value not in values:
             values.append(value)
     return tuple(values)
 
 
 def parse_shards_list(text: str) -> tuple[int | None, ...]:
-    """``--shards``: integers >= 1 and ``all`` (None: every gather rank of the pool)."""
+    """``--shards``: integers from 1 to ``MAX_SHARDS`` (1024) and ``all`` (None: every
+    gather rank of the pool, at most ``MAX_SHARDS``)."""
     values: list[int | None] = []
     for token in (t.strip() for t in text.split(",")):
         if not token:
             continue
-        value = None if token.lower() == ALL_SHARDS else parse_int_list(token, "--shards")[0]
+        value = None if token.lower() == ALL_SHARDS else \
+            parse_int_list(token, "--shards", maximum=MAX_SHARDS)[0]
         if value not in values:
             values.append(value)
     if not values:
@@ -122,8 +138,9 @@ def sizes(minbytes: int, maxbytes: int, stepfactor: int | None = None,
     (inclusive), multiplying by ``stepfactor``, or else adding ``stepbytes``.
 
     Raises:
-        ValueError: ``maxbytes < minbytes``, both or neither step given, a factor < 2 or
-            a step < 1.
+        ValueError: ``maxbytes < minbytes``, both or neither step given, a factor < 2, a
+            step < 1, or more than :data:`MAX_SIZES` sizes (counted before the list is
+            built: ``-i 1 -e 1G`` would be a billion).
     """
     if maxbytes < minbytes:
         raise ValueError(f"--maxbytes ({format_bytes(maxbytes)}) is below --minbytes "
@@ -134,6 +151,13 @@ def sizes(minbytes: int, maxbytes: int, stepfactor: int | None = None,
         raise ValueError(f"--stepfactor must be at least 2, got {stepfactor}")
     if stepbytes is not None and stepbytes < 1:
         raise ValueError(f"--stepbytes must be at least 1, got {stepbytes}")
+    if stepbytes is not None and (maxbytes - minbytes) // stepbytes + 1 > MAX_SIZES:
+        count = (maxbytes - minbytes) // stepbytes + 1
+        fewest = -(-(maxbytes - minbytes) // (MAX_SIZES - 1))
+        raise ValueError(f"--stepbytes {stepbytes} from {format_bytes(minbytes)} to "
+                         f"{format_bytes(maxbytes)} gives {count} sizes, more than the "
+                         f"{MAX_SIZES} a sweep measures; give -i {fewest} or more, a "
+                         f"narrower -b/-e range, or step by a factor (-f)")
     out, size = [], minbytes
     while size <= maxbytes:
         out.append(size)
@@ -243,7 +267,8 @@ class BenchConfig:
         out: list[int] = []
         for size in sizes(self.minbytes, self.maxbytes, self.stepfactor, self.stepbytes):
             whole = size // itemsize * itemsize
-            if whole and whole not in out:
+            # the sizes ascend, so a size rounded onto one already kept is the last kept
+            if whole and (not out or whole != out[-1]):
                 out.append(whole)
         if not out:
             raise ValueError(f"no size in [{format_bytes(self.minbytes)}, "

@@ -14,7 +14,7 @@ from typing import cast
 from .. import algorithms
 from ..algorithms.registry import Shards
 from ..layout import Layout, check_spec
-from ..spec import AllReduceSpec, parse_spec
+from ..spec import MAX_SHARDS, AllReduceSpec, parse_spec
 
 __all__ = ["Entry", "select_entries", "BASELINE", "TORCH"]
 
@@ -90,7 +90,12 @@ def _shard_values(alg: str, wanted: Sequence[int | None], layout: Layout,
         if value is None:
             if pool is None:
                 continue  # "all" means nothing for ring pipelines
-            value = pool
+            value = min(pool, MAX_SHARDS)
+            if pool > MAX_SHARDS:
+                assert info.pool is not None  # (pool is its size)
+                notes.append(f"{_label(alg, value)}: 'all' of its pool ({pool} "
+                             f"{info.pool.value}) stops at {MAX_SHARDS} shards, the most a "
+                             f"spec entry takes")
         if pool is not None and value > pool:
             assert info.pool is not None  # (pool is its size)
             notes.append(f"{_label(alg, value)} skipped: its pool ({info.pool.value}) has "

@@ -63,6 +63,9 @@ def test_help_names_the_nccl_tests_options():
     (["--mpiexec", "/bin/true"], "--mpiexec only applies with --np"),
     (["--spec", "@/nonexistent/allreduce.spec"], "cannot read spec file"),
     (["--shards", "0"], "--shards values must be >= 1"),
+    (["--shards", "1,2000"], "--shards values must be at most 1024, got 2000"),
+    (["-i", "1", "-e", "1G"], "--stepbytes 1 from 4 B to 1 GiB gives 1073741821 sizes, more "
+                              "than the 4096 a sweep measures; give -i 262209 or more"),
     (["--mpi-env", "NOVALUE"], "KEY=VALUE"),
     (["--plugin", "mpistrat_no_such_plugin"], "--plugin mpistrat_no_such_plugin"),
     (["--tolerance", "-1"], "--tolerance"),

@@ -9,6 +9,7 @@ import pytest
 
 from mpistrat.bench import launch
 from mpistrat.bench.config import (
+    MAX_SIZES,
     BatchConfig,
     BenchConfig,
     parse_agg,
@@ -43,6 +44,49 @@ def test_sizes_by_step_bytes():
 def test_sizes_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         sizes(**kwargs)
+
+
+def test_sizes_by_step_bytes_are_counted_before_the_list_is_built():
+    """``-i`` walks a range linearly: more than MAX_SIZES sizes is an error that names the
+    count and the smallest -i that fits, raised before the list exists (``-b 4 -e 1G -i 1``
+    would be a billion sizes)."""
+    assert MAX_SIZES == 4096
+    assert sizes(1, MAX_SIZES, stepbytes=1) == list(range(1, MAX_SIZES + 1))
+    with pytest.raises(ValueError, match=rf"gives {MAX_SIZES + 1} sizes, more than the "
+                                         rf"{MAX_SIZES} a sweep measures; give -i 2 or more"):
+        sizes(1, MAX_SIZES + 1, stepbytes=1)
+    with pytest.raises(ValueError, match=r"--stepbytes 1 from 4 B to 1 GiB gives 1073741821 "
+                                         r"sizes.*give -i 262209 or more"):
+        sizes(4, 1 << 30, stepbytes=1)
+    fewest = -(-((1 << 30) - 4) // (MAX_SIZES - 1))
+    assert len(sizes(4, 1 << 30, stepbytes=fewest)) <= MAX_SIZES
+    with pytest.raises(ValueError, match="gives 1073741821 sizes"):
+        BenchConfig(minbytes=4, maxbytes=1 << 30, stepfactor=None, stepbytes=1)
+    # rounded down to whole elements, each size is kept once, ascending (a repeat is always
+    # the last size kept: one comparison per size, not a search of the list)
+    config = BenchConfig(minbytes=1, maxbytes=4 * MAX_SIZES - 1, stepfactor=None,
+                         stepbytes=4, dtype="float64")
+    assert config.sizes() == list(range(8, 4 * MAX_SIZES, 8))
+    config = BenchConfig(minbytes=3, maxbytes=40, stepfactor=None, stepbytes=3,
+                         dtype="float32")
+    assert config.sizes() == [4, 8, 12, 16, 20, 24, 28, 32, 36]
+
+
+def test_shard_counts_are_bounded_like_specs():
+    assert parse_shards_list("1,1024,all") == (1, 1024, None)
+    with pytest.raises(ValueError, match="--shards values must be at most 1024, got 1025"):
+        parse_shards_list("1,1025")
+    with pytest.raises(ValueError, match=r"--shards value 9{18}\.\.\. \(5000 digits\) is too "
+                                         r"large; give integers from 1 to 1024"):
+        parse_shards_list("9" * 5000)
+    with pytest.raises(ValueError, match=r"\(5000 digits\) is too large"):
+        parse_int_list("9" * 5000, "--num-packs")
+
+
+def test_all_shards_stop_at_the_spec_bound():
+    entries, notes = select_entries(Layout(2000), ["pscpu", "xring"], [None, 2])
+    assert [e.label for e in entries] == ["native", "pscpu#1024", "pscpu#2", "xring#2"]
+    assert any("pscpu#1024: 'all' of its pool (2000 ranks) stops at 1024" in n for n in notes)
 
 
 def test_byte_counts_take_binary_suffixes():
