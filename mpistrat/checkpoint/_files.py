@@ -339,10 +339,11 @@ def _records(directory: str, name: str | None) -> list[_Record]:
         try:
             manifest = read_manifest(path)
             info = os.lstat(os.path.join(directory, manifest["data"]))
-        except (CheckpointNotFoundError, CheckpointCorruptError, OSError):
+        except Exception:  # noqa: BLE001 - one bad manifest must not hide the others
             continue
         if stat.S_ISREG(info.st_mode) and info.st_size == manifest["bytes"]:
-            found.append(_Record(manifest.get("sequence", 0), number, path, manifest["data"]))
+            sequence = manifest["sequence"] if manifest["version"] >= 2 else 0
+            found.append(_Record(sequence, number, path, manifest["data"]))
     return sorted(found)
 
 

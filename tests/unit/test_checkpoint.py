@@ -505,6 +505,25 @@ def test_version_1_checkpoints_still_restore_and_count_as_older(tmp_path):
     assert _names(tmp_path) == ["ckpt-2.*.npz", "ckpt-2.json"]
 
 
+def test_hostile_names_and_manifests_do_not_break_the_listing(tmp_path):
+    """One bad entry in the directory must not hide the good checkpoints or stop saves:
+    before, a manifest nested too deep for json (RecursionError) made every listing
+    raise."""
+    manager = CheckpointManager(Checkpoint(comm=SELF, s=Scalar(1)), tmp_path)
+    good = manager.save()
+    manifest = _manifest(good)
+    (tmp_path / "ckpt-3.json").write_text("[" * 100_000)
+    (tmp_path / "ckpt-4.json").write_bytes(b"\xff\xfe not text")
+    # a version 1 checkpoint (complete) with a forged "sequence": ordered as version 1
+    (tmp_path / "ckpt-7.npz").write_bytes(open(_data(good), "rb").read())
+    (tmp_path / "ckpt-7.json").write_text(json.dumps(
+        {**manifest, "version": 1, "data": "ckpt-7.npz", "sequence": "x"}))
+    assert manager.checkpoints == [str(tmp_path / "ckpt-7"), good]
+    assert latest_checkpoint(str(tmp_path), comm=SELF) == good
+    assert manager.save() == str(tmp_path / "ckpt-8")
+    assert (tmp_path / "ckpt-3.json").exists()  # unreadable: never deleted
+
+
 def test_latest_of_a_missing_directory(tmp_path):
     assert latest_checkpoint(str(tmp_path / "nope"), comm=SELF) is None
 
