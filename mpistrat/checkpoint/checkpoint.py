@@ -261,9 +261,10 @@ class Checkpoint:
         shown = f"{target}-N" if numbered else target
 
         def failure(exc: Exception) -> tuple[type[Exception], str]:
-            # the chief's own errors say their fix; a bare OS error gets the usual one
-            hint = "" if isinstance(exc, (TimeoutError, TypeError, ValueError)) or \
-                not isinstance(exc, OSError) else "; check the directory's space and permissions"
+            # the chief's own errors say their fix (the lock's TimeoutError too); an error
+            # of the file system gets the usual one
+            bare = isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
+            hint = "; check the directory's space and permissions" if bare else ""
             return OSError, (f"saving the checkpoint {shown!r} failed on the chief (rank "
                              f"{chief}): {type(exc).__name__}: {exc}{hint}")
 
