@@ -118,8 +118,8 @@ def _model_files(paths: tuple[str, ...], option: str) -> tuple[str, ...]:
     for path in paths:
         try:
             read_json(path)
-        except OSError as exc:
-            raise ValueError(f"{option} {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:  # (it names the file and the field)
+            raise ValueError(f"{option} {exc}") from None
     return tuple(paths)
 
 

@@ -163,6 +163,41 @@ def test_from_json_rejects_other_json(tmp_path):
     assert result.exit_code == 2 and "not an mpistrat bench result" in result.output
 
 
+@pytest.mark.parametrize("option", ["--from-json", "--model-with", "--model-from"])
+@pytest.mark.parametrize(("field", "value", "naming"), [
+    ("results", [{"nbytes": 4}], "results[0].count is missing"),
+    ("meta", {"options": {"size_range": "4 B .. 16 MiB"}}, "meta.options.replicas_per_rank "
+                                                           "is missing"),
+    ("meta", [], "meta must be an object, got []"),
+    ("runs", "x", "runs must be an object or null, got 'x'"),
+])
+def test_malformed_saved_runs_are_one_line_usage_errors(saved, tmp_path, option, field, value,
+                                                        naming):
+    """A saved run with a missing or mistyped field exits with status 2 and one line that
+    names the file and the field, whichever option reads it; not a traceback."""
+    document = json.loads(saved.read_text())
+    document[field] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(document))
+    args = ["--from-json", str(bad)] if option == "--from-json" else \
+        ["--from-json", str(saved), option, str(bad), "--model"]
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert not isinstance(result.exception, (KeyError, AttributeError, TypeError))
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    named = "" if option == "--from-json" else f"{option} "
+    assert errors == [f"Error: {named}{bad}: {naming}; give a file written by mpistrat bench "
+                      f"--json "
+                      f"(or {'add' if 'missing' in naming else 'correct'} that field)"], \
+        result.output
+
+
+def test_from_json_of_a_missing_file_is_a_usage_error(tmp_path):
+    result = run("--from-json", str(tmp_path / "nothere.json"))
+    assert result.exit_code == 2, result.output
+    assert "nothere.json: cannot read it (No such file or directory)" in result.output
+
+
 def test_from_json_does_not_initialise_mpi(saved):
     code = textwrap.dedent(f"""
         import sys

@@ -48,6 +48,102 @@ def test_read_json_rejects_other_files(tmp_path):
         files.read_json(other)
 
 
+SWEEP_META = {**META, "mpistrat": "0", "options": {
+    **META["options"], "size_range": "64 B .. 4 MiB (x1024)", "warmup": 1, "iters": 3,
+    "check": "one iteration per point", "entries": ["native", "rechd"]}}
+
+FIT = {"label": "rechd", "alg": "rechd", "shards": 1, "alpha_in_s": 1e-5,
+       "beta_in_s_per_byte": 1e-10, "alpha_net_s": 1e-5, "beta_net_s_per_byte": 1e-10}
+
+
+def _set(path: str, value):
+    """A change to a valid document: ``value`` put at ``path`` (``a.b.0.c``; ``...``
+    deletes the field)."""
+    def change(document):
+        *parents, last = path.split(".")
+        node = document
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if value is ...:
+            del node[int(last) if isinstance(node, list) else last]
+        elif isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return change
+
+
+MALFORMED = [
+    # (change, what the message names)
+    (_set("results.0.samples", ...), "results[0].samples is missing"),
+    (_set("results.1.label", ...), "results[1].label is missing"),
+    (_set("results", "x"), "results must be a list, got 'x'"),
+    (_set("results.1", 3), "results[1] must be an object, got 3"),
+    (_set("results.1.samples", []), "results[1].samples must be a list of at least 1 item"),
+    (_set("results.0.samples", [1e-5, "x"]), "results[0].samples[1] must be a finite number"),
+    (_set("results.0.samples", [-1.0]), "results[0].samples[0] must be a finite number >= 0"),
+    (_set("results.0.shards", "2"), "results[0].shards must be an integer >= 1, got '2'"),
+    (_set("results.0.nbytes", True), "results[0].nbytes must be an integer >= 0, got True"),
+    (_set("results.0.alg", 5), "results[0].alg must be a string or null, got 5"),
+    (_set("results.0.per_rank_median", None), "results[0].per_rank_median must be a list"),
+    (_set("meta", []), "meta must be an object, got []"),
+    (_set("meta.options", "x"), "meta.options must be an object, got 'x'"),
+    (_set("meta.options.entries", ...), "meta.options.entries is missing"),
+    (_set("meta.options.entries", "native"), "meta.options.entries must be a list"),
+    (_set("meta.mpistrat", ...), "meta.mpistrat is missing"),
+    (_set("meta.hosts", ["vm", 2]), "meta.hosts[1] must be a string, got 2"),
+    (_set("meta.ranks", "2"), "meta.ranks must be an integer >= 1, got '2'"),
+    (_set("meta.nodes", 3), "meta.nodes must be at most meta.ranks (2), got 3"),
+    (_set("meta.mpi_env", ["A=1"]), "meta.mpi_env must be an object"),
+    (_set("meta.host_layout", {"count": 1, "names": ["vm"]}),
+     "meta.host_layout.ranks_per_host is missing"),
+    (_set("meta.network", {"transport": "tcp"}), "meta.network.transport must be an object"),
+    (_set("meta.virtual_ranks_per_node", 0), "meta.virtual_ranks_per_node must be an integer"),
+    (_set("runs", []), "runs must be an object or null, got []"),
+    (_set("runs", {"x": {}}), "runs key 'x' must be a byte count"),
+    (_set("runs", {"64": 5}), "runs.64 must be an object, got 5"),
+    (_set("cost_model", "x"), "cost_model must be an object or null, got 'x'"),
+    (_set("cost_model.fits.0.alpha_in_s", ...), "cost_model.fits[0].alpha_in_s is missing"),
+    (_set("cost_model.fits.0.shards", 0), "cost_model.fits[0].shards must be an integer >= 1"),
+    (_set("cost_model.layouts.0.host_of_rank", []),
+     "cost_model.layouts[0].host_of_rank must be a list of at least 1 item"),
+]
+
+
+@pytest.mark.parametrize("change, naming", MALFORMED, ids=[n for _, n in MALFORMED])
+def test_read_json_names_the_malformed_field(tmp_path, change, naming):
+    """A damaged or hand-edited result file is one ValueError that names the bad field and
+    says what it should hold, never a KeyError or AttributeError in an analysis."""
+    path = tmp_path / "sweep.json"
+    model = {"model": "two-level alpha-beta", "fits": [FIT], "skipped": [],
+             "layouts": [{"name": "", "host_of_rank": [0, 0], "node_of_rank": None}]}
+    files.write_json(path, SWEEP_META, POINTS, complete=True,
+                     extra={"runs": {"64": {"iters": 3}}, "cost_model": model})
+    files.read_json(path)  # valid as written
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError) as info:
+        files.read_json(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {naming}") and "\n" not in message, message
+    assert "mpistrat bench --json" in message
+
+
+def test_read_json_unreadable_files_are_value_errors(tmp_path):
+    """A missing file, a number Python will not convert, nesting deeper than the parser
+    recurses: one ValueError naming the file, like other files that are no result."""
+    with pytest.raises(ValueError, match=r"nothere\.json: cannot read it \(No such file"):
+        files.read_json(tmp_path / "nothere.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "mpistrat-bench/1", "results": [' + "1" * 5000 + "]}")
+    with pytest.raises(ValueError, match=r"bad\.json is not JSON \(ValueError: Exceeds"):
+        files.read_json(bad)
+    bad.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ValueError, match=r"bad\.json is not JSON \(RecursionError"):
+        files.read_json(bad)
+
+
 def test_csv_has_one_row_per_sample_and_the_metadata(tmp_path):
     path = tmp_path / "sweep.csv"
     files.write_csv(path, META, POINTS)
