@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._atomic import fsync_directory, temporary_name, write_atomically
+from .._atomic import exclusive_temporary, fsync_directory, write_atomically
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = ["CheckpointNotFoundError", "CheckpointCorruptError", "write", "read",
@@ -122,24 +122,15 @@ class _HashingWriter(io.RawIOBase):
 def _write_data(path: str, arrays: dict[str, np.ndarray]) -> tuple[str, str, int]:
     """Write the arrays beside ``path``; return (data file name, sha256, size)."""
     directory = os.path.dirname(path) or "."
-    temporary = temporary_name(path + ".npz")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            writer = _HashingWriter(file)
-            np.savez(writer, **arrays)  # type: ignore[arg-type]  # numpy stub: **kwds
-            file.flush()
-            os.fsync(file.fileno())
+    with exclusive_temporary(path + ".npz") as (file, temporary):
+        writer = _HashingWriter(file)  # type: ignore[arg-type]
+        np.savez(writer, **arrays)  # type: ignore[arg-type]  # numpy stub: **kwds
+        file.flush()
+        os.fsync(file.fileno())
         sha256 = writer.digest.hexdigest()
         name = data_name(os.path.basename(path), sha256)
         # the same name holds the same bytes: replacing an earlier copy changes nothing
         os.replace(temporary, os.path.join(directory, name))
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
     return name, sha256, writer.size
 
 
