@@ -1,9 +1,11 @@
 """Peers measured beside mpistrat: ``torch.distributed`` with the gloo backend.
 
 PyTorch is optional and never installed by mpistrat. The process group is built from
-the MPI world (same ranks, same size): rank 0 picks a free TCP port on its host and
-broadcasts ``tcp://host:port`` through MPI, and every rank joins with its MPI rank.
-Checks are collective, so a rank without PyTorch is an error on every rank.
+the MPI world (same ranks, same size): rank 0 starts the group's ``TCPStore`` on a port
+the system picks when the store binds it (port 0), broadcasts its host and that port
+through MPI, and every other rank joins that store with its MPI rank. The port is never
+picked, closed and handed on: between the close and the store's own bind another process
+could take it. Checks are collective, so a rank without PyTorch is an error on every rank.
 
 With ``--batch`` the peer also reduces a whole batch of torch tensors three ways: one
 ``all_reduce`` per tensor (a hand-written loop), one ``all_reduce_coalesced`` call, and
@@ -52,12 +54,6 @@ def require_torch(comm: Comm, dtype: np.dtype) -> None:
                          f"{dtype}; use one of {', '.join(sorted(_TORCH_DTYPES))}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 class TorchGloo:
     """A gloo process group over the ranks of an MPI communicator.
 
@@ -67,6 +63,9 @@ class TorchGloo:
 
     Args:
         comm: the MPI communicator whose ranks join (collective).
+
+    Attributes:
+        address: ``host:port`` of the group's store (rank 0's, the port its store bound).
     """
 
     label = "torch.distributed gloo"
@@ -82,12 +81,17 @@ class TorchGloo:
         self.threads = torch.get_num_threads()
         # the same on every rank, or no rank measures it (a collective left half-called)
         self.coalesced = all(comm.allgather(hasattr(dist, "all_reduce_coalesced")))
-        address = None
-        if comm.Get_rank() == 0:
-            address = f"tcp://{socket.gethostname()}:{_free_port()}"
-        address = comm.bcast(address, root=0)
-        dist.init_process_group("gloo", init_method=address, rank=comm.Get_rank(),
-                                world_size=comm.Get_size())
+        rank, size = comm.Get_rank(), comm.Get_size()
+        store, address = None, None
+        if rank == 0:  # listening before anyone is told where: the others wait for nothing
+            store = dist.TCPStore(socket.gethostname(), 0, size, is_master=True,
+                                  wait_for_workers=False)
+            address = (socket.gethostname(), store.port)
+        host, port = comm.bcast(address, root=0)
+        if store is None:
+            store = dist.TCPStore(host, port, size, is_master=False)
+        self.address = f"{host}:{port}"
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX}
         self.version = torch.__version__

@@ -305,12 +305,22 @@ FAKE_TORCH = {
         calls = []
 
 
-        def init_process_group(backend, init_method, rank, world_size):
-            assert backend == "gloo" and init_method.startswith("tcp://")
+        class TCPStore:
+            def __init__(self, host_name, port, world_size=None, is_master=False,
+                         wait_for_workers=True):
+                # rank 0's store binds a port of the system's choice (0); the others join it
+                assert (port == 0) == is_master == (MPI.COMM_WORLD.rank == 0)
+                assert not (is_master and wait_for_workers)  # (the others come later)
+                self.host, self.port = host_name, port or 20000 + os.getpid() % 40000
+
+
+        def init_process_group(backend, store, rank, world_size):
+            assert backend == "gloo" and isinstance(store, TCPStore)
             assert (rank, world_size) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
-            calls.append(init_method)
+            address = f"{store.host}:{store.port}"
+            calls.append(address)
             with open(os.environ["FAKE_TORCH_LOG"] + f".{rank}", "w") as fh:
-                fh.write(init_method)
+                fh.write(address)
 
 
         def all_reduce(tensor, op):
