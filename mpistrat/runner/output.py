@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -34,29 +35,51 @@ def rank_tag(ranks: Sequence[int]) -> str:
     return f"[{','.join(parts)}] "
 
 
+# where str.splitlines() ends a line
+_BREAK = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _split(text: str) -> list[str]:
+    """``text``'s lines, each with its line break (what :class:`TaggedWriter` tags)."""
+    return text.splitlines(keepends=True)
+
+
 class TaggedWriter(io.TextIOBase):
     """A text stream that puts ``prefix`` before every line it passes to ``stream``.
 
     Whole lines are written at once (so lines of different ranks do not mix within a
     line); a partial line waits for its end, or for :meth:`flush`. A carriage return
     starts a new line too (progress bars redraw their line with one).
+
+    A partial line is kept as the list of its pieces and joined once, when a line break
+    comes: a long line written in many small pieces costs time linear in its length
+    (re-splitting the whole partial line on every write was quadratic).
     """
 
     def __init__(self, stream: TextIO, prefix: str) -> None:
         super().__init__()
         self._stream = stream
         self._prefix = prefix
-        self._pending = ""
+        self._pending: list[str] = []  # the partial line, in pieces: no line break but
+        self._open = False  # at the end of the last piece, and then this is True
         self._started = False  # the pending text's line has its prefix written already
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        if not text:
+            return 0
         with self._lock:
-            done = (self._pending + text).splitlines(keepends=True)
-            self._pending = (done.pop() if done and not done[-1].endswith(("\n", "\r"))
-                             else "")
+            if not self._open and _BREAK.search(text) is None:
+                self._pending.append(text)  # the line goes on
+                return len(text)
+            done = _split("".join(self._pending) + text)
+            last = done.pop() if done and not done[-1].endswith(("\n", "\r")) else ""
+            # (a line that ends with another break, say a form feed, waits as splitlines
+            # leaves it, and is written with the next piece)
+            self._pending = [last] if last else []
+            self._open = bool(last) and _BREAK.match(last[-1]) is not None
             if done:
                 first = done[0] if self._started else self._prefix + done[0]
                 self._stream.write(first + "".join(self._prefix + line for line in done[1:]))
@@ -66,9 +89,9 @@ class TaggedWriter(io.TextIOBase):
     def flush(self) -> None:
         with self._lock:
             if self._pending:
-                self._stream.write(self._pending if self._started
-                                   else self._prefix + self._pending)
-                self._pending = ""
+                pending = "".join(self._pending)
+                self._stream.write(pending if self._started else self._prefix + pending)
+                self._pending, self._open = [], False
                 self._started = True
             self._stream.flush()
 
