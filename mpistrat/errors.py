@@ -21,6 +21,7 @@ __all__ = [
     "DuplicateDeviceError",
     "PackingError",
     "PackingTypeError",
+    "ArenaFullError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "RunSetupError",
@@ -111,6 +112,11 @@ class PackingError(MpistratError, ValueError):
 
 class PackingTypeError(PackingError, TypeError):
     """A packing argument of the wrong Python type."""
+
+
+class ArenaFullError(MpistratError, MemoryError):
+    """A variable does not fit in the free part of a parameter server's arena (also
+    importable from ``mpistrat.ps`` and ``mpistrat.ps.store``, where it was defined)."""
 
 
 class CheckpointNotFoundError(MpistratError, FileNotFoundError):

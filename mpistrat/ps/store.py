@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import MpistratError
+from ..errors import ArenaFullError
 from ..partitioners import shard_offsets, validate_partitions
 from ..runtime._mpi import Comm, mpi, world
 
@@ -76,10 +76,6 @@ _MPI_TYPES: dict[str, tuple[str | None, str]] = {
 }
 SUPPORTED_DTYPES = tuple(_MPI_TYPES)
 _Store = TypeVar("_Store", bound="VariableStore")
-
-
-class ArenaFullError(MpistratError, MemoryError):
-    """A variable does not fit in the free part of a parameter server's arena."""
 
 
 @dataclass(frozen=True)
