@@ -32,7 +32,9 @@ def per_replica(world, g, make):
 @pytest.mark.parametrize("g", GS)
 @pytest.mark.parametrize("axis", [None, 0])
 def test_reduce_keeps_the_structure_of_a_nest(world, g, axis):
-    """TF reduces a dict/list/tuple of per-replica values leaf by leaf and keeps the nest."""
+    """TF reduces a dict/list/tuple of per-replica values leaf by leaf and keeps the nest
+    (axis=None; with an axis TF 2.21 raises a TypeError, and mpistrat reduces leaf by leaf
+    along it: a difference listed in docs/strategies.md)."""
     s = strategy_for(world, g)
     n = world.size * g
     a = per_replica(world, g, lambda j: np.full(2, j, dtype=np.float64))
