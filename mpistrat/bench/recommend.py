@@ -19,7 +19,6 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
@@ -172,6 +171,9 @@ def write_spec_file(path: str | os.PathLike, recommendation: Recommendation,
     write_text(path, "\n".join(lines) + "\n")
 
 
+_MAX_SPEC_FILE = 64 * 1024  # bytes: a spec line and its comments
+
+
 def read_spec_file(path: str | os.PathLike) -> AllReduceSpec:
     """Read a spec file: one spec string; blank lines and ``#`` lines are ignored.
 
@@ -179,12 +181,21 @@ def read_spec_file(path: str | os.PathLike) -> AllReduceSpec:
         SpecError: the file cannot be read, holds no spec or several, or the spec is
             invalid; the message names the file.
     """
+    fix = "give the path of a file written by mpistrat bench --recommend --save"
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            data = file.read(_MAX_SPEC_FILE + 1)
     except OSError as exc:
-        raise SpecError(f"cannot read spec file {str(path)!r}: {exc.strerror or exc}; give "
-                        f"the path of a file written by mpistrat bench --recommend "
-                        f"--save") from None
+        raise SpecError(f"cannot read spec file {str(path)!r}: {exc.strerror or exc}; "
+                        f"{fix}") from None
+    if len(data) > _MAX_SPEC_FILE:
+        raise SpecError(f"spec file {str(path)!r} is larger than a spec file "
+                        f"({_MAX_SPEC_FILE // 1024} KiB); {fix}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"spec file {str(path)!r} is not UTF-8 text (byte {exc.start}); "
+                        f"{fix}") from None
     lines = [ln.strip() for ln in text.splitlines()
              if ln.strip() and not ln.strip().startswith("#")]
     if len(lines) != 1:

@@ -155,7 +155,8 @@ class Checkpoint:
             the next :meth:`save` writes a higher one.
     """
 
-    def __init__(self, comm: Comm | None = None, is_chief: bool | None = None, **objects: Any) -> None:
+    def __init__(self, comm: Comm | None = None, is_chief: bool | None = None,
+                 **objects: Any) -> None:
         if not objects:
             raise ValueError("Checkpoint needs the objects to save as keyword arguments, e.g. "
                              "Checkpoint(weights=w, step=mpistrat.checkpoint.Scalar(0))")

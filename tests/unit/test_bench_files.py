@@ -197,6 +197,13 @@ def test_spec_file_errors(tmp_path):
     bad.write_text("xrng\n")
     with pytest.raises(UnknownAlgorithmError, match="bad.spec.*did you mean 'xring'"):
         resolve_spec(f"@{bad}")
+    # not text, or endless: a one-line SpecError, not a UnicodeDecodeError or a hang
+    binary = tmp_path / "binary.spec"
+    binary.write_bytes(b"xring\xff\xfe\n")
+    with pytest.raises(SpecError, match="binary.spec' is not UTF-8 text"):
+        read_spec_file(binary)
+    with pytest.raises(SpecError, match="is larger than a spec file"):
+        read_spec_file("/dev/zero")
 
 
 def test_batch_shapes(tmp_path):
