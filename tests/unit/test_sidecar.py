@@ -165,6 +165,39 @@ def test_the_monitor_process_ends_with_a_job_that_ends_well(tmp_path):
     assert (tmp_path / "mpiexec.err").read_text() == ""
 
 
+def test_forged_lines_write_no_verdict_into_the_launchers_stderr(tmp_path):
+    """Someone who finds the monitor's port forges the hellos of node2's ranks and closes
+    (the old monitor took them as node2's ranks vanishing, and wrote a false lost host
+    into mpiexec's stderr once mpiexec ended). Here node2's real ranks stay connected
+    and silent; nothing is written."""
+    import socket
+
+    launcher = _launcher(tmp_path)
+    clients = []
+    try:
+        address = sidecar._spawn(launcher.pid, 4, SECRET, "127.0.0.1")
+        child = sidecar._CHILD[-1]
+        clients = _clients(address)
+        assert all(clients)
+        time.sleep(0.5)  # the hellos are read
+        port = int(address.split()[0])
+        for line in (b"hello 2 node2 999\n", b"hello 3 node2 999\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(line)
+        time.sleep(0.2)
+        for client in clients[:2]:
+            client.end(0)
+        launcher.kill()
+        launcher.wait()
+        assert child.wait(10) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for client in clients[2:]:
+            client._sock.close()
+    assert (tmp_path / "mpiexec.err").read_text() == ""
+
+
 def test_no_launcher_to_report_to_starts_nothing():
     assert sidecar._spawn(2 ** 22 + 12345, 4, SECRET, "") is None  # no such process
 
