@@ -115,8 +115,8 @@ def test_describe_heap():
 
 def test_self_launched_ranks_are_handed_the_tunable(monkeypatch):
     """``mpistrat run -n`` passes the tunable with the launcher's flags (so the ranks
-    need not start twice), next to the monitor's address; nothing when there is no
-    tunable to add."""
+    need not start twice); the monitor's address stays in the environment (hydra passes
+    it on; tests/unit/test_control_plane.py); nothing when there is no tunable to add."""
     import shutil
     import sys
     from pathlib import Path
@@ -135,7 +135,7 @@ def test_self_launched_ranks_are_handed_the_tunable(monkeypatch):
     argv = launch_command(options, 2, mpiexec=launcher, env=env)
     text = " ".join(argv)
     assert "GLIBC_TUNABLES" in text and "glibc.malloc.hugetlb=1" in text, argv
-    assert "MPISTRAT_RUN_MONITOR" in text, argv
+    assert "MPISTRAT_RUN_MONITOR" not in text and "10.0.0.1" not in text, argv
     monkeypatch.setattr("mpistrat.runner.launch.malloc_hugepages_env", lambda environ: None)
     argv = launch_command(options, 2, mpiexec=launcher, env=env)
     assert "GLIBC_TUNABLES" not in " ".join(argv), argv
