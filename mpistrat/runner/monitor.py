@@ -206,6 +206,7 @@ class JobMonitor:
             self._thread.join(2.0)
         for key in list(self._selector.get_map().values()):
             key.fileobj.close()  # type: ignore[union-attr]
+        self._listener.close()  # (not in the map while accepting is paused)
         self._selector.close()
 
     def _loop(self) -> None:
