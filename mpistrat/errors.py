@@ -25,6 +25,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "RunSetupError",
+    "CancelledError",
+    "WorkerUnavailableError",
 ]
 
 
