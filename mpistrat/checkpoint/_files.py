@@ -409,31 +409,30 @@ def remove_orphans(directory: str, name: str, older_than: float | None = None) -
             pass
         except CheckpointCorruptError:
             continue  # not ours to judge: someone may want to look at it
-        path = os.path.join(directory, entry)
-        try:
-            if now - os.lstat(path).st_mtime > older_than:
-                os.unlink(path)
-        except OSError:
-            pass
+        _remove_if_older(os.path.join(directory, entry), now - older_than)
+
+
+def _remove_if_older(path: str, cutoff: float) -> None:
+    """Delete ``path`` if it was last changed before ``cutoff`` (``time.time()``)."""
+    try:
+        if os.lstat(path).st_mtime < cutoff:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def remove_temporaries(directory: str, name: str, older_than: float = 60.0) -> None:
     """Delete temporary files a crashed save of ``name-N`` left, older than ``older_than``
     seconds (a save in progress elsewhere keeps its own)."""
     pattern = re.compile(rf"^\.{re.escape(name)}-\d+\.(json|npz)\..+\.tmp$")
-    now = time.time()
+    cutoff = time.time() - older_than
     try:
         entries = os.listdir(directory)
     except FileNotFoundError:
         return
     for entry in entries:
         if pattern.match(entry):
-            path = os.path.join(directory, entry)
-            try:
-                if now - os.lstat(path).st_mtime > older_than:
-                    os.unlink(path)
-            except OSError:
-                pass
+            _remove_if_older(os.path.join(directory, entry), cutoff)
 
 
 _UNLOCKED_WARNED: set[str] = set()

@@ -224,12 +224,16 @@ class JobMonitor:
                         self._refuse(key.data, f"{type(exc).__name__} while reading it")
             self._sweep()
 
-    def _refuse(self, connection: _Connection, why: str) -> None:
-        """Close ``connection`` for ``why`` (a note; nothing else changes)."""
+    def _note(self, connection: _Connection, why: str) -> None:
+        """Count a message of ``connection``'s refused for ``why``."""
         with self.lock:
             self.refused += 1
             if self.first_refusal is None:
                 self.first_refusal = f"from {connection.peer}: {why}"
+
+    def _refuse(self, connection: _Connection, why: str) -> None:
+        """Close ``connection`` for ``why`` (a note; nothing else changes)."""
+        self._note(connection, why)
         self._drop(connection)
 
     def _drop(self, connection: _Connection) -> None:
@@ -343,10 +347,7 @@ class JobMonitor:
                 self.secret, bytes.fromhex(end.group(2).decode()), "end",
                 connection.challenge, end.group(1).decode()):
             # (on a rank's own connection: only that rank could have sent it)
-            with self.lock:
-                self.refused += 1
-                self.first_refusal = self.first_refusal or \
-                    f"from {connection.peer}: a line after rank {connection.rank}'s hello"
+            self._note(connection, f"a line after rank {connection.rank}'s hello")
             return True
         with self.lock:
             connection.ended = True

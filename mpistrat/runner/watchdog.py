@@ -175,11 +175,11 @@ class Watchdog:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         # one host: nobody else needs to reach it (the loopback); else every address,
         # as the peers' packets arrive on whichever this host has on their route
-        sock.bind(("127.0.0.1" if len(set(hostnames)) == 1 else "", 0))
+        lone = len(set(hostnames)) == 1
+        sock.bind(("127.0.0.1" if lone else "", 0))
         sock.setblocking(False)
         if secret is None:
             secret = comm.bcast(auth.new_secret() if comm.Get_rank() == 0 else None, root=0)
-        lone = len(set(hostnames)) == 1
         peers = comm.allgather((sock.getsockname()[1], [] if lone else local_addresses()))
         dog = cls(watch, comm.Get_rank(), hostnames, peers, sock, secret, report, report_file,
                   notify)
