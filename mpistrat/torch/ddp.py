@@ -1,4 +1,4 @@
-"""Data-parallel PyTorch training over MPI: ``import mpistrat.torch as mt``.
+"""mpistrat's own data-parallel wrapper for PyTorch (``mpistrat.torch.DistributedDataParallel``).
 
 * :func:`broadcast_parameters` copies a module's parameters and buffers from a root rank
   to every rank (one ``Bcast``), so every rank starts from the same model;
@@ -42,24 +42,18 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import torch
-except ImportError as _missing:  # torch is an optional extra
-    raise ImportError(
-        "mpistrat.torch needs PyTorch, which is not installed: "
-        "pip install 'mpistrat[torch]' (the CPU build is enough)"
-    ) from _missing
+import torch
 
-from . import dispatch
-from .backends import get_backend
-from .ops import ReduceOp
-from .runtime._mpi import Comm, world
-from .runtime.agreement import agree
-from .runtime.shared import shared_empty
-from .runtime.topology import get_topology
-from .spec import parse_spec
+from .. import dispatch
+from ..backends import get_backend
+from ..ops import ReduceOp
+from ..runtime._mpi import Comm, world
+from ..runtime.agreement import agree
+from ..runtime.shared import shared_empty
+from ..runtime.topology import get_topology
+from ..spec import parse_spec
 
-__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "broadcast_parameters",
+__all__ = ["DistributedDataParallel", "broadcast_parameters",
            "broadcast_optimizer_state", "DEFAULT_BUCKET_BYTES", "FUSED_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20  # few large buckets: measured on ResNet-50, docs/torch.md
@@ -493,5 +487,3 @@ class DistributedDataParallel(torch.nn.Module):
                 elif param.grad is None:
                     param.grad = self._views[index]
 
-
-from .torch_zero import ZeroRedundancyOptimizer  # noqa: E402  (needs nothing above)

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from .runtime._mpi import Comm, mpi, world
-from .runtime.agreement import agree
-from .runtime.shared import node_empty
-from .runtime.topology import get_topology
+from ..runtime._mpi import Comm, mpi, world
+from ..runtime.agreement import agree
+from ..runtime.shared import node_empty
+from ..runtime.topology import get_topology
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
