@@ -132,3 +132,15 @@ def test_digits_from_a_data_file_is_scikit_learns_data():
     path = Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz"
     for ours, theirs in zip(module.load_data(3, str(path)), module.load_data(3)):
         assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+
+
+def test_torch_ddp_script_on_two_ranks_reaches_the_one_process_accuracy():
+    """examples/torch_ddp.py: torch's own DDP, DistributedSampler and DataLoader over the
+    "mpistrat" backend. The ranks' samplers split each epoch differently from one
+    process's, so the models differ by more than rounding; the accuracy must not."""
+    pytest.importorskip("torch", reason="the example trains a PyTorch CNN")
+    args = ("examples/torch_ddp.py", "--epochs", str(EPOCHS))
+    one, two = _accuracy(_run(1, *args)), _run(2, *args)
+    assert "2 ranks, mpistrat" in two, two
+    assert one >= 0.9
+    assert _accuracy(two) >= one - 0.02, (one, two)
