@@ -56,11 +56,15 @@ from ..runtime.agreement import agree
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
 
-__all__ = ["BACKEND_NAME", "ProcessGroupMPI", "register", "use_instead_of_gloo", "TORCH_SPEC"]
+__all__ = ["BACKEND_NAME", "ProcessGroupMPI", "register", "use_instead_of_gloo", "TORCH_SPEC",
+           "TORCH_CUDA_SPEC"]
 
 BACKEND_NAME = "mpistrat"
 TORCH_SPEC = "MPISTRAT_TORCH_SPEC"
-"""Environment variable: the all-reduce spec of the backend's ``all_reduce``."""
+"""Environment variable: the all-reduce spec of the backend's ``all_reduce`` of CPU tensors
+(default ``shm`` on one node, ``shm/rechd`` across nodes)."""
+TORCH_CUDA_SPEC = "MPISTRAT_TORCH_CUDA_SPEC"
+"""Environment variable: the all-reduce spec of CUDA tensors (default ``nccl``)."""
 
 _HINT = "the same collective with the same shapes, dtypes, op and root"
 _RED = dist.ReduceOp.RedOpType
@@ -320,6 +324,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._timeout = timeout
         self._spec = spec
         self._name = self._desc = ""
+        self._device_spec: Any = None
 
     # --- identity -----------------------------------------------------------------------
 
@@ -457,18 +462,26 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return self._allreduce("all_reduce_coalesced", tensors, opts)
 
     def _allreduce(self, what: str, tensors: list[torch.Tensor], opts: Any) -> _Work:
-        if len(tensors) == 1 and tensors[0].device.type == "cuda":
+        if len(tensors) == 1 and tensors[0].device.type == "cuda" \
+                and (opts.reduceOp.op, tensors[0].dtype) in _FAST:
+            # a CUDA tensor stays on its device: the engine's CuPy path (NCCL where the
+            # spec says so), with the agreement first as for every call
             self._checked(what, opts, lambda: f"{what} op={self._op(opts, tensors[0].dtype)} "
                                               f"{_describe(tensors)}")
-            op = self._op(opts, tensors[0].dtype)
-            if isinstance(op, str):
-                all_reduce(tensors[0], op, self._spec, self._comm, check=False, inplace=True)
-                return _Work(tensors)
+            all_reduce(tensors[0], _FAST[opts.reduceOp.op, tensors[0].dtype],
+                       self._cuda_spec(), self._comm, check=False, inplace=True)
+            return _Work(tensors)
         staged = [_Staged(t) for t in tensors]
         self._reduce(what, [s.work for s in staged], opts)
         for s in staged:
             s.done()
         return _Work(tensors)
+
+    def _cuda_spec(self) -> Any:
+        """The spec of CUDA tensors: ``MPISTRAT_TORCH_CUDA_SPEC``, default ``nccl``."""
+        if self._device_spec is None:
+            self._device_spec = _spec_from_env(TORCH_CUDA_SPEC, "nccl")
+        return self._device_spec
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         opts = dist.ReduceOptions() if opts is None else opts
@@ -765,15 +778,17 @@ class ProcessGroupMPI(dist.ProcessGroup):
 # --- creation ---------------------------------------------------------------------------
 
 
+def _spec_from_env(name: str, default: str) -> Any:
+    text = os.environ.get(name, "").strip()
+    try:
+        return parse_spec(text or default)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}={text!r} is not an all-reduce spec: {exc}") from None
+
+
 def _spec_for(comm: Comm) -> Any:
-    text = os.environ.get(TORCH_SPEC, "").strip()
-    if text:
-        try:
-            return parse_spec(text)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{TORCH_SPEC}={text!r} is not an all-reduce spec: {exc}") \
-                from None
-    return parse_spec("shm" if get_topology(comm).num_nodes == 1 else "shm/rechd")
+    return _spec_from_env(TORCH_SPEC, "shm" if get_topology(comm).num_nodes == 1
+                          else "shm/rechd")
 
 
 def _create(backend_opts: Any, options: Any) -> ProcessGroupMPI:
