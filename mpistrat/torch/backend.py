@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..allreduce import all_reduce
+from ..errors import CollectiveTimeoutError
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import agree
 from ..runtime.topology import get_topology
@@ -169,12 +171,15 @@ class _Work(dist._Work):
     by ``wait()`` for point-to-point requests."""
 
     def __init__(self, result: Any, requests: Sequence[Any] = (),
-                 finish: Callable[[], None] | None = None, source: int = -1) -> None:
+                 finish: Callable[[], None] | None = None, source: int = -1,
+                 what: str = "", timeout: float | None = None) -> None:
         super().__init__()
         self._result = result
         self._requests = list(requests)
         self._finish = finish
         self._source = source
+        self._what = what  # "recv from rank 1 (tag 0)", for the timeout's message
+        self._timeout = timeout  # the group's, for a wait() without one
         # made on the first get_future() (DDP's buckets ask; a plain call never does)
         self._future: torch.futures.Future | None = None
         if not self._requests:
@@ -188,21 +193,30 @@ class _Work(dist._Work):
             self._future.set_result(self._result)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if self._requests:
-            MPI = mpi()
-            requests, self._requests = self._requests, []
-            status = MPI.Status()
-            if timeout is None or not timeout.total_seconds() > 0:
-                MPI.Request.Waitall(requests, [status] * len(requests))
-            elif not _wait_within(requests, timeout.total_seconds()):
-                self._requests = requests
-                raise TimeoutError(f"a point-to-point request did not complete within "
-                                   f"{timeout.total_seconds():g} s; is the matching "
-                                   f"send/recv posted on the peer?")
-            if self._source < 0 and len(requests) == 1:
-                self._source = status.Get_source()
-            self._complete()
+        if not self._requests:
+            return True
+        seconds = _timeout_seconds(timeout) if timeout is not None else self._timeout
+        status = mpi().Status()
+        (request,) = self._requests  # (one request per work)
+        if seconds is None:
+            request.Wait(status)
+        else:
+            deadline = time.monotonic() + seconds
+            while not request.Test(status):
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"torch.distributed {self._what} did not complete within "
+                        f"{seconds:g} s: is the matching send/recv posted on the peer?",
+                        [self._source] if self._source >= 0 else [])
+                time.sleep(0.0002)
+        self._done(status)
         return True
+
+    def _done(self, status: Any) -> None:
+        self._requests = []
+        if self._source < 0:
+            self._source = status.Get_source()
+        self._complete()
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
@@ -212,8 +226,10 @@ class _Work(dist._Work):
         return self._future
 
     def is_completed(self) -> bool:
-        if self._requests and mpi().Request.Testall(self._requests):
-            self.wait()
+        if self._requests:
+            status = mpi().Status()
+            if self._requests[0].Test(status):
+                self._done(status)
         return not self._requests
 
     def is_success(self) -> bool:
@@ -271,18 +287,6 @@ class _Done(dist._Work):
 
 def _keep(data: Any) -> None:
     """(A send's buffer is referenced by its work until the request completes.)"""
-
-
-def _wait_within(requests: list[Any], seconds: float) -> bool:
-    import time
-
-    deadline = time.monotonic() + seconds
-    MPI = mpi()
-    while not MPI.Request.Testall(requests):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.0005)
-    return True
 
 
 def _timeout_seconds(timeout: Any) -> float | None:
@@ -757,7 +761,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
         source = _Staged(tensor).work
         data = _bytes(source)
         request = self._p2p.Isend(data, dest=dstRank, tag=tag)
-        return _Work(tensors, [request], finish=lambda: _keep(data))
+        return _Work(tensors, [request], finish=lambda: _keep(data),
+                     what=f"send to rank {dstRank} (tag {tag})", timeout=self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> _Work:  # noqa: N803
         if not 0 <= srcRank < self._size:
@@ -771,8 +776,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def _receive(self, tensors: list[torch.Tensor], source: int, tag: int) -> _Work:
         staged = _Staged(tensors[0], read=False)
         request = self._p2p.Irecv(_bytes(staged.work), source=source, tag=tag)
+        peer = f"rank {source}" if source >= 0 else "any rank"
         return _Work(tensors, [request], finish=staged.done,
-                     source=source if source >= 0 else -1)
+                     source=source if source >= 0 else -1,
+                     what=f"recv from {peer} (tag {tag})", timeout=self._timeout)
 
 
 # --- creation ---------------------------------------------------------------------------
