@@ -14,6 +14,8 @@ from ._ranked import RankedCommand
 
 __all__ = ["run"]
 
+TORCH_BACKEND_ENV = "MPISTRAT_TORCH_BACKEND"  # --torch-backend's default
+
 
 class _SetupError(click.ClickException):
     """A problem found before the script starts (exit status 2, like a usage error)."""
@@ -37,7 +39,7 @@ def _end_options_at_module(args: list[str]) -> list[str]:
     to the module as ``python -m`` would pass it (only before the script position)."""
     takes_value = {"-n", "--np", "--mpiexec", "--spec", "--num-packs", "--communication",
                    "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check",
-                   "--report-dir", "--num-ps"}
+                   "--report-dir", "--num-ps", "--torch-backend"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -58,6 +60,7 @@ Examples:
   mpistrat run -n 2 -m mypackage.train --lr 0.1
   mpiexec -n 8 mpistrat run --spec @allreduce.spec --tag-output train.py
   srun --mpi=pmi2 python -m mpistrat run --timeout 600 train.py
+  mpistrat run -n 4 --torch-backend mpistrat torch_ddp.py   a torchrun script
 """
 
 
@@ -107,11 +110,18 @@ def _settings() -> Any:
               help="Parameter-server training: ranks 1..P hold the variables, rank 0 "
                    "coordinates, the rest are workers (MPISTRAT_NUM_PS for the script's "
                    "ParameterServerStrategy); no default strategy is installed.")
+@click.option("--torch-backend", type=click.Choice(["mpistrat", "gloo"], case_sensitive=False),
+              help="What serves a torch.distributed script's gloo process groups (and "
+                   "those asking for no backend): mpistrat = the 'mpistrat' backend, over "
+                   "MPI (needs mpistrat[torch]); gloo = torch's own [default: "
+                   "MPISTRAT_TORCH_BACKEND, else the script's choice, untouched]. Either "
+                   "way, torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "
+                   "... are set from MPI.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
         gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, report_dir, num_ps,
-        script_and_args):
+        torch_backend, script_and_args):
     """Run a training script on every rank in a default MultiWorkerMirroredStrategy.
 
     The script runs as __main__ with its arguments; mpistrat.get_strategy() returns the
@@ -149,16 +159,21 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
         report_dir = os.environ.get("MPISTRAT_REPORT_DIR") or None
     if report_dir is not None:
         report_dir = os.path.abspath(report_dir)  # the ranks may start elsewhere
+    if torch_backend is None:
+        torch_backend = os.environ.get(TORCH_BACKEND_ENV) or None
     try:
         options = RunOptions(
             target=target, args=tuple(args), module=module is not None, spec=spec,
             num_packs=num_packs, communication=communication.lower(),
             local_replicas=local_replicas, gpus_per_rank=gpus_per_rank,
             tag_output=tag_output, quiet_ranks=quiet_ranks, timeout=timeout,
-            stall_check=stall_check, report_dir=report_dir, num_ps=num_ps)
+            stall_check=stall_check, report_dir=report_dir, num_ps=num_ps,
+            torch_backend=None if torch_backend is None else torch_backend.lower())
     except MpistratError as exc:  # the spec
         raise click.UsageError(f"--spec {spec}: {exc}") from None
     except ValueError as exc:
+        if torch_backend is not None and "--torch-backend" in str(exc):
+            raise click.UsageError(f"{exc} (from {TORCH_BACKEND_ENV})") from None
         raise click.UsageError(str(exc)) from None
     if mpiexec is not None and np_ is None:
         raise click.UsageError("--mpiexec goes with -n N (mpistrat run starts mpiexec only "

@@ -8,6 +8,8 @@ the job together — with every failure shown once — instead of leaving ranks 
 * :mod:`~mpistrat.runner.failure` — tracebacks tagged with the rank, the job's end and
   its abort;
 * :mod:`~mpistrat.runner.rank` — what every rank does (:func:`run`);
+* :mod:`~mpistrat.runner.torchenv` — torchrun's variables (``RANK``, ``MASTER_ADDR``, ...)
+  for ``torch.distributed`` scripts, and ``--torch-backend mpistrat``;
 * :mod:`~mpistrat.runner.launch` — ``-n N``: starting ``mpiexec`` itself;
 * :mod:`~mpistrat.runner.watchdog`, :mod:`~mpistrat.runner.monitor`,
   :mod:`~mpistrat.runner.sidecar` — ``--timeout`` inside MPI calls, and a lost host named

@@ -8,9 +8,12 @@ from typing import Any
 
 from ..bench.recommend import resolve_spec
 
-__all__ = ["RunOptions", "COMMUNICATIONS", "DEFAULT_STALL_CHECK"]
+__all__ = ["RunOptions", "COMMUNICATIONS", "DEFAULT_STALL_CHECK", "TORCH_BACKENDS"]
 
 COMMUNICATIONS = ("auto", "ring", "nccl")
+# --torch-backend: what serves a torch.distributed script's gloo (and default-backend)
+# process groups (mpistrat.runner.torchenv)
+TORCH_BACKENDS = ("mpistrat", "gloo")
 DEFAULT_STALL_CHECK = 60.0
 
 
@@ -37,6 +40,10 @@ class RunOptions:
         num_ps: parameter-server training: this many ps ranks (``MPISTRAT_NUM_PS`` for
             the script's :class:`~mpistrat.ParameterServerStrategy`), and no default
             strategy; None: synchronous training under the default strategy.
+        torch_backend: ``"mpistrat"``: the script's ``torch.distributed`` process groups
+            that ask for gloo, or for no backend, get the ``"mpistrat"`` backend
+            (:func:`mpistrat.torch.use_instead_of_gloo`, before the script);
+            ``"gloo"`` or None: torch's own choice, untouched.
     """
 
     target: str
@@ -53,6 +60,7 @@ class RunOptions:
     stall_check: float = DEFAULT_STALL_CHECK
     report_dir: str | None = None
     num_ps: int | None = None
+    torch_backend: str | None = None
     parsed_spec: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +90,9 @@ class RunOptions:
         if self.report_dir is not None and (not isinstance(self.report_dir, str)
                                             or not self.report_dir.strip()):
             raise ValueError(f"--report-dir must be a directory path, got {self.report_dir!r}")
+        if self.torch_backend is not None and self.torch_backend not in TORCH_BACKENDS:
+            raise ValueError(f"--torch-backend must be one of {', '.join(TORCH_BACKENDS)}, "
+                             f"got {self.torch_backend!r}")
         if self.spec is not None and self.parsed_spec is None:
             object.__setattr__(self, "parsed_spec", resolve_spec(self.spec))
 
@@ -109,5 +120,7 @@ class RunOptions:
             argv += ["--report-dir", self.report_dir]
         if self.num_ps is not None:
             argv += ["--num-ps", str(self.num_ps)]
+        if self.torch_backend is not None:
+            argv += ["--torch-backend", self.torch_backend]
         argv += ["-m", self.target] if self.module else [self.target]
         return argv + list(self.args)

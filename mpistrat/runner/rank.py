@@ -14,7 +14,7 @@ from ..ps.roles import NUM_PS_ENV
 from ..runtime import stall
 from ..runtime._mpi import mpi
 from ..strategy.mirrored import LOCAL_REPLICAS
-from . import auth, sidecar
+from . import auth, sidecar, torchenv
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
 from .monitor import MONITOR_ENV, MonitorClient
@@ -31,6 +31,10 @@ def run(options: RunOptions, *,
         set_strategy: Callable[[Any], None] = set_default_strategy,
         env: Mapping[str, str] | None = None) -> int:
     """Run ``options.target`` on this rank; every rank of ``COMM_WORLD`` calls it.
+
+    Before the script, torchrun's variables (``RANK``, ``MASTER_ADDR``, ...) are set where
+    unset (:mod:`~mpistrat.runner.torchenv`; undone when this returns), and with
+    ``--torch-backend mpistrat`` gloo process groups become ``"mpistrat"`` ones.
 
     Args:
         options: what to run and how.
@@ -58,6 +62,20 @@ def run(options: RunOptions, *,
         text, ranks = next(iter(bad.items()))
         where = "" if len(ranks) == size else f" (on rank(s) {ranks} of {size})"
         raise RunSetupError(f"mpistrat run: {text}{where}")
+    # torchrun's variables, for torch.distributed scripts (undone when run returns)
+    saved = torchenv.set_torch_env(world)
+    try:
+        if options.torch_backend == "mpistrat":
+            torchenv.use_mpistrat_backend(world)
+        return _run_job(options, world, strategy_factory, set_strategy, env)
+    finally:
+        torchenv.restore_env(saved)
+
+
+def _run_job(options: RunOptions, world: Any,
+             strategy_factory: Callable[[RunOptions], Any] | None,
+             set_strategy: Callable[[Any], None], env: Mapping[str, str] | None) -> int:
+    rank, size = world.Get_rank(), world.Get_size()
     done = world.Dup()
     try:
         output = RankOutput(rank, size, tag=options.tag_output,

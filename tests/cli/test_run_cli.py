@@ -36,6 +36,7 @@ def _invoke(*args, env=None):
     (["--mpiexec", "/bin/true", "x.py"], "--mpiexec goes with -n N"),
     (["-n", "0", "x.py"], "-n"),
     (["-n", "2", "no/such/script.py"], "script 'no/such/script.py' not found"),
+    (["--torch-backend", "nccl", "x.py"], "'nccl' is not one of 'mpistrat', 'gloo'"),
 ])
 def test_bad_options_exit_2_with_the_fix(args, message):
     result = _invoke(*args)
@@ -48,7 +49,7 @@ def test_help_lists_the_options():
     assert result.exit_code == 0
     for option in ("--spec", "--num-packs", "--communication", "--local-replicas",
                    "--gpus-per-rank", "--tag-output", "--quiet-ranks", "--timeout",
-                   "--stall-check", "-n, --np", "-m, --module"):
+                   "--stall-check", "-n, --np", "-m, --module", "--torch-backend"):
         assert option in result.output
     assert "mpistrat run -n 2 train.py" in result.output
 
@@ -83,6 +84,30 @@ def test_options_round_trip_through_the_relaunch_command(monkeypatch):
     assert module.command_line()[-3:] == ["-m", "pkg.mod", "-x"]
 
 
+@pytest.mark.parametrize("args, env, expected", [
+    ([], {}, None),
+    ([], {"MPISTRAT_TORCH_BACKEND": "mpistrat"}, "mpistrat"),
+    (["--torch-backend", "gloo"], {"MPISTRAT_TORCH_BACKEND": "mpistrat"}, "gloo"),
+    (["--torch-backend", "MPISTRAT"], {}, "mpistrat"),
+])
+def test_torch_backend_and_its_environment_default(monkeypatch, args, env, expected):
+    seen: dict[str, RunOptions] = {}
+    monkeypatch.setattr("mpistrat.runner.run", lambda o: seen.setdefault("options", o) and 0)
+    result = _invoke(*args, "x.py", env={"MPISTRAT_TORCH_BACKEND": None, **env})
+    assert result.exit_code == 0, result.output
+    assert seen["options"].torch_backend == expected
+    assert seen["options"] == RunOptions(target="x.py", torch_backend=expected)
+    relaunched = seen["options"].command_line()
+    assert (["--torch-backend", expected] == relaunched[-3:-1]) == (expected is not None)
+
+
+def test_a_bad_torch_backend_in_the_environment_is_a_usage_error():
+    result = _invoke("x.py", env={"MPISTRAT_TORCH_BACKEND": "nccl"})
+    assert result.exit_code == 2
+    assert ("--torch-backend must be one of mpistrat, gloo, got 'nccl' (from "
+            "MPISTRAT_TORCH_BACKEND)") in result.output
+
+
 def test_launch_command_uses_the_matching_mpiexec(tmp_path):
     fake = tmp_path / "mpiexec"
     fake.write_text("#!/bin/sh\necho 'HYDRA build details: MPICH'\n")
@@ -102,6 +127,8 @@ def test_launch_command_uses_the_matching_mpiexec(tmp_path):
     (["--spec", "-m", "-mpkg", "-x"], ["--spec", "-m", "-mpkg", "--", "-x"]),
     (["--tag-output", "script.py", "-m", "x"], ["--tag-output", "script.py", "-m", "x"]),
     (["--", "-m", "x"], ["--", "-m", "x"]),
+    (["--torch-backend", "mpistrat", "-m", "x", "-y"],
+     ["--torch-backend", "mpistrat", "-m", "x", "--", "-y"]),
 ])
 def test_options_end_at_the_module(args, expected):
     assert _end_options_at_module(args) == expected
