@@ -36,6 +36,9 @@ STALL_CHECK = "MPISTRAT_STALL_CHECK"
 COLLECTIVE_TIMEOUT = "MPISTRAT_COLLECTIVE_TIMEOUT"
 CUDA_AWARE_MPI = "MPISTRAT_CUDA_AWARE_MPI"
 MALLOC_HUGEPAGES = "MPISTRAT_MALLOC_HUGEPAGES"
+# MASTER_ADDR:MASTER_PORT when mpistrat run chose them for a torch script (not the user):
+# set by mpistrat.runner.torchenv, read by mpistrat.torch.rendezvous
+RUN_MASTER = "MPISTRAT_RUN_MASTER"
 
 
 @dataclass(frozen=True)

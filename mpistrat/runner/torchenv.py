@@ -33,6 +33,7 @@ import socket
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
+from ..config import RUN_MASTER
 from ..errors import RunSetupError
 from ..runtime._mpi import mpi
 from .hosts import interface_address, local_addresses, route_sources
@@ -163,6 +164,11 @@ def set_torch_env(comm: Any = None, environ: MutableMapping[str, str] | None = N
         if _given(environ, name) is None:
             saved[name] = environ.get(name)
             environ[name] = value
+    if "MASTER_ADDR" in saved and "MASTER_PORT" in saved:
+        # the address is mpistrat run's, not the user's: mpistrat.torch's rendezvous
+        # then serves the store over MPI instead of a TCP port (docs/torch.md)
+        saved[RUN_MASTER] = environ.get(RUN_MASTER)
+        environ[RUN_MASTER] = f"{addr}:{port}"
     return saved
 
 

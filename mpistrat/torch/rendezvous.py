@@ -3,10 +3,10 @@
 torch's default ``env://`` rendezvous needs ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` and opens a TCP store on rank 0. In an MPI job the ranks already know
 each other, so :func:`install` (run by ``import mpistrat.torch``) wraps torch's ``env``
-handler: when ``MASTER_ADDR`` is not set, the rank and the size are ``COMM_WORLD``'s and
-the store is an :class:`~mpistrat.torch.store.MPIStore` (served over MPI, no socket).
-When ``MASTER_ADDR`` is set, torch's own handler runs as before (torchrun, or
-``mpistrat run``'s torchrun variables).
+handler: when ``MASTER_ADDR`` is not set (or is the one ``mpistrat run`` set for scripts
+that read it), the rank and the size are ``COMM_WORLD``'s and the store is an
+:class:`~mpistrat.torch.store.MPIStore` (served over MPI, no socket). When the user set
+``MASTER_ADDR`` (torchrun, or by hand), torch's own handler runs as before.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from ..config import RUN_MASTER
 from ..runtime._mpi import world
 
 __all__ = ["install", "mpi_rendezvous"]
@@ -45,6 +46,14 @@ def mpi_rendezvous(url: str, timeout: datetime.timedelta | None = None,
     raise RuntimeError("an MPI job cannot re-rendezvous: its ranks are fixed at launch")
 
 
+def _mpistrat_master() -> bool:
+    """True when ``MASTER_ADDR`` is unset, or is the one ``mpistrat run`` chose."""
+    addr = os.environ.get("MASTER_ADDR")
+    if not addr:
+        return True
+    return os.environ.get(RUN_MASTER) == f"{addr}:{os.environ.get('MASTER_PORT', '')}"
+
+
 def install() -> None:
     """Wrap torch's ``env://`` handler (once per process)."""
     if _INSTALLED:
@@ -53,7 +62,7 @@ def install() -> None:
     original = handlers["env"]
 
     def env_or_mpi(url: str, timeout: Any = None, **kwargs: Any) -> Any:
-        if os.environ.get("MASTER_ADDR"):
+        if not _mpistrat_master():
             return original(url, timeout, **kwargs) if timeout is not None \
                 else original(url, **kwargs)
         return mpi_rendezvous(url, timeout, **kwargs)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from mpistrat.config import RUN_MASTER
 from mpistrat.errors import RunSetupError
 from mpistrat.runner import RunOptions, run
 from mpistrat.runner import torchenv
@@ -28,7 +29,9 @@ from mpistrat.runner.torchenv import (
 def test_every_variable_is_set_from_mpi_and_undone():
     environ: dict[str, str] = {"PATH": "/bin"}
     saved = set_torch_env(environ=environ)
-    assert set(saved) == set(TORCH_ENV) and all(v is None for v in saved.values())
+    # (and the marker that the address is mpistrat run's: torch's store then runs over MPI)
+    assert set(saved) == {*TORCH_ENV, RUN_MASTER} and all(v is None for v in saved.values())
+    assert environ[RUN_MASTER] == f"127.0.0.1:{environ['MASTER_PORT']}"
     assert {name: environ[name] for name in TORCH_ENV if name != "MASTER_PORT"} == {
         "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1",
@@ -44,6 +47,7 @@ def test_the_users_values_are_kept_and_empty_ones_replaced():
     before = dict(environ)
     saved = set_torch_env(environ=environ)
     assert "RANK" not in saved and "MASTER_PORT" not in saved and saved["GROUP_RANK"] == ""
+    assert RUN_MASTER not in environ  # the user's address: torch's own store
     assert environ["LOCAL_RANK"] == "5" and environ["MASTER_ADDR"] == "10.1.2.3"
     assert environ["MASTER_PORT"] == "29500" and environ["GROUP_RANK"] == "0"
     assert environ["WORLD_SIZE"] == " 1" and environ["LOCAL_WORLD_SIZE"] == "1"
