@@ -13,7 +13,7 @@ The pieces, each usable from Python (the CLI is a thin layer over them):
 * :mod:`.costmodel` — alpha-beta fits and predictions for other job sizes;
 * :mod:`.files`, :mod:`.plot`, :mod:`.progress` — JSON/CSV/Markdown, PNG, progress bar;
 * :mod:`.batch` — a whole gradient batch through ``batch_reduce``;
-* :mod:`.peers` — torch.distributed (gloo) for comparison;
+* :mod:`.peers` — torch.distributed (gloo, and the "mpistrat" backend) for comparison;
 * :mod:`.runner` — validation on every rank, the sweep, the outputs.
 
 Importing this package does not initialise MPI; :func:`run_sweep` and

@@ -23,14 +23,16 @@ timed in the same run, round-robin with a rotating start:
   shared memory with ``--shared`` (:func:`mpistrat.shared_arrays`). A pack of such
   tensors is reduced as that one buffer.
 
-With ``--compare torch`` (one replica per rank), torch.distributed with gloo on the same
-values, held in torch tensors created once (:class:`~.peers.TorchGloo`):
+With ``--compare torch`` (one replica per rank), torch.distributed on the same values,
+held in torch tensors created once, over each peer's process group
+(:class:`~.peers.TorchPeer`: ``torch-gloo``, and ``torch-mpistrat`` where the "mpistrat"
+backend can be made), three rows each:
 
-* ``torch-gloo per-tensor``: one ``all_reduce`` per tensor, in place (a hand-written
+* ``torch-BACKEND per-tensor``: one ``all_reduce`` per tensor, in place (a hand-written
   loop over the gradients);
-* ``torch-gloo all_reduce_coalesced``: one ``all_reduce_coalesced`` of the batch;
-* ``torch-gloo flat (cat, split)``: ``torch.cat`` of the batch, one ``all_reduce``, the
-  pieces copied back into the tensors.
+* ``torch-BACKEND all_reduce_coalesced``: one ``all_reduce_coalesced`` of the batch;
+* ``torch-BACKEND flat (cat, split)``: ``torch.cat`` of the batch, one ``all_reduce``,
+  the pieces copied back into the tensors.
 
 Inputs are small integers (exact sums); in-place methods get their input back before
 each iteration, outside the timed region; with G > 1 adding up the local replicas is
@@ -140,9 +142,9 @@ def _plan(spec: AllReduceSpec, shapes: Sequence[tuple[int, ...]], dtype: np.dtyp
 
 
 def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Comm,
-                  peer: Any = None) -> list[Method]:
-    """The rows of a batch run, in table order (the torch rows last, with ``peer``: a
-    :class:`~.peers.TorchGloo`)."""
+                  peers: Sequence[Any] = ()) -> list[Method]:
+    """The rows of a batch run, in table order (the torch rows last, three per peer of
+    ``peers``: :class:`~.peers.TorchPeer`)."""
     shapes, dtype, n = config.shapes, config.np_dtype, len(config.shapes)
     total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * dtype.itemsize
     flat_alg, flat_shards, _ = spec.route(total)
@@ -182,16 +184,18 @@ def build_methods(config: BatchConfig, spec: AllReduceSpec, comm: Comm,
                               f"{plan}; the tensors are views of "
                               f"{'one shared buffer' if config.shared else 'one array'}",
                               ops(num_packs=packs), packs))
-    if peer is not None:
-        methods.append(Method("torch-gloo per-tensor", "torch-each", n,
-                              f"{n} x torch.distributed.all_reduce (gloo), in place", peer))
+    for peer in peers:
+        name, backend = peer.label, peer.backend
+        methods.append(Method(f"{name} per-tensor", "torch-each", n,
+                              f"{n} x torch.distributed.all_reduce ({backend}), in place",
+                              peer))
         if peer.coalesced:
-            methods.append(Method("torch-gloo all_reduce_coalesced", "torch-coalesced", 1,
-                                  f"1 x torch.distributed.all_reduce_coalesced (gloo) of the "
-                                  f"{n} tensors, in place", peer))
-        methods.append(Method("torch-gloo flat (cat, split)", "torch-flat", 1,
-                              "torch.cat of the batch, 1 x torch.distributed.all_reduce "
-                              "(gloo), split and copied back into the tensors", peer))
+            methods.append(Method(f"{name} all_reduce_coalesced", "torch-coalesced", 1,
+                                  f"1 x torch.distributed.all_reduce_coalesced ({backend}) "
+                                  f"of the {n} tensors, in place", peer))
+        methods.append(Method(f"{name} flat (cat, split)", "torch-flat", 1,
+                              f"torch.cat of the batch, 1 x torch.distributed.all_reduce "
+                              f"({backend}), split and copied back into the tensors", peer))
     return methods
 
 
@@ -238,7 +242,8 @@ class BatchBench:
         self.flat_alg, self.flat_shards, _ = spec.route(self.total * dtype.itemsize)
         self.ref: np.ndarray | None = None
         peer = next((m.ops for m in methods if m.kind.startswith("torch-")), None)
-        # the batch as torch tensors, made once; their .numpy() views refill and check them
+        # the batch as torch tensors, made once (every peer's rows reduce the same ones);
+        # their .numpy() views refill and check them
         self.torch_tensors = peer.tensors(self.shapes, dtype) if peer is not None else []
         self.torch_views = [t.numpy() for t in self.torch_tensors]
 

@@ -3,7 +3,8 @@
 Timing follows the sweep (:mod:`.timing`): one checked call of every method, warm-up
 rounds, then timed rounds in which every method runs once with a rotating start; an
 iteration's time is its slowest rank's, reported as median with min and max. With
-``--compare torch`` the torch.distributed (gloo) rows take part in the same rounds.
+``--compare torch`` the torch.distributed rows (gloo, and the "mpistrat" backend) take part
+in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from .metadata import collect
 from .progress import Progress
 from .recommend import resolve_spec
 from .results import Point
-from .runner import Outputs, abort_on_error, collective_check, command_line, join_torch
+from .runner import (
+    Outputs,
+    abort_on_error,
+    close_peers,
+    collective_check,
+    command_line,
+    join_torch,
+)
 
 __all__ = ["run_batch"]
 
@@ -67,12 +75,12 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
         spec = collective_check(comm, lambda: _validate(config, comm, outputs))
         rank, size, G = comm.Get_rank(), comm.Get_size(), config.local_replicas
         notes: list[str] = []
-        peer = join_torch(comm, config.np_dtype, notes) if config.compare else None
-        if peer is not None and not peer.coalesced:
-            notes.append("torch-gloo: torch.distributed.all_reduce_coalesced is missing on "
-                         "some rank; its row is left out")
+        peers = join_torch(comm, config.np_dtype, notes) if config.compare else []
+        if peers and not peers[0].coalesced:
+            notes.append("torch.distributed.all_reduce_coalesced is missing on some rank; "
+                         "its rows are left out")
         with abort_on_error(comm):
-            methods = build_methods(config, spec, comm, peer)
+            methods = build_methods(config, spec, comm, peers)
             dtype = config.np_dtype
             total = sum(int(np.prod(s, dtype=np.int64)) for s in config.shapes)
             options = asdict(config)
@@ -126,8 +134,7 @@ def run_batch(config: BatchConfig, outputs: Outputs | None = None, comm: Comm | 
             comm.Allreduce(MPI.IN_PLACE, wrong, op=MPI.SUM)
             modified = comm.allreduce(modified)
             del bench
-            if peer is not None:
-                peer.close()
+            close_peers(peers)
     finally:
         comm.Free()
     if rank != 0:

@@ -169,8 +169,8 @@ def _check_compare(compare: tuple[str, ...], replicas: int) -> None:
     """``--compare``: known peers, one replica per rank."""
     unknown = [c for c in compare if c != "torch"]
     if unknown:
-        raise ValueError(f"--compare knows 'torch' (torch.distributed with gloo), got "
-                         f"{', '.join(map(repr, unknown))}")
+        raise ValueError(f"--compare knows 'torch' (torch.distributed over gloo and over "
+                         f"the 'mpistrat' backend), got {', '.join(map(repr, unknown))}")
     if compare and replicas > 1:
         raise ValueError(f"--compare torch measures one buffer per rank, got {replicas} "
                          f"replicas per rank; leave out --local-replicas/--gpus-per-rank")
@@ -197,7 +197,8 @@ class BenchConfig:
         ranks_per_node: virtual node size for hierarchical algorithms.
         shared: allocate the buffers with :func:`mpistrat.shared_empty`, so ``shm``
             reads them in place (its zero-copy mode); host buffers only.
-        compare: peers to measure beside mpistrat (``("torch",)``).
+        compare: peers to measure beside mpistrat (``("torch",)``: torch.distributed over
+            gloo and over the "mpistrat" backend).
         quiet: no progress output.
     """
 
@@ -289,7 +290,8 @@ class BatchConfig:
         shared: the "tensors in one buffer" row keeps them in shared memory
             (:func:`mpistrat.shared_arrays`), so ``shm`` reads them in place.
         compare: peers to time on the same batch (``("torch",)``: torch.distributed
-            with gloo, per tensor, coalesced and flat; one replica per rank).
+            over gloo and over the "mpistrat" backend, per tensor, coalesced and flat;
+            one replica per rank).
         dtype, local_replicas, warmup, iters, check_every, quiet: as in BenchConfig
             (fixed counts; the batch is one size).
     """

@@ -15,11 +15,15 @@ from .. import algorithms
 from ..algorithms.registry import Shards
 from ..layout import Layout, check_spec
 from ..spec import MAX_SHARDS, AllReduceSpec, parse_spec
+from .peers import BACKENDS
 
-__all__ = ["Entry", "select_entries", "BASELINE", "TORCH"]
+__all__ = ["Entry", "select_entries", "BASELINE", "TORCH", "TORCH_ENTRIES"]
 
 BASELINE = "native"
 TORCH = "torch-gloo"
+TORCH_ENTRIES = tuple(f"torch-{backend}" for backend in BACKENDS)
+"""``--compare torch``'s entries: torch.distributed over gloo and over the "mpistrat"
+backend (the second is left out, with a note, where that backend cannot be made)."""
 
 _DEFAULT_SHARDS = {Shards.PIPELINES: (1, 2), Shards.GATHER_RANKS: (1, 2, None),
                    Shards.IGNORED: (1,)}
@@ -31,9 +35,10 @@ class Entry:
 
     Attributes:
         label: the name in tables and files (``xring#2``, ``spec:rechd:1M:xring``,
-            ``torch-gloo``).
+            ``torch-gloo``, ``torch-mpistrat``).
         kind: ``"algorithm"`` (one registered algorithm), ``"spec"`` (a whole spec,
-            each size routed to its entry) or ``"torch"`` (torch.distributed, gloo).
+            each size routed to its entry) or ``"torch"`` (torch.distributed over the
+            backend its label names).
         alg, shards: the algorithm of an ``"algorithm"`` entry.
         spec: the spec of a ``"spec"`` entry.
     """
@@ -131,7 +136,7 @@ def select_entries(layout: Layout, names: Sequence[str] | None = None,
             1, 2 and every rank of the pool for shuffles. Counts a pool cannot hold are
             skipped with a note.
         specs: whole specs, measured as one entry each.
-        compare: peers (``"torch"``).
+        compare: peers (``"torch"``: one entry per backend, :data:`TORCH_ENTRIES`).
 
     Raises:
         ValueError: an unknown name (with "did you mean"), a GPU algorithm without GPUs,
@@ -187,5 +192,6 @@ def select_entries(layout: Layout, names: Sequence[str] | None = None,
     for peer in compare:
         if peer != "torch":
             raise ValueError(f"--compare knows 'torch', got {peer!r}")
-        add(Entry(TORCH, "torch"))
+        for label in TORCH_ENTRIES:
+            add(Entry(label, "torch"))
     return entries, list(dict.fromkeys(notes))

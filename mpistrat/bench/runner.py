@@ -36,7 +36,7 @@ from . import costmodel, files
 from .config import BenchConfig
 from .entries import Entry, select_entries
 from .metadata import collect
-from .peers import TorchGloo, require_torch
+from .peers import TorchPeer, join_mpistrat, require_torch
 from .plot import plot, require_matplotlib
 from .progress import Progress
 from .recommend import Recommendation, recommend, write_spec_file
@@ -45,7 +45,8 @@ from .results import Point, baseline_of, group_by_size
 from .timing import Sweep
 
 __all__ = ["Outputs", "SweepPlan", "SweepResult", "prepare_sweep", "run_sweep", "analyse",
-           "analyse_file", "collective_check", "abort_on_error", "best_lines", "command_line"]
+           "analyse_file", "collective_check", "abort_on_error", "best_lines", "command_line",
+           "join_torch", "close_peers"]
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class SweepPlan:
     sizes: list[int]
     layout: Layout
     notes: list[str]
-    peer: Any = None
+    peers: list[TorchPeer] = field(default_factory=list)
 
 
 @dataclass
@@ -173,19 +174,33 @@ def prepare_sweep(config: BenchConfig, comm: Comm, outputs: Outputs | None = Non
         return entries, notes, config.sizes()
 
     entries, notes, sizes = collective_check(comm, check)
-    peer = join_torch(comm, config.np_dtype, notes) if config.compare else None
-    return SweepPlan(comm, config, entries, sizes, layout, notes, peer)
+    peers = join_torch(comm, config.np_dtype, notes) if config.compare else []
+    joined = {peer.label for peer in peers}
+    entries = [e for e in entries if e.kind != "torch" or e.label in joined]
+    return SweepPlan(comm, config, entries, sizes, layout, notes, peers)
 
 
-def join_torch(comm: Comm, dtype: Any, notes: list[str]) -> TorchGloo:
+def join_torch(comm: Comm, dtype: Any, notes: list[str]) -> list[TorchPeer]:
     """``--compare torch``: check on every rank that PyTorch can reduce ``dtype``, join a
-    gloo group over ``comm`` and note which one (collective; an error on every rank)."""
+    gloo group over ``comm`` (torch's default group) and, where it can be made, a group of
+    the ``"mpistrat"`` backend over the same ranks; note each, or why the second is
+    missing (collective; gloo failing is an error on every rank)."""
     collective_check(comm, lambda: require_torch(comm, dtype))
     with abort_on_error(comm):  # a rank failing to join would leave the others waiting
-        peer = TorchGloo(comm)
-    notes.append(f"torch-gloo: torch.distributed {peer.version}, gloo backend, process "
-                 f"group over the MPI world, {peer.threads} torch thread(s) per rank")
-    return peer
+        peers = [TorchPeer(comm, "gloo")]
+        mpistrat, problem = join_mpistrat(comm)
+    if mpistrat is not None:
+        peers.append(mpistrat)
+    notes.extend(peer.note() for peer in peers)
+    if problem is not None:
+        notes.append(f"torch-mpistrat: not measured: {problem}")
+    return peers
+
+
+def close_peers(peers: Sequence[TorchPeer]) -> None:
+    """Destroy the peers' groups, the ``new_group`` ones before the default group."""
+    for peer in reversed(peers):
+        peer.close()
 
 
 def _options(config: BenchConfig, plan: SweepPlan) -> dict[str, Any]:
@@ -358,7 +373,7 @@ def run_sweep(config: BenchConfig, outputs: Outputs | None = None, comm: Comm | 
                 print("\n".join(describe_run(meta)), file=out)
                 print(table.header(), file=out, flush=True)
             progress = Progress(len(plan.sizes), enabled=rank == 0 and not config.quiet)
-            sweep = Sweep(comm, config, plan.entries, plan.peer)
+            sweep = Sweep(comm, config, plan.entries, plan.peers)
             result = SweepResult(meta, [])
             started = time.perf_counter()
             try:
@@ -376,8 +391,7 @@ def run_sweep(config: BenchConfig, outputs: Outputs | None = None, comm: Comm | 
                     _write_outputs(result, outputs, complete=False)
             finally:
                 progress.close()
-                if plan.peer is not None:
-                    plan.peer.close()
+                close_peers(plan.peers)
     finally:
         comm.Free()
     if rank != 0:

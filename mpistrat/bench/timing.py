@@ -67,13 +67,15 @@ class Sweep:
         comm: the communicator (every rank takes part).
         config: the options.
         entries: what to time, in table order.
-        peer: the torch.distributed peer when an entry of kind ``"torch"`` is present.
+        peers: the torch.distributed peers (:class:`~.peers.TorchPeer`), one per entry of
+            kind ``"torch"``, whose label is the entry's.
     """
 
     def __init__(self, comm: Comm, config: BenchConfig, entries: Sequence[Entry],
-                 peer: Any = None) -> None:
+                 peers: Sequence[Any] = ()) -> None:
         self.MPI = mpi()
-        self.comm, self.config, self.entries, self.peer = comm, config, list(entries), peer
+        self.comm, self.config, self.entries = comm, config, list(entries)
+        self.peers = {peer.label: peer for peer in peers}
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.replicas = config.replicas_per_rank
         self.participants = self.size * self.replicas
@@ -86,7 +88,7 @@ class Sweep:
               nbytes: int) -> Callable[[int], Sequence[np.ndarray]]:
         comm, op, rpn = self.comm, self.op, self.config.ranks_per_node
         if entry.kind == "torch":
-            peer, participants = self.peer, self.participants
+            peer, participants = self.peers[entry.label], self.participants
 
             def torch_call(rotation: int) -> Sequence[np.ndarray]:
                 peer.all_reduce(work[0], op, participants)

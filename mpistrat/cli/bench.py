@@ -130,7 +130,7 @@ Examples:
   mpistrat bench --np 2 -b 4 -e 256M --recommend --save allreduce.spec --plot sweep.png
   mpistrat bench --np 2 --spec @allreduce.spec          measure a saved spec
   mpistrat bench --np 2 --batch resnet50 --num-packs 1,2,4 --agg-small-grads 64K:16
-  mpistrat bench --np 2 --batch resnet50 --compare torch   ... and torch.distributed (gloo)
+  mpistrat bench --np 2 --batch resnet50 --compare torch   ... and torch's gloo, mpistrat
   mpistrat bench --from-json sweep.json --model --predict-ranks 1024 --ranks-per-node 8
   mpistrat bench --from-json 2hosts.json --model-with 1host.json --model \
       --predict-ranks 1024 --predict-ranks-per-node 8     the two-level model
@@ -215,9 +215,10 @@ Examples:
               help="Use the cost model saved in this --json file instead of fitting; --model "
                    "prints its error on this run's points and --model-with's (validation).")
 @click.option("--compare", type=click.Choice(["torch"]), multiple=True,
-              help="Also measure torch.distributed (gloo), when PyTorch is installed; with "
+              help="Also measure torch.distributed over gloo and over the 'mpistrat' "
+                   "backend (torch-gloo, torch-mpistrat), when PyTorch is installed; with "
                    "--batch: all_reduce per tensor, all_reduce_coalesced, and one flat "
-                   "tensor (torch.cat).")
+                   "tensor (torch.cat), each over both.")
 @click.option("--transport", type=click.Choice(["auto", "net"]), default="auto",
               show_default=True,
               help="net: turn the MPI library's shared-memory path off (inter-node-like).")

@@ -46,6 +46,14 @@ def test_help_names_the_nccl_tests_options():
         assert option in result.output, option
 
 
+def test_help_says_compare_torch_measures_both_backends():
+    result = run("--help")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # (click wraps the help)
+    assert "torch.distributed over gloo and over the 'mpistrat' backend (torch-gloo, " \
+           "torch-mpistrat)" in text, result.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["-b", "1M", "-e", "1K"], "below --minbytes"),
     (["-b", "1.5K"], "--minbytes must be a byte count"),

@@ -3,8 +3,10 @@
 The ``--check`` test registers a deliberately wrong algorithm from a plugin module that
 this file writes into a temporary folder (``--plugin``); nothing test-only ships in the
 package's registry. ``--compare torch`` runs against a stand-in ``torch`` package (also
-written here, reducing through mpi4py) when PyTorch is not installed, which checks the
-glue (process group from the MPI world, op mapping, MEAN) but not gloo itself.
+written here, reducing through mpi4py), which checks the glue (process group from the MPI
+world, op mapping, MEAN) but not gloo itself, and that the ``torch-mpistrat`` column is
+left out with a note where ``mpistrat.torch`` cannot be imported; with PyTorch installed
+both columns run for real (gloo and the "mpistrat" backend).
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def test_compare_torch_missing_on_one_rank_is_one_error(bench, tmp_path, mode):
 TINY_BATCH = "[[16, 3, 3, 3], [16], [16], [64, 16], [64], [10]]"
 
 
-def test_batch_compare_torch_times_gloo_on_the_same_batch(bench, tmp_path):
+def test_batch_compare_torch_times_both_backends_on_the_same_batch(bench, tmp_path):
     dist = pytest.importorskip("torch.distributed")
     shapes, out_json = tmp_path / "shapes.json", tmp_path / "bt.json"
     shapes.write_text(TINY_BATCH)
@@ -236,10 +238,12 @@ def test_batch_compare_torch_times_gloo_on_the_same_batch(bench, tmp_path):
                    *TINY, "--json", str(out_json))
     assert result.returncode == 0, result.stdout + result.stderr
     doc = _json(out_json)
-    torch_rows = [("torch-gloo per-tensor", "torch-each", 6)]
-    if hasattr(dist, "all_reduce_coalesced"):
-        torch_rows.append(("torch-gloo all_reduce_coalesced", "torch-coalesced", 1))
-    torch_rows.append(("torch-gloo flat (cat, split)", "torch-flat", 1))
+    torch_rows = []
+    for peer in ("torch-gloo", "torch-mpistrat"):  # three rows each, gloo's first
+        torch_rows.append((f"{peer} per-tensor", "torch-each", 6))
+        if hasattr(dist, "all_reduce_coalesced"):
+            torch_rows.append((f"{peer} all_reduce_coalesced", "torch-coalesced", 1))
+        torch_rows.append((f"{peer} flat (cat, split)", "torch-flat", 1))
     n = len(torch_rows)
     assert [(r["label"], r["kind"]) for r in doc["results"][-n:]] == [
         (label, f"batch-{kind}") for label, kind, _ in torch_rows]
@@ -248,8 +252,11 @@ def test_batch_compare_torch_times_gloo_on_the_same_batch(bench, tmp_path):
     for r in doc["results"]:  # checked once, after warm-up and every round (-c)
         assert r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 and len(r["samples"]) == 2
     assert doc["inputs_modified"] == 0 and doc["meta"]["options"]["compare"] == ["torch"]
-    assert any(note.startswith("torch-gloo: torch.distributed ")
-               for note in doc["meta"]["notes"])
+    for peer, backend in (("torch-gloo", "gloo backend"),
+                          ("torch-mpistrat", "mpistrat backend")):
+        assert sum(note.startswith(f"{peer}: torch.distributed ") and backend in note
+                   and "torch thread(s) per rank" in note
+                   for note in doc["meta"]["notes"]) == 1, doc["meta"]["notes"]
     table = [line for line in result.stdout.splitlines() if not line.startswith("#")]
     for label, _, _ in torch_rows:
         assert sum(line.startswith(f" {label} ") for line in table) == 1, result.stdout
@@ -349,6 +356,50 @@ def test_compare_torch_runs_the_peer_from_the_mpi_world(bench, tmp_path):
     assert "torch.distributed 0.0-stand-in" in result.stdout
     assert "torch thread(s) per rank" in result.stdout
     assert "torch" not in result.stdout.split("spec: ")[1]
+    # the stand-in is no torch mpistrat.torch imports: gloo's column alone, and why
+    doc = _json(out_json)
+    assert doc["meta"]["options"]["entries"] == ["native", "rechd", "torch-gloo"]
+    assert not any(r["label"] == "torch-mpistrat" for r in doc["results"])
+    (why,) = [n for n in doc["meta"]["notes"] if n.startswith("torch-mpistrat")]
+    assert why.startswith("torch-mpistrat: not measured: rank(s) [0, 1]: import "
+                          "mpistrat.torch failed"), why
+    assert result.stdout.count("# note: torch-mpistrat: not measured") == 1
+
+
+def test_compare_torch_measures_gloo_and_the_mpistrat_backend(bench, tmp_path):
+    pytest.importorskip("torch.distributed")
+    out = {ext: tmp_path / f"t.{ext}" for ext in ("json", "csv", "md")}
+    result = bench(2, "--compare", "torch", "--algorithms", "rechd", "-c", "-b", "4",
+                   "-e", "64K", "-f", "128", *TINY, "--json", str(out["json"]),
+                   "--csv", str(out["csv"]), "--markdown", str(out["md"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    peers = ["torch-gloo", "torch-mpistrat"]
+    table = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
+    for size in ("4", "512", "65536"):  # a row of each column per size
+        assert [row[4] for row in table if row[0] == size] == ["native", "rechd", *peers]
+    doc = _json(out["json"])
+    assert doc["meta"]["options"]["entries"] == ["native", "rechd", *peers]
+    rows = [r for r in doc["results"] if r["kind"] == "torch"]
+    assert [r["label"] for r in rows] == peers * 3
+    assert all(r["wrong"] == 0 and r["checked"] == 1 + 1 + 2 for r in rows)
+    for peer, backend in zip(peers, ("gloo backend", "mpistrat backend")):
+        assert sum(note.startswith(f"{peer}: torch.distributed ") and backend in note
+                   for note in doc["meta"]["notes"]) == 1, doc["meta"]["notes"]
+    assert "torch-mpistrat: not measured" not in result.stdout
+    assert "Avg bus bandwidth" in result.stdout and " torch-mpistrat " in result.stdout
+    with out["csv"].open() as fh:
+        records = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    assert {r["algorithm"] for r in records if r["kind"] == "torch"} == set(peers)
+    markdown = out["md"].read_text()
+    assert all(markdown.count(f"| {peer} |") == 3 for peer in peers), markdown
+
+    # --from-json: the saved run's table again, both columns, and the analyses
+    again = CliRunner().invoke(cli, ["bench", "--from-json", str(out["json"])])
+    assert again.exit_code == 0, again.output
+    for peer in peers:
+        assert sum(f" {peer} " in line for line in again.output.splitlines()
+                   if not line.startswith("#")) == 3, again.output
+    assert "# Best vs native:" in again.output
 
 
 def test_transport_net_goes_through_the_network_module(bench, tmp_path, launcher):

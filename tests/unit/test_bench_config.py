@@ -222,7 +222,7 @@ def test_unknown_and_gpu_algorithms_are_errors():
 def test_specs_and_peers_are_entries():
     entries, _ = select_entries(Layout(2), None, specs=["rechd:1K:xring#2"],
                                 compare=["torch"])
-    assert labels(entries) == ["native", "spec:rechd:1K:xring#2", "torch-gloo"]
+    assert labels(entries) == ["native", "spec:rechd:1K:xring#2", "torch-gloo", "torch-mpistrat"]
     spec = entries[1]
     assert spec.route(1024) == ("rechd", 1) and spec.route(1025) == ("xring", 2)
     assert not spec.recommendable and entries[0].recommendable
