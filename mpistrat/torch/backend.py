@@ -424,7 +424,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             gathered = np.empty((self._size,) + array.shape, dtype=array.dtype)
             self._comm.Allgather(array.reshape(-1).view(np.uint8),
                                  gathered.reshape(-1).view(np.uint8))
-            result = gathered[0].copy()
+            result = np.array(gathered[0])  # (an array also for a 0-dim tensor)
             for k in range(1, self._size):
                 op(result, gathered[k], out=result)
             array[...] = result
