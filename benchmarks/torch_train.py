@@ -2,7 +2,8 @@
 """Training-step time of PyTorch data-parallel recipes over MPI on the CPU, interleaved.
 
     mpiexec -n 2 python benchmarks/torch_train.py [--model resnet50,digits] [--rounds 15]
-        [--steps N] [--batch N] [--variants local,mpi4py,ddp,mpistrat,mpistrat-zero]
+        [--steps N] [--batch N]
+        [--variants local,mpi4py,ddp,torch-ddp-mpistrat,mpistrat,mpistrat-zero]
         [--bucket-bytes 8M[,25M...]] [--spec SPEC] [--json FILE]
 
 Variants, each on its own copy of the same model with SGD (momentum 0.9):
@@ -14,6 +15,11 @@ Variants, each on its own copy of the same model with SGD (momentum 0.9):
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo (TCP on 127.0.0.1;
   rank 0 picks a free port and sends it through MPI), ``broadcast_buffers=False`` so it
   moves gradients only, like the others;
+* ``torch-ddp-mpistrat``: the same torch DDP over the ``"mpistrat"`` backend of
+  ``torch.distributed`` (:mod:`mpistrat.torch.backend`): a group made by
+  ``dist.new_group(backend="mpistrat")`` beside gloo's default group, given to DDP as
+  ``process_group=`` (torch's buckets, hooks and overlap; each bucket's all-reduce through
+  mpistrat's engine);
 * ``mpistrat``: :class:`mpistrat.torch.DistributedDataParallel` (``--spec``, default its
   own choice; one variant per ``--bucket-bytes`` size); ``mpistrat-hooks`` the same with
   every gradient through its hook, also where the model would take the fused pass at
@@ -124,7 +130,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
 
 
 def _gloo_group(comm: Any) -> None:
-    """A gloo process group over the ranks of ``comm`` (TCP on 127.0.0.1)."""
+    """A gloo process group over the ranks of ``comm`` (TCP on 127.0.0.1), torch's default
+    group (made once)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -139,6 +146,20 @@ def _gloo_group(comm: Any) -> None:
                             rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
+_MPISTRAT_GROUP: list[Any] = []
+
+
+def _mpistrat_group(comm: Any) -> Any:
+    """A group of the ``"mpistrat"`` backend (registered by ``import mpistrat.torch``) over
+    every rank of gloo's default group, which it joins first (made once, collectively)."""
+    import torch.distributed as dist
+
+    if not _MPISTRAT_GROUP:
+        _gloo_group(comm)
+        _MPISTRAT_GROUP.append(dist.new_group(backend=mt.BACKEND_NAME))
+    return _MPISTRAT_GROUP[0]
+
+
 class Variant:
     """One recipe: its own model copy, optimizer and per-step times."""
 
@@ -150,6 +171,9 @@ class Variant:
         if name == "ddp":
             _gloo_group(comm)
             model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        elif name == "torch-ddp-mpistrat":
+            model = nn.parallel.DistributedDataParallel(
+                model, broadcast_buffers=False, process_group=_mpistrat_group(comm))
         elif name.startswith("mpistrat"):
             fused = mt.FUSED_BYTES
             if name.startswith("mpistrat-hooks"):  # every model through the hooks
@@ -246,7 +270,8 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet50,digits")
-    parser.add_argument("--variants", default="local,mpi4py,ddp,mpistrat,mpistrat-zero")
+    parser.add_argument("--variants",
+                        default="local,mpi4py,ddp,torch-ddp-mpistrat,mpistrat,mpistrat-zero")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=0,
                         help="per variant per round (default: 2 for resnet50, 20 for digits)")
@@ -266,8 +291,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == 0:
         print(describe_heap(os.environ.get("GLIBC_TUNABLES"), thp_mode()) + "\n")
-    if comm.Get_size() == 1 and "ddp" in args.variants:
-        args.variants.remove("ddp")
+    if comm.Get_size() == 1:  # (no torch DDP of one process)
+        args.variants = [v for v in args.variants if v not in ("ddp", "torch-ddp-mpistrat")]
     results = []
     explicit_batch, explicit_steps = args.batch, args.steps
     for name in args.model.split(","):
