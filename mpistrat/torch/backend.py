@@ -459,7 +459,37 @@ class ProcessGroupMPI(dist.ProcessGroup):
                     and opts.timeout.total_seconds() < 0:
                 all_reduce(_numpy_of(tensor), op, self._spec, self._comm, inplace=True)
                 return _Done(tensors)
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, opts)
         return self._allreduce("all_reduce", tensors, opts)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        """SUM of sparse COO tensors (DDP's gradients of ``nn.Embedding(sparse=True)``):
+        every rank's indices and values gathered, concatenated in rank order and
+        coalesced; the result replaces each tensor's contents."""
+        def describe() -> str:
+            if (opts.reduceOp.op != _RED.SUM or len(tensors) != 1
+                    or tensors[0].layout != torch.sparse_coo):
+                raise TypeError("sparse all_reduce takes one sparse COO tensor and SUM")
+            return f"all_reduce sparse {tuple(tensors[0].shape)}:{tensors[0].dtype}"
+        self._checked("all_reduce", opts, describe)
+        tensor = tensors[0]
+        mine = tensor.detach().coalesce().cpu()
+        indices = self._gather_rows(mine.indices().t().contiguous())
+        values = self._gather_rows(mine.values().contiguous())
+        total = torch.sparse_coo_tensor(indices.t(), values, tensor.shape).coalesce()
+        with torch.no_grad():
+            tensor.copy_(total.to(tensor.device))
+        return _Work(tensors)
+
+    def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``rows`` (same trailing shape and dtype), concatenated in rank
+        order (``MPI_Allgatherv`` of their bytes)."""
+        counts = self._comm.allgather(rows.numel() * rows.element_size())
+        out = torch.empty(sum(counts) // max(rows.element_size(), 1), dtype=rows.dtype)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        self._comm.Allgatherv(_bytes(rows), [_bytes(out), counts, starts, mpi().BYTE])
+        return out.view(-1, *rows.shape[1:])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
@@ -612,8 +642,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> _Work:
-        for outputs, input in zip(output_lists, inputs):
-            self.allgather([outputs], [input], opts)
+        # torch's layout (gloo's): output_lists[rank][i] receives rank's inputs[i]
+        if len(output_lists) != self._size or any(len(o) != len(inputs)
+                                                  for o in output_lists):
+            self._fail("all_gather_coalesced", ValueError(
+                f"all_gather_coalesced needs one output list per rank ({self._size}), each "
+                f"with one tensor per input ({len(inputs)})"), opts)
+        for i, input in enumerate(inputs):
+            self.allgather([[outputs[i] for outputs in output_lists]], [input], opts)
         return _Work(output_lists)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
