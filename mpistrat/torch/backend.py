@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,6 +181,7 @@ class _Work(dist._Work):
         self._source = source
         self._what = what  # "recv from rank 1 (tag 0)", for the timeout's message
         self._timeout = timeout  # the group's, for a wait() without one
+        self._lock = threading.Lock()
         # made on the first get_future() (DDP's buckets ask; a plain call never does)
         self._future: torch.futures.Future | None = None
         if not self._requests:
@@ -195,6 +197,12 @@ class _Work(dist._Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._requests:
             return True
+        with self._lock:  # (the caller and a future's thread may both wait)
+            if self._requests:
+                self._wait(timeout)
+        return True
+
+    def _wait(self, timeout: datetime.timedelta | None) -> None:
         seconds = _timeout_seconds(timeout) if timeout is not None else self._timeout
         status = mpi().Status()
         (request,) = self._requests  # (one request per work)
@@ -210,7 +218,6 @@ class _Work(dist._Work):
                         [self._source] if self._source >= 0 else [])
                 time.sleep(0.0002)
         self._done(status)
-        return True
 
     def _done(self, status: Any) -> None:
         self._requests = []
@@ -223,13 +230,26 @@ class _Work(dist._Work):
             self._future = torch.futures.Future()
             if not self._requests:
                 self._future.set_result(self._result)
+            else:  # a send or receive: a thread completes it (Wait releases the GIL)
+                threading.Thread(target=self._finish_in_background, daemon=True,
+                                 name="mpistrat-p2p").start()
         return self._future
 
+    def _finish_in_background(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
+            assert self._future is not None
+            self._future.set_exception(exc)
+
     def is_completed(self) -> bool:
-        if self._requests:
-            status = mpi().Status()
-            if self._requests[0].Test(status):
-                self._done(status)
+        if self._requests and self._lock.acquire(blocking=False):
+            try:
+                status = mpi().Status()
+                if self._requests and self._requests[0].Test(status):
+                    self._done(status)
+            finally:
+                self._lock.release()
         return not self._requests
 
     def is_success(self) -> bool:
@@ -777,6 +797,18 @@ class ProcessGroupMPI(dist.ProcessGroup):
         counts_in = [c * size for c in receive_counts]
         displ_out = np.concatenate(([0], np.cumsum(counts_out)[:-1])).tolist()
         displ_in = np.concatenate(([0], np.cumsum(counts_in)[:-1])).tolist()
+        # every rank's splits are its own, so they are checked pairwise: each rank learns
+        # what every peer sends it (one Alltoall of counts) and agrees on whether it
+        # expects exactly that, so a mismatch raises on every rank instead of garbage
+        sent = np.empty(self._size, dtype=np.int64)
+        self._comm.Alltoall(np.asarray(send_counts, dtype=np.int64), sent)
+        wrong = [k for k in range(self._size) if sent[k] != receive_counts[k]]
+        error = None if not wrong else ValueError(
+            f"all_to_all: rank {self._comm.Get_rank()} expects "
+            f"{[receive_counts[k] for k in wrong]} elements from rank(s) {wrong}, which "
+            f"send {[int(sent[k]) for k in wrong]}: each rank's output split for a peer "
+            f"must be that peer's input split for it")
+        self._agree("all_to_all", None if error else "all_to_all counts", error)
         MPI = mpi()
         self._comm.Alltoallv([_bytes(send), counts_out, displ_out, MPI.BYTE],
                              [_bytes(receive), counts_in, displ_in, MPI.BYTE])
