@@ -1004,3 +1004,81 @@ def test_point_to_point_wait_times_out_naming_the_peer(pg):
     WORLD.Barrier()
     dist.destroy_process_group(timed)
     finish(WORLD, problems, [])
+
+
+# --- found by PyTorch's own distributed tests (bin/torch-upstream-check) and review -----
+
+def test_all_gather_coalesced_fills_torchs_layout(pg):
+    """``outputs[r][i]`` is rank r's ``inputs[i]`` (gloo's layout), with as many inputs
+    as ranks so that the transposed layout would also fit, and with other shapes."""
+    size, rank = WORLD.size, WORLD.rank
+    for shapes in ([(2,)] * size, [(1,), (3, 2)]):
+        inputs = [data(rank, s, salt=i) for i, s in enumerate(shapes)]
+        outputs = [[torch.zeros(s) for s in shapes] for _ in range(size)]
+        with warnings.catch_warnings():  # deprecated in torch, still callable
+            warnings.simplefilter("ignore")
+            dist.all_gather_coalesced(outputs, inputs)
+        problems = [f"outputs[{r}][{i}] = {outputs[r][i].tolist()}, expected rank {r}'s "
+                    f"input {i}" for r in range(size) for i, s in enumerate(shapes)
+                    if not torch.equal(outputs[r][i], data(r, s, salt=i))]
+        finish(WORLD, problems, [])
+
+
+def test_sparse_all_reduce_sums_every_ranks_entries(pg):
+    """SUM of COO tensors whose entries overlap between ranks (DDP's sparse gradients)."""
+    size, rank = WORLD.size, WORLD.rank
+
+    def entries(r):
+        return [[r % 4, 5], [1.0 + r, 2.0]]
+
+    index, values = entries(rank)
+    t = torch.sparse_coo_tensor([index], values, (8,))
+    dist.all_reduce(t)
+    want = sum(torch.sparse_coo_tensor([entries(r)[0]], entries(r)[1], (8,)).to_dense()
+               for r in range(size))
+    problems = [] if torch.equal(t.to_dense(), want) else \
+        [f"got {t.to_dense().tolist()}, expected {want.tolist()}"]
+    finish(WORLD, problems, [digest(bits(t.to_dense()))])
+
+
+def test_mismatched_all_to_all_splits_raise_on_every_rank(pg):
+    """Rank 0 expects no row from itself and two from the last rank, which send it one
+    each: every rank raises (rank 0 its own error, the others a mismatch naming it)
+    instead of garbage on one side, and the group goes on working."""
+    _needs_a_peer()
+    size, rank = WORLD.size, WORLD.rank
+    input = torch.full((size, 2), float(rank))
+    output = torch.zeros(size, 2)
+    splits = [1] * size
+    if rank == 0:
+        splits[0], splits[-1] = 0, 2
+    problems = []
+    try:
+        dist.all_to_all_single(output, input, output_split_sizes=splits,
+                               input_split_sizes=[1] * size)
+        problems.append(f"rank {rank}: no error")
+    except (CollectiveMismatchError, ValueError, RuntimeError) as exc:
+        if "all_to_all" not in str(exc) or (rank != 0 and "rank(s) [0]" not in str(exc)):
+            problems.append(f"rank {rank}: the error does not name the call or rank 0: "
+                            f"{exc}")
+    dist.all_to_all_single(output, input)
+    if not torch.equal(output[:, 0], torch.arange(size, dtype=torch.float32)):
+        problems.append(f"all_to_all_single after the mismatch: {output.tolist()}")
+    finish(WORLD, problems, [])
+
+
+def test_a_receives_future_completes_without_wait(pg):
+    """``irecv(...).get_future().wait()`` alone (no ``Work.wait()``) returns once the
+    peer has sent, as with gloo."""
+    _needs_a_peer()
+    rank = WORLD.rank
+    got = torch.zeros(2)
+    problems = []
+    if rank == 1:
+        value = dist.irecv(got, src=0).get_future().wait()
+        if not (torch.equal(got, torch.full((2,), 7.0)) and value[0] is got):
+            problems.append(f"received {got.tolist()}, future {value!r}")
+    elif rank == 0:
+        time.sleep(0.2)  # the future is waited on before the message leaves
+        dist.send(torch.full((2,), 7.0), dst=1)
+    finish(WORLD, problems, [])
