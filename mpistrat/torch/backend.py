@@ -587,6 +587,18 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     # --- data movement ------------------------------------------------------------------
 
+    def _one_per_rank(self, what: str, tensors: Sequence[torch.Tensor],
+                      like: torch.Tensor) -> None:
+        """Raise unless ``tensors`` holds one tensor per rank of ``like``'s size and
+        dtype."""
+        if len(tensors) != self._size:
+            raise ValueError(f"{what} must be one tensor per rank ({self._size}), got "
+                             f"{len(tensors)}")
+        for t in tensors:
+            if t.numel() != like.numel() or t.dtype != like.dtype:
+                raise ValueError(f"{what} must match ({tuple(like.shape)}, {like.dtype}), "
+                                 f"got {tuple(t.shape)}, {t.dtype}")
+
     def _check_root(self, what: str, root: int) -> None:
         if not 0 <= root < self._size:
             self._fail(what, ValueError(f"{what}: root {root} is not a rank of the group "
@@ -616,14 +628,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         outputs, input = output_tensors[0], input_tensors[0]
 
         def describe() -> str:
-            if len(outputs) != self._size:
-                raise ValueError(f"all_gather needs one output tensor per rank "
-                                 f"({self._size}), got {len(outputs)}")
-            for t in outputs:
-                if t.numel() != input.numel() or t.dtype != input.dtype:
-                    raise ValueError(f"all_gather's output tensors must match the input "
-                                     f"({tuple(input.shape)}, {input.dtype}), got "
-                                     f"{tuple(t.shape)}, {t.dtype}")
+            self._one_per_rank("all_gather's outputs", outputs, input)
             return f"all_gather {_describe([input])}"
         self._checked("all_gather", opts, describe)
         gathered = self._gather_all(input)
@@ -681,10 +686,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
         def describe() -> str:
             if is_root:
-                outputs = output_tensors[0] if output_tensors else []
-                if len(outputs) != self._size:
-                    raise ValueError(f"gather's root needs one output tensor per rank "
-                                     f"({self._size}), got {len(outputs)}")
+                self._one_per_rank("gather's outputs on the root",
+                                   output_tensors[0] if output_tensors else [], input)
             return f"gather root={root} {_describe([input])}"
         self._checked("gather", opts, describe)
         source = _Staged(input).work
@@ -707,15 +710,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
         def describe() -> str:
             if is_root:
-                inputs = input_tensors[0] if input_tensors else []
-                if len(inputs) != self._size:
-                    raise ValueError(f"scatter's root needs one input tensor per rank "
-                                     f"({self._size}), got {len(inputs)}")
-                for t in inputs:
-                    if t.numel() != output.numel() or t.dtype != output.dtype:
-                        raise ValueError(f"scatter's inputs must match the output "
-                                         f"({tuple(output.shape)}, {output.dtype}), got "
-                                         f"{tuple(t.shape)}, {t.dtype}")
+                self._one_per_rank("scatter's inputs on the root",
+                                   input_tensors[0] if input_tensors else [], output)
             return f"scatter root={root} {_describe([output])}"
         self._checked("scatter", opts, describe)
         staged = _Staged(output, read=False)
