@@ -3,7 +3,7 @@
 library's ``MPI_Allreduce`` and ``mpistrat.all_reduce``, per size.
 
     mpiexec -n 2 python benchmarks/torch_collectives.py [--sizes 1K,64K,1M,64M]
-        [--iters N] [--warmup N] [--spec SPEC] [--json FILE]
+        [--iters N] [--warmup N] [--spec SPEC] [--no-gloo] [--json FILE]
 
 Variants, each on a float32 buffer of its own, summed in place:
 
@@ -59,9 +59,13 @@ from mpistrat.torch.backend import TORCH_SPEC
 REFERENCE = "MPI_Allreduce"
 
 
-def _groups(comm: Any) -> Any:
+def _groups(comm: Any, gloo: bool) -> Any:
     """Gloo as torch's default group over the ranks of ``comm`` (``COMM_WORLD``), and a
-    group of the ``"mpistrat"`` backend over the same ranks (returned)."""
+    group of the ``"mpistrat"`` backend over the same ranks (returned); without gloo, the
+    default group is the ``"mpistrat"`` one."""
+    if not gloo:
+        dist.init_process_group(mt.BACKEND_NAME)
+        return dist.group.WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     store, address = None, None
     if rank == 0:  # the store binds a port of the system's choice; the others are told it
@@ -75,7 +79,7 @@ def _groups(comm: Any) -> Any:
     return dist.new_group(backend=mt.BACKEND_NAME)
 
 
-def _variants(comm: Any, group: Any, spec: str, count: int
+def _variants(comm: Any, group: Any, spec: str, count: int, gloo: bool
               ) -> tuple[dict[str, Callable[[], object]], dict[str, np.ndarray]]:
     """The calls to time, by name, and each one's buffer (its own, reduced in place)."""
     buffers = {name: np.zeros(count, np.float32) for name in
@@ -91,6 +95,8 @@ def _variants(comm: Any, group: Any, spec: str, count: int
         "dist.all_reduce (mpistrat)": lambda: dist.all_reduce(on_mpistrat, group=group),
         "dist.all_reduce (gloo)": lambda: dist.all_reduce(on_gloo),
     }
+    if not gloo:
+        del calls["dist.all_reduce (gloo)"], buffers["dist.all_reduce (gloo)"]
     return calls, buffers
 
 
@@ -116,10 +122,10 @@ def _default_iters(nbytes: int) -> int:
 
 
 def measure(comm: Any, group: Any, spec: str, nbytes: int, iters: int | None,
-            warmup: int | None) -> list[dict[str, Any]]:
+            warmup: int | None, gloo: bool = True) -> list[dict[str, Any]]:
     """The rows of one size (collective)."""
     count = max(1, nbytes // 4)
-    calls, buffers = _variants(comm, group, spec, count)
+    calls, buffers = _variants(comm, group, spec, count, gloo)
     ok = _check(comm, calls, buffers)
     iters = iters or _default_iters(count * 4)
     warmup = warmup if warmup is not None else max(2, iters // 10)
@@ -172,6 +178,9 @@ def main() -> None:
     parser.add_argument("--spec", default=None,
                         help="the spec of the backend and of mpistrat.all_reduce (default: "
                              "MPISTRAT_TORCH_SPEC, else shm on one node, shm/rechd across)")
+    parser.add_argument("--no-gloo", action="store_true",
+                        help="leave gloo out (its threads disturb the small calls of the "
+                             "others on a machine with one core per rank)")
     parser.add_argument("--json")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
@@ -180,10 +189,11 @@ def main() -> None:
     nodes = get_topology(comm).num_nodes
     spec = args.spec or os.environ.get(TORCH_SPEC) or ("shm" if nodes == 1 else "shm/rechd")
     os.environ[TORCH_SPEC] = spec  # the backend's group reads it when it is made
-    group = _groups(comm)
+    group = _groups(comm, not args.no_gloo)
     rows = []
     for text in args.sizes.split(","):
-        rows.extend(measure(comm, group, spec, parse_bytes(text), args.iters, args.warmup))
+        rows.extend(measure(comm, group, spec, parse_bytes(text), args.iters, args.warmup,
+                            not args.no_gloo))
     if comm.Get_rank() == 0:
         load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
         library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -198,7 +208,8 @@ def main() -> None:
                 json.dump({"ranks": comm.Get_size(), "nodes": nodes, "spec": spec,
                            "torch": torch.__version__, "mpistrat": mpistrat.__version__,
                            "rows": rows}, file, indent=1)
-    dist.destroy_process_group(group)
+    if not args.no_gloo:
+        dist.destroy_process_group(group)
     dist.destroy_process_group()
 
 

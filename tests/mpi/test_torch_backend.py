@@ -1082,3 +1082,25 @@ def test_a_receives_future_completes_without_wait(pg):
         time.sleep(0.2)  # the future is waited on before the message leaves
         dist.send(torch.full((2,), 7.0), dst=1)
     finish(WORLD, problems, [])
+
+
+def test_the_same_tensor_resized_or_given_new_storage_is_reduced_whole(pg):
+    """The fast all_reduce keeps the last tensor's NumPy view: a tensor shrunk in place
+    (same storage), grown, or set to another storage must be reduced as it is now."""
+    size = WORLD.size
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    problems = []
+    for change in (lambda: t.resize_(4), lambda: t.resize_(64),
+                   lambda: t.set_(torch.zeros(16).untyped_storage())):
+        change()
+        t.fill_(1.0)
+        dist.all_reduce(t)
+        if not torch.equal(t, torch.full(t.shape, float(size))):
+            problems.append(f"after a change to {tuple(t.shape)}: {t.tolist()}")
+    u = torch.ones(3, dtype=torch.float64)
+    for op, want in ((R.SUM, float(size)), (R.MAX, float(size)), (R.SUM, float(size) ** 2)):
+        dist.all_reduce(u, op=op)  # the same tensor, another op: not the cached one
+        if not torch.equal(u, torch.full((3,), want, dtype=torch.float64)):
+            problems.append(f"{op}: {u.tolist()}, expected {want}")
+    finish(WORLD, problems, [])
