@@ -107,9 +107,6 @@ def test_a_users_rank_that_is_not_mpis_stops_every_rank_before_the_script(
 
 @pytest.mark.parametrize("init", ["gloo", None])
 def test_torch_backend_mpistrat_replaces_gloo(torch_script, init):
-    mpistrat_torch = pytest.importorskip("mpistrat.torch")
-    if not hasattr(mpistrat_torch, "use_instead_of_gloo"):
-        pytest.skip("mpistrat.torch.use_instead_of_gloo is not there yet")
     result = subprocess.run([sys.executable, "-m", "mpistrat", "run", "-n", "2",
                              "--torch-backend", "mpistrat", str(torch_script),
                              *([init] if init else [])],
@@ -136,3 +133,37 @@ def test_torch_backend_mpistrat_without_torch_stops_every_rank(mpirun, mpistrat_
     assert result.stderr.count("--torch-backend mpistrat needs mpistrat.torch: PyTorch is "
                                "not installed: pip install 'mpistrat[torch]'") == 1, \
         result.stderr
+
+
+FAILING = textwrap.dedent("""\
+    import sys, time
+    import torch, torch.distributed as dist
+    import mpistrat.torch
+    dist.init_process_group("mpistrat")
+    if dist.get_rank() == 1:
+        if sys.argv[1] == "raise":
+            raise RuntimeError("rank one broke")
+        time.sleep(60)
+    dist.all_reduce(torch.ones(1000))
+    print("@@ past the all_reduce", flush=True)
+    """)
+
+
+@pytest.mark.parametrize("how", ["raise", "stall"])
+def test_a_rank_that_fails_or_never_comes_ends_the_job_with_one_account(torch_script,
+                                                                       tmp_path, how):
+    """mpistrat run's failure handling covers the backend's collectives: rank 1 raises
+    (one traceback, the job ends with its status) or sleeps past --timeout while rank 0
+    waits in dist.all_reduce (the timeout names rank 1)."""
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    result = subprocess.run([sys.executable, "-m", "mpistrat", "run", "-n", "2",
+                             "--stall-check", "2", "--timeout", "5", str(script), how],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "@@" not in result.stdout, out
+    if how == "raise":
+        assert out.count("RuntimeError: rank one broke") == 1, out
+    else:
+        assert "CollectiveTimeoutError" in out and "rank(s) [1] did not arrive" in out, out
