@@ -41,10 +41,7 @@ How each call runs:
 
 from __future__ import annotations
 
-import datetime
 import os
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,11 +50,20 @@ import torch
 import torch.distributed as dist
 
 from ..allreduce import all_reduce
-from ..errors import CollectiveTimeoutError
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import agree
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
+from .tensors import (
+    Staged,
+    apart,
+    byte_view,
+    describe_tensors,
+    host_view,
+    numpy_dtype,
+    numpy_view,
+)
+from .work import Done, Work, keep, timeout_seconds
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMPI", "register", "use_instead_of_gloo", "TORCH_SPEC",
            "TORCH_CUDA_SPEC"]
@@ -84,249 +90,6 @@ _FAST = {(red, dtype): name for red, name in _ENGINE_OPS.items()
 _SUMMABLE = frozenset(dtype for _, dtype in _FAST)
 _SUM_OP = dist.ReduceOp.SUM
 _UNSET_TIMEOUT = dist.AllreduceOptions().timeout  # (a call without a timeout of its own)
-_NUMPY: dict[torch.dtype, Any] = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
-    torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-    torch.uint8: np.uint8, torch.bool: np.bool_}
-for _name, _np in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
-    if hasattr(torch, _name):
-        _NUMPY[getattr(torch, _name)] = _np
-
-
-def _bfloat16() -> Any:
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError("bfloat16 tensors need the ml_dtypes package for NumPy's bfloat16: "
-                        "pip install ml_dtypes") from None
-    return ml_dtypes.bfloat16
-
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype == torch.bfloat16:
-        return np.dtype(_bfloat16())
-    found = _NUMPY.get(dtype)
-    if found is None:
-        raise TypeError(f"the mpistrat backend cannot reduce tensors of dtype {dtype}: "
-                        f"expected one of {sorted(str(d) for d in _NUMPY)} or torch.bfloat16")
-    return np.dtype(found)
-
-
-def _host(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
-    if tensor.dtype == torch.bfloat16:
-        return _numpy_of(tensor.view(torch.int16)).view(_bfloat16())
-    return _numpy_of(tensor)
-
-
-def _numpy_of(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor of a dtype NumPy has. Through DLPack, not
-    ``Tensor.numpy()``, which marks the tensor's storage as never resizable again (a
-    user's ``resize_`` after a collective would fail, as it does not with gloo)."""
-    return np.from_dlpack(tensor.detach())
-
-
-def _bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor, as a uint8 NumPy view."""
-    return _numpy_of(tensor.reshape(-1).view(torch.uint8))
-
-
-class _Staged:
-    """A contiguous CPU tensor to work on for ``tensor``, written back by :meth:`done`."""
-
-    __slots__ = ("tensor", "work", "back")
-
-    def __init__(self, tensor: torch.Tensor, read: bool = True) -> None:
-        self.tensor = tensor
-        self.back = tensor.device.type != "cpu" or not tensor.is_contiguous()
-        if not self.back:
-            self.work = tensor
-        elif read:
-            self.work = tensor.detach().to("cpu", memory_format=torch.contiguous_format,
-                                           copy=True)
-        else:
-            self.work = torch.empty(tensor.shape, dtype=tensor.dtype)
-
-    def done(self) -> None:
-        if self.back:
-            with torch.no_grad():
-                self.tensor.copy_(self.work)
-
-
-def _apart(input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of ``input`` where it shares storage with ``output`` (FSDP
-    all-gathers a shard that lives inside the output; MPI forbids aliased buffers),
-    else ``input`` staged as usual."""
-    if input.device == output.device and \
-            input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
-        return input.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-    return _Staged(input).work
-
-
-def _describe(tensors: Sequence[torch.Tensor]) -> str:
-    return ",".join(f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tensors)
-
-
-class _Work(dist._Work):
-    """What a call of the backend returns: finished at once for collectives, finished
-    by ``wait()`` for point-to-point requests."""
-
-    def __init__(self, result: Any, requests: Sequence[Any] = (),
-                 finish: Callable[[], None] | None = None, source: int = -1,
-                 what: str = "", timeout: float | None = None) -> None:
-        super().__init__()
-        self._result = result
-        self._requests = list(requests)
-        self._finish = finish
-        self._source = source
-        self._what = what  # "recv from rank 1 (tag 0)", for the timeout's message
-        self._timeout = timeout  # the group's, for a wait() without one
-        self._lock = threading.Lock()
-        # made on the first get_future() (DDP's buckets ask; a plain call never does)
-        self._future: torch.futures.Future | None = None
-        if not self._requests:
-            self._complete()
-
-    def _complete(self) -> None:
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        if self._future is not None:
-            self._future.set_result(self._result)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if not self._requests:
-            return True
-        with self._lock:  # (the caller and a future's thread may both wait)
-            if self._requests:
-                self._wait(timeout)
-        return True
-
-    def _wait(self, timeout: datetime.timedelta | None) -> None:
-        seconds = _timeout_seconds(timeout) if timeout is not None else self._timeout
-        status = mpi().Status()
-        (request,) = self._requests  # (one request per work)
-        if seconds is None:
-            request.Wait(status)
-        else:
-            deadline = time.monotonic() + seconds
-            while not request.Test(status):
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"torch.distributed {self._what} did not complete within "
-                        f"{seconds:g} s: is the matching send/recv posted on the peer?",
-                        [self._source] if self._source >= 0 else [])
-                time.sleep(0.0002)
-        self._done(status)
-
-    def _done(self, status: Any) -> None:
-        self._requests = []
-        if self._source < 0:
-            self._source = status.Get_source()
-        self._complete()
-
-    def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            self._future = torch.futures.Future()
-            if not self._requests:
-                self._future.set_result(self._result)
-            else:  # a send or receive: a thread completes it (Wait releases the GIL)
-                threading.Thread(target=self._finish_in_background, daemon=True,
-                                 name="mpistrat-p2p").start()
-        return self._future
-
-    def _finish_in_background(self) -> None:
-        try:
-            self.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
-            assert self._future is not None
-            self._future.set_exception(exc)
-
-    def is_completed(self) -> bool:
-        if self._requests and self._lock.acquire(blocking=False):
-            try:
-                status = mpi().Status()
-                if self._requests and self._requests[0].Test(status):
-                    self._done(status)
-            finally:
-                self._lock.release()
-        return not self._requests
-
-    def is_success(self) -> bool:
-        return self.is_completed()
-
-    def exception(self) -> Any:
-        return None
-
-    def result(self) -> Any:
-        self.wait()
-        return self._result
-
-    def _source_rank(self) -> int:
-        self.wait()
-        return self._source
-
-    def source_rank(self) -> int:
-        return self._source_rank()
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
-class _Done(dist._Work):
-    """The work of a collective that has finished: what :class:`_Work` is for one without
-    requests, at a quarter of the cost (the fast all_reduce returns one per call)."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._result)
-        return future
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> Any:
-        return None
-
-    def result(self) -> Any:
-        return self._result
-
-    def synchronize(self) -> None:
-        pass
-
-
-def _keep(data: Any) -> None:
-    """(A send's buffer is referenced by its work until the request completes.)"""
-
-
-def _timeout_seconds(timeout: Any) -> float | None:
-    """Seconds of a user's timeout; None for no bound (unset, or torch's default)."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
-        else float(timeout)
-    if seconds <= 0 or timeout == _DEFAULT_TIMEOUT:
-        return None
-    return seconds
-
-
-try:
-    from torch.distributed.constants import default_pg_timeout as _DEFAULT_TIMEOUT
-except ImportError:  # pragma: no cover - every torch this supports has it
-    _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-
-
 class ProcessGroupMPI(dist.ProcessGroup):
     """A ``torch.distributed`` process group over an MPI communicator.
 
@@ -395,7 +158,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def _agree(self, what: str, signature: str | None, error: BaseException | None = None,
                timeout: Any = None) -> None:
-        seconds = _timeout_seconds(timeout) if timeout is not None else None
+        seconds = timeout_seconds(timeout) if timeout is not None else None
         agree(self._comm, signature, error, f"torch.distributed.{what}", _HINT,
               timeout=self._timeout if seconds is None else seconds)
 
@@ -460,18 +223,18 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 raise ValueError(f"{what} got no tensors")
             ops = {str(self._op(opts, t.dtype)) for t in tensors}
             for t in tensors:
-                _np_dtype(t.dtype)
-            return f"{what} op={sorted(ops)} {_describe(tensors)}"
+                numpy_dtype(t.dtype)
+            return f"{what} op={sorted(ops)} {describe_tensors(tensors)}"
         self._checked(what, opts, describe)
         op = self._op(opts, tensors[0].dtype)
         if len({t.dtype for t in tensors}) > 1:
             for t in tensors:  # one dtype at a time
-                self._reduce_arrays([_host(t)], self._op(opts, t.dtype))
+                self._reduce_arrays([host_view(t)], self._op(opts, t.dtype))
         else:
-            self._reduce_arrays([_host(t) for t in tensors], op)
+            self._reduce_arrays([host_view(t) for t in tensors], op)
         return []
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = dist.AllreduceOptions() if opts is None else opts
         if len(tensors) == 1 and self._timeout is None:
             # the common call (DDP's buckets, dist.all_reduce): straight into the engine,
@@ -492,7 +255,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 op = _FAST.get((red.op, tensor.dtype))
             if op is not None and tensor.is_cpu and tensor.is_contiguous() \
                     and opts.timeout == _UNSET_TIMEOUT:
-                array, done = _numpy_of(tensor), _Done([tensor])
+                array, done = numpy_view(tensor), Done([tensor])
                 all_reduce(array, op, self._spec, self._comm, inplace=True)
                 # (kept as its RedOpType: a ReduceOp compares with one 6x faster than
                 # with another ReduceOp)
@@ -503,7 +266,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             return self._sparse_allreduce(tensors, opts)
         return self._allreduce("all_reduce", tensors, opts)
 
-    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """SUM of sparse COO tensors (DDP's gradients of ``nn.Embedding(sparse=True)``):
         every rank's indices and values gathered, concatenated in rank order and
         coalesced; the result replaces each tensor's contents."""
@@ -520,7 +283,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         total = torch.sparse_coo_tensor(indices.t(), values, tensor.shape).coalesce()
         with torch.no_grad():
             tensor.copy_(total.to(tensor.device))
-        return _Work(tensors)
+        return Work(tensors)
 
     def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every rank's ``rows`` (same trailing shape and dtype), concatenated in rank
@@ -528,28 +291,28 @@ class ProcessGroupMPI(dist.ProcessGroup):
         counts = self._comm.allgather(rows.numel() * rows.element_size())
         out = torch.empty(sum(counts) // max(rows.element_size(), 1), dtype=rows.dtype)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-        self._comm.Allgatherv(_bytes(rows), [_bytes(out), counts, starts, mpi().BYTE])
+        self._comm.Allgatherv(byte_view(rows), [byte_view(out), counts, starts, mpi().BYTE])
         return out.view(-1, *rows.shape[1:])
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
         return self._allreduce("all_reduce_coalesced", tensors, opts)
 
-    def _allreduce(self, what: str, tensors: list[torch.Tensor], opts: Any) -> _Work:
+    def _allreduce(self, what: str, tensors: list[torch.Tensor], opts: Any) -> Work:
         if len(tensors) == 1 and tensors[0].device.type == "cuda" \
                 and (opts.reduceOp.op, tensors[0].dtype) in _FAST:
             # a CUDA tensor stays on its device: the engine's CuPy path (NCCL where the
             # spec says so), with the agreement first as for every call
             self._checked(what, opts, lambda: f"{what} op={self._op(opts, tensors[0].dtype)} "
-                                              f"{_describe(tensors)}")
+                                              f"{describe_tensors(tensors)}")
             all_reduce(tensors[0], _FAST[opts.reduceOp.op, tensors[0].dtype],
                        self._cuda_spec(), self._comm, check=False, inplace=True)
-            return _Work(tensors)
-        staged = [_Staged(t) for t in tensors]
+            return Work(tensors)
+        staged = [Staged(t) for t in tensors]
         self._reduce(what, [s.work for s in staged], opts)
         for s in staged:
             s.done()
-        return _Work(tensors)
+        return Work(tensors)
 
     def _cuda_spec(self) -> Any:
         """The spec of CUDA tensors: ``MPISTRAT_TORCH_CUDA_SPEC``, default ``nccl``."""
@@ -557,7 +320,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._device_spec = _spec_from_env(TORCH_CUDA_SPEC, "nccl")
         return self._device_spec
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = dist.ReduceOptions() if opts is None else opts
         root = opts.rootRank
         tensor = tensors[0]
@@ -567,10 +330,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if self._comm.Get_rank() == root:
             with torch.no_grad():
                 tensor.copy_(work)
-        return _Work(tensors)
+        return Work(tensors)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> _Work:
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Work:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         output, inputs = output_tensors[0], input_tensors[0]
         if len(inputs) != self._size:
@@ -583,10 +346,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         start = sum(t.numel() for t in inputs[:mine])
         with torch.no_grad():
             output.copy_(flat[start:start + inputs[mine].numel()].view(output.shape))
-        return _Work(output_tensors)
+        return Work(output_tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: Any = None) -> _Work:
+                             opts: Any = None) -> Work:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         if input.numel() != output.numel() * self._size:
             self._fail("reduce_scatter_tensor", ValueError(
@@ -597,13 +360,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         n, mine = output.numel(), self._comm.Get_rank()
         with torch.no_grad():
             output.copy_(flat[mine * n:(mine + 1) * n].view(output.shape))
-        return _Work([output])
+        return Work([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
         for output, input in zip(outputs, inputs):
             self._reduce_scatter_base(output, input, opts)
-        return _Work(outputs)
+        return Work(outputs)
 
     # --- data movement ------------------------------------------------------------------
 
@@ -627,44 +390,44 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def _fail(self, what: str, error: BaseException, opts: Any) -> None:
         self._agree(what, None, error, getattr(opts, "timeout", None))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = dist.BroadcastOptions() if opts is None else opts
         root = opts.rootRank
         self._check_root("broadcast", root)
         self._checked("broadcast", opts, lambda: f"broadcast root={root} "
-                                                 f"{_describe(tensors)}")
+                                                 f"{describe_tensors(tensors)}")
         is_root = self._comm.Get_rank() == root
         for tensor in tensors:
-            staged = _Staged(tensor, read=is_root)
+            staged = Staged(tensor, read=is_root)
             if self._size > 1 and tensor.numel():
-                self._comm.Bcast(_bytes(staged.work), root=root)
+                self._comm.Bcast(byte_view(staged.work), root=root)
             if not is_root:
                 staged.done()
-        return _Work(tensors)
+        return Work(tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
-                  input_tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = dist.AllgatherOptions() if opts is None else opts
         outputs, input = output_tensors[0], input_tensors[0]
 
         def describe() -> str:
             self._one_per_rank("all_gather's outputs", outputs, input)
-            return f"all_gather {_describe([input])}"
+            return f"all_gather {describe_tensors([input])}"
         self._checked("all_gather", opts, describe)
         gathered = self._gather_all(input)
         with torch.no_grad():
             for k, t in enumerate(outputs):
                 t.copy_(gathered[k].view(t.shape))
-        return _Work(output_tensors)
+        return Work(output_tensors)
 
     def _gather_all(self, input: torch.Tensor) -> torch.Tensor:
-        source = _Staged(input).work
+        source = Staged(input).work
         gathered = torch.empty((self._size, source.numel()), dtype=source.dtype)
-        self._comm.Allgather(_bytes(source), _bytes(gathered))
+        self._comm.Allgather(byte_view(source), byte_view(gathered))
         return gathered
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: Any = None) -> _Work:
+                        opts: Any = None) -> Work:
         opts = dist.AllgatherOptions() if opts is None else opts
 
         def describe() -> str:
@@ -672,21 +435,21 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 raise ValueError(f"all_gather_into_tensor's output must hold the group's "
                                  f"{self._size} inputs of {input.numel()} {input.dtype} "
                                  f"elements, got {output.numel()} of {output.dtype}")
-            return f"all_gather_into_tensor {_describe([input])}"
+            return f"all_gather_into_tensor {describe_tensors([input])}"
         self._checked("all_gather_into_tensor", opts, describe)
-        staged = _Staged(output, read=False)
-        self._comm.Allgather(_bytes(_apart(input, output)), _bytes(staged.work))
+        staged = Staged(output, read=False)
+        self._comm.Allgather(byte_view(apart(input, output)), byte_view(staged.work))
         staged.done()
-        return _Work([output])
+        return Work([output])
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
         for output, input in zip(outputs, inputs):
             self._allgather_base(output, input, opts)
-        return _Work(outputs)
+        return Work(outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+                            inputs: list[torch.Tensor], opts: Any = None) -> Work:
         # torch's layout (gloo's): output_lists[rank][i] receives rank's inputs[i]
         if len(output_lists) != self._size or any(len(o) != len(inputs)
                                                   for o in output_lists):
@@ -695,10 +458,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 f"with one tensor per input ({len(inputs)})"), opts)
         for i, input in enumerate(inputs):
             self.allgather([[outputs[i] for outputs in output_lists]], [input], opts)
-        return _Work(output_lists)
+        return Work(output_lists)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
-               input_tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+               input_tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = dist.GatherOptions() if opts is None else opts
         root, input = opts.rootRank, input_tensors[0]
         self._check_root("gather", root)
@@ -708,21 +471,21 @@ class ProcessGroupMPI(dist.ProcessGroup):
             if is_root:
                 self._one_per_rank("gather's outputs on the root",
                                    output_tensors[0] if output_tensors else [], input)
-            return f"gather root={root} {_describe([input])}"
+            return f"gather root={root} {describe_tensors([input])}"
         self._checked("gather", opts, describe)
-        source = _Staged(input).work
+        source = Staged(input).work
         if is_root:
             gathered = torch.empty((self._size, source.numel()), dtype=source.dtype)
-            self._comm.Gather(_bytes(source), _bytes(gathered), root=root)
+            self._comm.Gather(byte_view(source), byte_view(gathered), root=root)
             with torch.no_grad():
                 for k, t in enumerate(output_tensors[0]):
                     t.copy_(gathered[k].view(t.shape))
         else:
-            self._comm.Gather(_bytes(source), None, root=root)
-        return _Work(output_tensors)
+            self._comm.Gather(byte_view(source), None, root=root)
+        return Work(output_tensors)
 
     def scatter(self, output_tensors: list[torch.Tensor],
-                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> _Work:
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Work:
         opts = dist.ScatterOptions() if opts is None else opts
         root, output = opts.rootRank, output_tensors[0]
         self._check_root("scatter", root)
@@ -732,19 +495,19 @@ class ProcessGroupMPI(dist.ProcessGroup):
             if is_root:
                 self._one_per_rank("scatter's inputs on the root",
                                    input_tensors[0] if input_tensors else [], output)
-            return f"scatter root={root} {_describe([output])}"
+            return f"scatter root={root} {describe_tensors([output])}"
         self._checked("scatter", opts, describe)
-        staged = _Staged(output, read=False)
+        staged = Staged(output, read=False)
         send = None
         if is_root:
             send = torch.stack([t.detach().reshape(-1).to("cpu") for t in input_tensors[0]])
-        self._comm.Scatter(None if send is None else _bytes(send), _bytes(staged.work),
+        self._comm.Scatter(None if send is None else byte_view(send), byte_view(staged.work),
                            root=root)
         staged.done()
-        return _Work(output_tensors)
+        return Work(output_tensors)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> _Work:
+                 opts: Any = None) -> Work:
         opts = dist.AllToAllOptions() if opts is None else opts
 
         def describe() -> str:
@@ -765,11 +528,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
             for t in output_tensors:
                 t.copy_(receive[start:start + t.numel()].view(t.shape))
                 start += t.numel()
-        return _Work(output_tensors)
+        return Work(output_tensors)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: Any = None) -> _Work:
+                      opts: Any = None) -> Work:
         opts = dist.AllToAllOptions() if opts is None else opts
         rows_out = output.shape[0] if output.dim() else 1
         rows_in = input.shape[0] if input.dim() else 1
@@ -800,11 +563,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._checked("all_to_all_single", opts, describe)
         row_out = output.numel() // max(rows_out, 1)
         row_in = input.numel() // max(rows_in, 1)
-        staged = _Staged(output, read=False)
-        self._alltoallv(_apart(input, output).reshape(-1), [r * row_in for r in in_rows],
+        staged = Staged(output, read=False)
+        self._alltoallv(apart(input, output).reshape(-1), [r * row_in for r in in_rows],
                         staged.work.reshape(-1), [r * row_out for r in out_rows])
         staged.done()
-        return _Work([output])
+        return Work([output])
 
     def _alltoallv(self, send: torch.Tensor, send_counts: list[int], receive: torch.Tensor,
                    receive_counts: list[int]) -> None:
@@ -826,42 +589,42 @@ class ProcessGroupMPI(dist.ProcessGroup):
             f"must be that peer's input split for it")
         self._agree("all_to_all", None if error else "all_to_all counts", error)
         MPI = mpi()
-        self._comm.Alltoallv([_bytes(send), counts_out, displ_out, MPI.BYTE],
-                             [_bytes(receive), counts_in, displ_in, MPI.BYTE])
+        self._comm.Alltoallv([byte_view(send), counts_out, displ_out, MPI.BYTE],
+                             [byte_view(receive), counts_in, displ_in, MPI.BYTE])
 
-    def barrier(self, opts: Any = None) -> _Work:
+    def barrier(self, opts: Any = None) -> Work:
         opts = dist.BarrierOptions() if opts is None else opts
         # the agreement is itself a synchronising collective of every rank
         self._agree("barrier", "barrier", None, getattr(opts, "timeout", None))
-        return _Work(None)
+        return Work(None)
 
     # --- point to point -------------------------------------------------------------------
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> _Work:  # noqa: N803
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:  # noqa: N803
         tensor = tensors[0]
         if not 0 <= dstRank < self._size:
             raise ValueError(f"send: destination {dstRank} is not a rank of the group "
                              f"(0 to {self._size - 1})")
-        source = _Staged(tensor).work
-        data = _bytes(source)
+        source = Staged(tensor).work
+        data = byte_view(source)
         request = self._p2p.Isend(data, dest=dstRank, tag=tag)
-        return _Work(tensors, [request], finish=lambda: _keep(data),
+        return Work(tensors, [request], finish=lambda: keep(data),
                      what=f"send to rank {dstRank} (tag {tag})", timeout=self._timeout)
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> _Work:  # noqa: N803
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803
         if not 0 <= srcRank < self._size:
             raise ValueError(f"recv: source {srcRank} is not a rank of the group "
                              f"(0 to {self._size - 1})")
         return self._receive(tensors, srcRank, tag)
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> _Work:
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         return self._receive(tensors, mpi().ANY_SOURCE, tag)
 
-    def _receive(self, tensors: list[torch.Tensor], source: int, tag: int) -> _Work:
-        staged = _Staged(tensors[0], read=False)
-        request = self._p2p.Irecv(_bytes(staged.work), source=source, tag=tag)
+    def _receive(self, tensors: list[torch.Tensor], source: int, tag: int) -> Work:
+        staged = Staged(tensors[0], read=False)
+        request = self._p2p.Irecv(byte_view(staged.work), source=source, tag=tag)
         peer = f"rank {source}" if source >= 0 else "any rank"
-        return _Work(tensors, [request], finish=staged.done,
+        return Work(tensors, [request], finish=staged.done,
                      source=source if source >= 0 else -1,
                      what=f"recv from {peer} (tag {tag})", timeout=self._timeout)
 
@@ -908,7 +671,7 @@ def _create(backend_opts: Any, options: Any) -> ProcessGroupMPI:
             comm = everyone.Create_group(group)
         finally:
             group.Free()
-    timeout = _timeout_seconds(backend_opts.timeout)
+    timeout = timeout_seconds(backend_opts.timeout)
     try:
         spec, error = _spec_for(comm), None
     except ValueError as exc:

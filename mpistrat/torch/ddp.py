@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from .. import dispatch
