@@ -15,8 +15,7 @@ Variants, each on a float32 buffer of its own, summed in place:
   the ``"mpistrat"`` backend (``dist.new_group(backend="mpistrat")``), the tensor a
   ``torch.from_numpy`` view made once;
 * ``dist.all_reduce (gloo)``: ``dist.all_reduce(tensor)`` on torch's default group, gloo
-  (rank 0's ``TCPStore`` binds a port of the system's choice and broadcasts it through
-  MPI).
+  (meeting through :class:`mpistrat.torch.store.MPIStore`, no TCP port of its own).
 
 The backend and ``mpistrat.all_reduce`` use the same spec: ``--spec``, else
 ``MPISTRAT_TORCH_SPEC``, else the backend's default (``shm`` on one node, ``shm/rechd``
@@ -40,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +53,7 @@ import mpistrat.torch as mt
 from mpistrat.runtime.topology import get_topology
 from mpistrat.spec import format_bytes, parse_bytes
 from mpistrat.torch.backend import TORCH_SPEC
+from mpistrat.torch.store import MPIStore
 
 REFERENCE = "MPI_Allreduce"
 
@@ -66,15 +65,8 @@ def _groups(comm: Any, gloo: bool) -> Any:
     if not gloo:
         dist.init_process_group(mt.BACKEND_NAME)
         return dist.group.WORLD
+    store = MPIStore(comm)  # gloo meets through a store served over MPI: no TCP port
     rank, size = comm.Get_rank(), comm.Get_size()
-    store, address = None, None
-    if rank == 0:  # the store binds a port of the system's choice; the others are told it
-        store = dist.TCPStore(socket.gethostname(), 0, size, is_master=True,
-                              wait_for_workers=False)
-        address = (socket.gethostname(), store.port)
-    host, port = comm.bcast(address, root=0)
-    if store is None:
-        store = dist.TCPStore(host, port, size, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     return dist.new_group(backend=mt.BACKEND_NAME)
 
