@@ -23,7 +23,8 @@ How each call runs:
   agreement (one collective in all), larger ones take the spec's algorithm (default
   ``shm`` on one node, ``shm/rechd`` across nodes; ``MPISTRAT_TORCH_SPEC`` sets another).
   PRODUCT and the bitwise ops gather every rank's tensor and combine them in rank order,
-  so every rank gets the same bits.
+  so every rank gets the same bits; sparse COO tensors (DDP's gradients of a sparse
+  embedding) are summed from every rank's indices and values.
 * ``reduce_scatter`` and ``reduce`` run the same all-reduce and keep their part;
   ``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``all_to_all`` are MPI's own
   collectives over the tensors' bytes (every dtype travels, bfloat16 too).
@@ -32,11 +33,15 @@ How each call runs:
   ``send``/``recv`` are non-blocking MPI requests that ``wait()`` completes, on a
   communicator of their own so that their tags never meet a collective.
 * A timeout given to ``init_process_group``/``new_group`` (other than torch's default of
-  30 minutes) bounds every collective's agreement: past it every rank raises
-  :class:`~mpistrat.CollectiveTimeoutError` naming the ranks that did not arrive.
-* CUDA tensors go through :func:`mpistrat.all_reduce`'s device path (CuPy and NCCL where
-  available, else staged through host memory) for ``all_reduce``; the other collectives
-  stage them through host memory.
+  30 minutes) bounds every collective's agreement and every send's or receive's wait:
+  past it the ranks that arrived raise :class:`~mpistrat.CollectiveTimeoutError` naming
+  the ranks that did not.
+* CUDA tensors go through :func:`mpistrat.all_reduce`'s device path for ``all_reduce``
+  (``MPISTRAT_TORCH_CUDA_SPEC``, default ``nccl``; not yet run on a GPU); the other
+  collectives stage them through host memory.
+
+The works the calls return are :mod:`mpistrat.torch.work`'s; the tensors become MPI
+buffers through :mod:`mpistrat.torch.tensors`.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ _FAST = {(red, dtype): name for red, name in _ENGINE_OPS.items()
 _SUMMABLE = frozenset(dtype for _, dtype in _FAST)
 _SUM_OP = dist.ReduceOp.SUM
 _UNSET_TIMEOUT = dist.AllreduceOptions().timeout  # (a call without a timeout of its own)
+
+
 class ProcessGroupMPI(dist.ProcessGroup):
     """A ``torch.distributed`` process group over an MPI communicator.
 
@@ -734,8 +741,7 @@ def use_instead_of_gloo() -> None:
     _SWAPPED.append((original_init, original_new))
 
 
-
-# torch 2.13 calls these by their newer names; torch 2.1-2.12 by the older ones
+# torch 2.13 calls these by their newer names, earlier versions by the older ones
 ProcessGroupMPI.all_gather_single = ProcessGroupMPI._allgather_base  # type: ignore[attr-defined]
 ProcessGroupMPI.all_gather_single_coalesced = \
     ProcessGroupMPI.allgather_into_tensor_coalesced  # type: ignore[attr-defined]

@@ -485,4 +485,3 @@ class DistributedDataParallel(torch.nn.Module):
                     param.grad = None
                 elif param.grad is None:
                     param.grad = self._views[index]
-

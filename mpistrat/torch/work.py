@@ -18,6 +18,7 @@ from ..runtime._mpi import mpi
 
 __all__ = ["Work", "Done", "keep", "timeout_seconds", "DEFAULT_TIMEOUT"]
 
+
 class Work(dist._Work):
     """What a call of the backend returns: finished at once for collectives, finished
     by ``wait()`` for point-to-point requests."""

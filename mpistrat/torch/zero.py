@@ -305,4 +305,3 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     self.optim.state[p] = self.state[p]
         self.state.clear()
         self._consolidated_on = None
-
