@@ -707,8 +707,10 @@ _SWAPPED: list[Any] = []
 def use_instead_of_gloo() -> None:
     """Make this process's ``torch.distributed`` use the ``"mpistrat"`` backend wherever
     a script asks for gloo or for the default backends: ``init_process_group("gloo")``,
-    ``init_process_group()``, ``"cpu:gloo,cuda:nccl"``, ``new_group(backend="gloo")``
-    (what ``mpistrat run --torch-backend mpistrat`` does before the script runs)."""
+    ``init_process_group()``, ``"cpu:gloo,cuda:nccl"``, ``new_group(backend="gloo")``,
+    and ``"mpi"`` (torch's MPI backend, which its wheels do not have); ``"nccl"`` alone is
+    left to NCCL (what ``mpistrat run --torch-backend mpistrat`` does before the script
+    runs)."""
     if _SWAPPED:
         return
     import torch.distributed.distributed_c10d as c10d
@@ -717,9 +719,9 @@ def use_instead_of_gloo() -> None:
         if backend is None:
             return BACKEND_NAME
         text = str(backend).lower()
-        if text == "gloo" or text == "mpi":
+        if text in ("gloo", "mpi"):  # (torch's own mpi backend is not in its wheels)
             return BACKEND_NAME
-        if ":" in text:  # "cpu:gloo,cuda:nccl"
+        if ":" in text and "gloo" in text:  # "cpu:gloo,cuda:nccl": one group serves both
             return BACKEND_NAME
         return backend
 

@@ -105,7 +105,7 @@ def test_a_users_rank_that_is_not_mpis_stops_every_rank_before_the_script(
                                "the rank MPI numbers 1 (of 2)") == 1, result.stderr
 
 
-@pytest.mark.parametrize("init", ["gloo", None])
+@pytest.mark.parametrize("init", ["gloo", None, "cpu:gloo,cuda:nccl"])
 def test_torch_backend_mpistrat_replaces_gloo(torch_script, init):
     result = subprocess.run([sys.executable, "-m", "mpistrat", "run", "-n", "2",
                              "--torch-backend", "mpistrat", str(torch_script),
