@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +29,8 @@ from mpi4py import MPI
 
 import mpistrat
 from mpistrat.spec import parse_bytes
+
+from _interleave import interleaved  # (benchmarks/: the directory of the script)
 
 
 def _variants(comm, x: np.ndarray) -> dict[str, Callable[[], object]]:
@@ -72,29 +73,14 @@ def main() -> None:
     count = max(1, parse_bytes(args.bytes) // 4)
     x = np.full(count, comm.rank + 1.0, np.float32)
     variants = _variants(comm, x)
-    names = list(variants)
-    for _ in range(args.warmup):
-        for call in variants.values():
-            call()
-    times = np.zeros((len(names), args.iters))
-    for i in range(args.iters):
-        shift = i % len(names)
-        for k in names[shift:] + names[:shift]:  # the order rotates
-            call = variants[k]
-            comm.Barrier()
-            start = time.perf_counter()
-            call()
-            times[names.index(k), i] = time.perf_counter() - start
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)  # each call's slowest rank
-    medians = {name: float(np.median(slowest[k])) for k, name in enumerate(names)}
+    stats = interleaved(comm, variants, args.iters, args.warmup)
+    medians = {name: found["median"] for name, found in stats.items()}
     rows = [{"bytes": count * 4, "case": name,
              "median_us": medians[name] * 1e6,
-             "p10_us": float(np.percentile(slowest[k], 10)) * 1e6,
-             "p90_us": float(np.percentile(slowest[k], 90)) * 1e6,
+             "p10_us": stats[name]["p10"] * 1e6, "p90_us": stats[name]["p90"] * 1e6,
              "x_string": medians[name] / medians["spec 'xring'"],
              "x_raw": medians[name] / medians["comm.Allreduce"]}
-            for k, name in enumerate(names)]
+            for name in variants]
     if comm.rank == 0:
         load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
         print(f"# {comm.size} ranks, {count * 4} B float32, {args.iters} calls per variant "

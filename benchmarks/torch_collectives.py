@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +53,8 @@ from mpistrat.runtime.topology import get_topology
 from mpistrat.spec import format_bytes, parse_bytes
 from mpistrat.torch.backend import TORCH_SPEC
 from mpistrat.torch.store import MPIStore
+
+from _interleave import interleaved  # (benchmarks/: the directory of the script)
 
 REFERENCE = "MPI_Allreduce"
 
@@ -121,31 +122,16 @@ def measure(comm: Any, group: Any, spec: str, nbytes: int, iters: int | None,
     ok = _check(comm, calls, buffers)
     iters = iters or _default_iters(count * 4)
     warmup = warmup if warmup is not None else max(2, iters // 10)
-    names = list(calls)
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    times = np.zeros((len(names), iters))
-    for i in range(iters):
-        shift = i % len(names)
-        for k in names[shift:] + names[:shift]:  # round robin, the order rotating
-            call = calls[k]
-            comm.Barrier()
-            start = time.perf_counter()
-            call()
-            times[names.index(k), i] = time.perf_counter() - start
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, op=MPI.MAX)  # each call's slowest rank
-    medians = {name: float(np.median(slowest[k])) for k, name in enumerate(names)}
+    stats = interleaved(comm, calls, iters, warmup)
+    medians = {name: found["median"] for name, found in stats.items()}
     n, size = comm.Get_size(), count * 4
     return [{"bytes": size, "variant": name, "iters": iters, "warmup": warmup,
              "median_us": medians[name] * 1e6,
-             "p10_us": float(np.percentile(slowest[k], 10)) * 1e6,
-             "p90_us": float(np.percentile(slowest[k], 90)) * 1e6,
+             "p10_us": stats[name]["p10"] * 1e6, "p90_us": stats[name]["p90"] * 1e6,
              "x_mpi": medians[name] / medians[REFERENCE],
              "busbw_GBps": 2 * (n - 1) / n * size / medians[name] / 1e9,
              "correct": ok[name]}
-            for k, name in enumerate(names)]
+            for name in calls]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
