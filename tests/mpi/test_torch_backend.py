@@ -28,6 +28,7 @@ pytest.importorskip("torch.distributed")
 
 import torch.distributed as dist  # noqa: E402
 from _checks import digest, finish  # noqa: E402
+from _torch_group import default_group, init, no_torchrun_env  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpistrat.torch  # noqa: E402, F401  (registers the backend)
@@ -37,39 +38,13 @@ torch.set_num_threads(1)
 
 R = dist.ReduceOp
 WORLD = MPI.COMM_WORLD
-# the torch environment variables a launcher may have set: without MASTER_ADDR the
-# rendezvous is MPI's
-_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def _have_mpi_store() -> bool:
-    try:
-        import mpistrat.torch.store  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _init(form: str) -> None:
-    if form == "mpi":
-        dist.init_process_group("mpistrat")
-    else:
-        dist.init_process_group("mpistrat", store=dist.HashStore(), rank=WORLD.rank,
-                                world_size=WORLD.size)
 
 
 @pytest.fixture(scope="module")
 def pg():
-    """The default process group of the module: the plain ``init_process_group``
-    ("mpistrat") once the MPI store is there, else with a local store and MPI's rank."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name in _TORCHRUN_VARS:
-            patch.delenv(name, raising=False)
-        _init("mpi" if _have_mpi_store() else "hashstore")
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
+    """The default process group of the module (rank, size and store from MPI)."""
+    with default_group() as group:
+        yield group
 
 
 def seeded(*key) -> np.random.Generator:
@@ -91,13 +66,8 @@ def test_init_process_group_forms(form):
     another can be made."""
     if dist.is_initialized():
         pytest.skip("the module's default group exists (run this test first)")
-    if form == "mpi" and not _have_mpi_store():
-        pytest.skip("mpistrat.torch.store (the MPI store of init_process_group's plain "
-                    "form) is not there yet")
-    with pytest.MonkeyPatch.context() as patch:
-        for name in _TORCHRUN_VARS:
-            patch.delenv(name, raising=False)
-        _init(form)
+    with no_torchrun_env():
+        init(form)
         try:
             problems = []
             if (dist.get_rank(), dist.get_world_size()) != (WORLD.rank, WORLD.size):
@@ -121,19 +91,17 @@ def test_init_with_a_rank_other_than_mpis_raises():
         pytest.skip("the module's default group exists (run this test first)")
     if WORLD.size < 2:
         pytest.skip("one rank: every rank is MPI's")
-    with pytest.MonkeyPatch.context() as patch:
-        for name in _TORCHRUN_VARS:
-            patch.delenv(name, raising=False)
+    with no_torchrun_env():
         with pytest.raises(ValueError, match="the torch ranks must be the MPI ranks"):
             dist.init_process_group("mpistrat", store=dist.HashStore(),
                                     rank=(WORLD.rank + 1) % WORLD.size,
                                     world_size=WORLD.size)
         assert not dist.is_initialized()
-        if _have_mpi_store():  # the plain form: the MPI rendezvous refuses it
-            with pytest.raises(ValueError, match="the rank and the world size are MPI's"):
-                dist.init_process_group("mpistrat", rank=(WORLD.rank + 1) % WORLD.size,
-                                        world_size=WORLD.size)
-            assert not dist.is_initialized()
+        # the plain form: the MPI rendezvous refuses it
+        with pytest.raises(ValueError, match="the rank and the world size are MPI's"):
+            dist.init_process_group("mpistrat", rank=(WORLD.rank + 1) % WORLD.size,
+                                    world_size=WORLD.size)
+        assert not dist.is_initialized()
 
 
 # --- all_reduce -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ pytest.importorskip("torch.distributed")
 
 import torch.distributed as dist  # noqa: E402
 from _checks import digest, finish  # noqa: E402
+from _torch_group import default_group  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -34,33 +35,13 @@ import mpistrat.torch  # noqa: E402, F401  (registers the backend)
 torch.set_num_threads(1)
 
 WORLD = MPI.COMM_WORLD
-_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def _have_mpi_store() -> bool:
-    try:
-        import mpistrat.torch.store  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
 def pg():
-    """The default process group of the module: the plain ``init_process_group``
-    ("mpistrat") once the MPI store is there, else with a local store and MPI's rank."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name in _TORCHRUN_VARS:
-            patch.delenv(name, raising=False)
-        if _have_mpi_store():
-            dist.init_process_group("mpistrat")
-        else:
-            dist.init_process_group("mpistrat", store=dist.HashStore(), rank=WORLD.rank,
-                                    world_size=WORLD.size)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
+    """The default process group of the module (rank, size and store from MPI)."""
+    with default_group() as group:
+        yield group
 
 
 # --- models, data, the reference ------------------------------------------------------------
