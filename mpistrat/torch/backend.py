@@ -68,7 +68,7 @@ from .tensors import (
     numpy_dtype,
     numpy_view,
 )
-from .work import Done, Work, keep, timeout_seconds
+from .work import Done, Work, timeout_seconds
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMPI", "register", "use_instead_of_gloo", "TORCH_SPEC",
            "TORCH_CUDA_SPEC"]
@@ -241,7 +241,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._reduce_arrays([host_view(t) for t in tensors], op)
         return []
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
         opts = dist.AllreduceOptions() if opts is None else opts
         if len(tensors) == 1 and self._timeout is None:
             # the common call (DDP's buckets, dist.all_reduce): straight into the engine,
@@ -273,7 +273,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             return self._sparse_allreduce(tensors, opts)
         return self._allreduce("all_reduce", tensors, opts)
 
-    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Done:
         """SUM of sparse COO tensors (DDP's gradients of ``nn.Embedding(sparse=True)``):
         every rank's indices and values gathered, concatenated in rank order and
         coalesced; the result replaces each tensor's contents."""
@@ -290,7 +290,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         total = torch.sparse_coo_tensor(indices.t(), values, tensor.shape).coalesce()
         with torch.no_grad():
             tensor.copy_(total.to(tensor.device))
-        return Work(tensors)
+        return Done(tensors)
 
     def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every rank's ``rows`` (same trailing shape and dtype), concatenated in rank
@@ -301,11 +301,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._comm.Allgatherv(byte_view(rows), [byte_view(out), counts, starts, mpi().BYTE])
         return out.view(-1, *rows.shape[1:])
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
         return self._allreduce("all_reduce_coalesced", tensors, opts)
 
-    def _allreduce(self, what: str, tensors: list[torch.Tensor], opts: Any) -> Work:
+    def _allreduce(self, what: str, tensors: list[torch.Tensor], opts: Any) -> Done:
         if len(tensors) == 1 and tensors[0].device.type == "cuda" \
                 and (opts.reduceOp.op, tensors[0].dtype) in _FAST:
             # a CUDA tensor stays on its device: the engine's CuPy path (NCCL where the
@@ -314,12 +314,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
                                               f"{describe_tensors(tensors)}")
             all_reduce(tensors[0], _FAST[opts.reduceOp.op, tensors[0].dtype],
                        self._cuda_spec(), self._comm, check=False, inplace=True)
-            return Work(tensors)
+            return Done(tensors)
         staged = [Staged(t) for t in tensors]
         self._reduce(what, [s.work for s in staged], opts)
         for s in staged:
             s.done()
-        return Work(tensors)
+        return Done(tensors)
 
     def _cuda_spec(self) -> Any:
         """The spec of CUDA tensors: ``MPISTRAT_TORCH_CUDA_SPEC``, default ``nccl``."""
@@ -327,7 +327,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._device_spec = _spec_from_env(TORCH_CUDA_SPEC, "nccl")
         return self._device_spec
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
         opts = dist.ReduceOptions() if opts is None else opts
         root = opts.rootRank
         tensor = tensors[0]
@@ -337,10 +337,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if self._comm.Get_rank() == root:
             with torch.no_grad():
                 tensor.copy_(work)
-        return Work(tensors)
+        return Done(tensors)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Work:
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         output, inputs = output_tensors[0], input_tensors[0]
         if len(inputs) != self._size:
@@ -353,10 +353,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         start = sum(t.numel() for t in inputs[:mine])
         with torch.no_grad():
             output.copy_(flat[start:start + inputs[mine].numel()].view(output.shape))
-        return Work(output_tensors)
+        return Done(output_tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: Any = None) -> Work:
+                             opts: Any = None) -> Done:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         if input.numel() != output.numel() * self._size:
             self._fail("reduce_scatter_tensor", ValueError(
@@ -367,13 +367,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         n, mine = output.numel(), self._comm.Get_rank()
         with torch.no_grad():
             output.copy_(flat[mine * n:(mine + 1) * n].view(output.shape))
-        return Work([output])
+        return Done([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Done:
         for output, input in zip(outputs, inputs):
             self._reduce_scatter_base(output, input, opts)
-        return Work(outputs)
+        return Done(outputs)
 
     # --- data movement ------------------------------------------------------------------
 
@@ -397,7 +397,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def _fail(self, what: str, error: BaseException, opts: Any) -> None:
         self._agree(what, None, error, getattr(opts, "timeout", None))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
         opts = dist.BroadcastOptions() if opts is None else opts
         root = opts.rootRank
         self._check_root("broadcast", root)
@@ -410,10 +410,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 self._comm.Bcast(byte_view(staged.work), root=root)
             if not is_root:
                 staged.done()
-        return Work(tensors)
+        return Done(tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
-                  input_tensors: list[torch.Tensor], opts: Any = None) -> Work:
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
         opts = dist.AllgatherOptions() if opts is None else opts
         outputs, input = output_tensors[0], input_tensors[0]
 
@@ -425,7 +425,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         with torch.no_grad():
             for k, t in enumerate(outputs):
                 t.copy_(gathered[k].view(t.shape))
-        return Work(output_tensors)
+        return Done(output_tensors)
 
     def _gather_all(self, input: torch.Tensor) -> torch.Tensor:
         source = Staged(input).work
@@ -434,7 +434,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return gathered
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: Any = None) -> Work:
+                        opts: Any = None) -> Done:
         opts = dist.AllgatherOptions() if opts is None else opts
 
         def describe() -> str:
@@ -447,16 +447,16 @@ class ProcessGroupMPI(dist.ProcessGroup):
         staged = Staged(output, read=False)
         self._comm.Allgather(byte_view(apart(input, output)), byte_view(staged.work))
         staged.done()
-        return Work([output])
+        return Done([output])
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any = None) -> Work:
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Done:
         for output, input in zip(outputs, inputs):
             self._allgather_base(output, input, opts)
-        return Work(outputs)
+        return Done(outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            inputs: list[torch.Tensor], opts: Any = None) -> Work:
+                            inputs: list[torch.Tensor], opts: Any = None) -> Done:
         # torch's layout (gloo's): output_lists[rank][i] receives rank's inputs[i]
         if len(output_lists) != self._size or any(len(o) != len(inputs)
                                                   for o in output_lists):
@@ -465,10 +465,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 f"with one tensor per input ({len(inputs)})"), opts)
         for i, input in enumerate(inputs):
             self.allgather([[outputs[i] for outputs in output_lists]], [input], opts)
-        return Work(output_lists)
+        return Done(output_lists)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
-               input_tensors: list[torch.Tensor], opts: Any = None) -> Work:
+               input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
         opts = dist.GatherOptions() if opts is None else opts
         root, input = opts.rootRank, input_tensors[0]
         self._check_root("gather", root)
@@ -489,10 +489,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
                     t.copy_(gathered[k].view(t.shape))
         else:
             self._comm.Gather(byte_view(source), None, root=root)
-        return Work(output_tensors)
+        return Done(output_tensors)
 
     def scatter(self, output_tensors: list[torch.Tensor],
-                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Work:
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
         opts = dist.ScatterOptions() if opts is None else opts
         root, output = opts.rootRank, output_tensors[0]
         self._check_root("scatter", root)
@@ -511,10 +511,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._comm.Scatter(None if send is None else byte_view(send), byte_view(staged.work),
                            root=root)
         staged.done()
-        return Work(output_tensors)
+        return Done(output_tensors)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> Work:
+                 opts: Any = None) -> Done:
         opts = dist.AllToAllOptions() if opts is None else opts
 
         def describe() -> str:
@@ -535,11 +535,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
             for t in output_tensors:
                 t.copy_(receive[start:start + t.numel()].view(t.shape))
                 start += t.numel()
-        return Work(output_tensors)
+        return Done(output_tensors)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: Any = None) -> Work:
+                      opts: Any = None) -> Done:
         opts = dist.AllToAllOptions() if opts is None else opts
         rows_out = output.shape[0] if output.dim() else 1
         rows_in = input.shape[0] if input.dim() else 1
@@ -574,7 +574,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._alltoallv(apart(input, output).reshape(-1), [r * row_in for r in in_rows],
                         staged.work.reshape(-1), [r * row_out for r in out_rows])
         staged.done()
-        return Work([output])
+        return Done([output])
 
     def _alltoallv(self, send: torch.Tensor, send_counts: list[int], receive: torch.Tensor,
                    receive_counts: list[int]) -> None:
@@ -599,11 +599,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._comm.Alltoallv([byte_view(send), counts_out, displ_out, MPI.BYTE],
                              [byte_view(receive), counts_in, displ_in, MPI.BYTE])
 
-    def barrier(self, opts: Any = None) -> Work:
+    def barrier(self, opts: Any = None) -> Done:
         opts = dist.BarrierOptions() if opts is None else opts
         # the agreement is itself a synchronising collective of every rank
         self._agree("barrier", "barrier", None, getattr(opts, "timeout", None))
-        return Work(None)
+        return Done(None)
 
     # --- point to point -------------------------------------------------------------------
 
@@ -615,7 +615,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         source = Staged(tensor).work
         data = byte_view(source)
         request = self._p2p.Isend(data, dest=dstRank, tag=tag)
-        return Work(tensors, [request], finish=lambda: keep(data),
+        return Work(tensors, request, buffer=data,
                      what=f"send to rank {dstRank} (tag {tag})", timeout=self._timeout)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803
@@ -631,7 +631,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         staged = Staged(tensors[0], read=False)
         request = self._p2p.Irecv(byte_view(staged.work), source=source, tag=tag)
         peer = f"rank {source}" if source >= 0 else "any rank"
-        return Work(tensors, [request], finish=staged.done,
+        return Work(tensors, request, finish=staged.done,
                      source=source if source >= 0 else -1,
                      what=f"recv from {peer} (tag {tag})", timeout=self._timeout)
 

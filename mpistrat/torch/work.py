@@ -1,13 +1,13 @@
 """The ``Work`` objects the ``"mpistrat"`` backend's calls return: :class:`Done` for a
-collective that has finished (all of them, by the time they return), :class:`Work` for
-a send or receive, finished by ``wait()``, ``is_completed()`` or its future."""
+collective (every one has finished by the time it returns), :class:`Work` for a send or
+a receive, finished by ``wait()``, ``is_completed()`` or its future."""
 
 from __future__ import annotations
 
 import datetime
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,53 +16,44 @@ import torch.distributed as dist
 from ..errors import CollectiveTimeoutError
 from ..runtime._mpi import mpi
 
-__all__ = ["Work", "Done", "keep", "timeout_seconds", "DEFAULT_TIMEOUT"]
+__all__ = ["Work", "Done", "timeout_seconds", "DEFAULT_TIMEOUT"]
 
 
 class Work(dist._Work):
-    """What a call of the backend returns: finished at once for collectives, finished
-    by ``wait()`` for point-to-point requests."""
+    """The work of a send or a receive: an MPI request that ``wait()``,
+    ``is_completed()`` or a waiter on ``get_future()`` completes."""
 
-    def __init__(self, result: Any, requests: Sequence[Any] = (),
-                 finish: Callable[[], None] | None = None, source: int = -1,
-                 what: str = "", timeout: float | None = None) -> None:
+    def __init__(self, result: Any, request: Any, *, finish: Callable[[], None] | None = None,
+                 buffer: Any = None, source: int = -1, what: str = "",
+                 timeout: float | None = None) -> None:
         super().__init__()
         self._result = result
-        self._requests = list(requests)
-        self._finish = finish
+        self._request = request  # None once complete
+        self._finish = finish  # (a receive's copy into a strided or CUDA tensor)
+        self._buffer = buffer  # (a send's bytes, kept alive until the request completes)
         self._source = source
         self._what = what  # "recv from rank 1 (tag 0)", for the timeout's message
         self._timeout = timeout  # the group's, for a wait() without one
         self._lock = threading.Lock()
-        # made on the first get_future() (DDP's buckets ask; a plain call never does)
+        # made on the first get_future() (a plain send or receive never asks)
         self._future: torch.futures.Future | None = None
-        if not self._requests:
-            self._complete()
-
-    def _complete(self) -> None:
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        if self._future is not None:
-            self._future.set_result(self._result)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if not self._requests:
+        if self._request is None:
             return True
         with self._lock:  # (the caller and a future's thread may both wait)
-            if self._requests:
+            if self._request is not None:
                 self._wait(timeout)
         return True
 
     def _wait(self, timeout: datetime.timedelta | None) -> None:
         seconds = timeout_seconds(timeout) if timeout is not None else self._timeout
         status = mpi().Status()
-        (request,) = self._requests  # (one request per work)
         if seconds is None:
-            request.Wait(status)
+            self._request.Wait(status)
         else:
             deadline = time.monotonic() + seconds
-            while not request.Test(status):
+            while not self._request.Test(status):
                 if time.monotonic() > deadline:
                     raise CollectiveTimeoutError(
                         f"torch.distributed {self._what} did not complete within "
@@ -72,17 +63,20 @@ class Work(dist._Work):
         self._done(status)
 
     def _done(self, status: Any) -> None:
-        self._requests = []
+        self._request = self._buffer = None
         if self._source < 0:
             self._source = status.Get_source()
-        self._complete()
+        if self._finish is not None:
+            self._finish()
+        if self._future is not None:
+            self._future.set_result(self._result)
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
             self._future = torch.futures.Future()
-            if not self._requests:
+            if self._request is None:
                 self._future.set_result(self._result)
-            else:  # a send or receive: a thread completes it (Wait releases the GIL)
+            else:  # a thread completes it (Wait releases the GIL)
                 threading.Thread(target=self._finish_in_background, daemon=True,
                                  name="mpistrat-p2p").start()
         return self._future
@@ -95,14 +89,14 @@ class Work(dist._Work):
             self._future.set_exception(exc)
 
     def is_completed(self) -> bool:
-        if self._requests and self._lock.acquire(blocking=False):
+        if self._request is not None and self._lock.acquire(blocking=False):
             try:
                 status = mpi().Status()
-                if self._requests and self._requests[0].Test(status):
+                if self._request is not None and self._request.Test(status):
                     self._done(status)
             finally:
                 self._lock.release()
-        return not self._requests
+        return self._request is None
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -126,8 +120,8 @@ class Work(dist._Work):
 
 
 class Done(dist._Work):
-    """The work of a collective that has finished: what :class:`Work` is for one without
-    requests, at a quarter of the cost (the fast all_reduce returns one per call)."""
+    """The work of a collective, finished when the call returns: ``wait()`` is free and
+    ``get_future()`` is already done (its value the call's tensors)."""
 
     def __init__(self, result: Any) -> None:
         super().__init__()
@@ -155,10 +149,6 @@ class Done(dist._Work):
 
     def synchronize(self) -> None:
         pass
-
-
-def keep(data: Any) -> None:
-    """(A send's buffer is referenced by its work until the request completes.)"""
 
 
 def timeout_seconds(timeout: Any) -> float | None:
