@@ -68,7 +68,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ..errors import MpistratError
 from ..runtime._mpi import Comm, mpi
 
 __all__ = ["MPIStore", "MPIStoreError", "MAX_KEY_BYTES", "MAX_VALUE_BYTES"]
@@ -82,13 +81,13 @@ MAX_VALUE_BYTES = 64 * 1024 * 1024
 _StoreErrorBase: Any = getattr(dist, "DistStoreError", None) or RuntimeError
 
 
-class MPIStoreError(_StoreErrorBase, MpistratError):
+class MPIStoreError(_StoreErrorBase):
     """An :class:`MPIStore` call that failed: a timeout (naming the keys), a closed store,
     or a request the server could not serve. A ``torch.distributed.DistStoreError``
-    where torch has one (else a ``RuntimeError``), as torch's own stores raise, and a
-    :class:`~mpistrat.MpistratError` like every error of mpistrat. (Defined here, not in
-    :mod:`mpistrat.errors`, because its base is torch's, and ``mpistrat.errors`` must not
-    import torch.)"""
+    where torch has one (else a ``RuntimeError``), as torch's own stores raise: torch's
+    code calls the store and catches torch's classes. (So it lives here, not in
+    :mod:`mpistrat.errors`, which imports no torch, and is not a
+    :class:`~mpistrat.MpistratError`.)"""
 
 
 # -- the wire format (both directions: a header, then length-prefixed fields)
