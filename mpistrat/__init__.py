@@ -137,6 +137,10 @@ from .checkpoint import (  # noqa: E402
 __all__ += ["Checkpoint", "CheckpointManager", "latest_checkpoint", "Scalar",
             "PreemptionCheckpointHandler", "CheckpointNotFoundError", "CheckpointCorruptError"]
 
+from . import elastic  # noqa: E402  (mpistrat run --min-ranks: info(), step())
+
+__all__ += ["elastic"]
+
 # tf.distribute.experimental.partitioners: the classes here, the whole set (with the
 # shard-size helpers) in mpistrat.partitioners
 from .partitioners import (  # noqa: E402

@@ -17,13 +17,18 @@ lower than older checkpoints'.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import os
+import warnings
 from typing import Any
 
+from ..elastic import hooks
+from ..elastic.env import elastic_env, job_secret
 from ..runtime._mpi import Comm, state_comm
 from . import _files
 from .checkpoint import Checkpoint, _on_chief
+from .snapshot import SnapshotInfo, SnapshotStore
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
@@ -61,11 +66,22 @@ class CheckpointManager:
     ``max_to_keep`` saves (TF's ``tf.train.CheckpointManager``). Collective, like the
     checkpoint.
 
+    In an elastic job (``mpistrat run --min-ranks``) the first manager also takes a
+    snapshot of the checkpoint into each host's RAM at every step boundary (every
+    ``--snapshot-every`` boundaries; see :mod:`mpistrat.checkpoint.snapshot` and
+    :mod:`mpistrat.elastic.hooks`), and after a relaunch :meth:`restore_or_initialize`
+    restores the newest snapshot, and the input pipeline's position with it, before
+    looking at the directory.
+
     Args:
         checkpoint: the :class:`Checkpoint` to save and restore.
         directory: where the checkpoints go (created by the chief when missing).
         max_to_keep: how many saves to keep (None: all).
         checkpoint_name: the file name prefix.
+
+    Attributes:
+        restored_snapshot: the snapshot :meth:`restore_or_initialize` restored, if any
+            (:class:`~mpistrat.checkpoint.snapshot.SnapshotInfo`).
     """
 
     def __init__(self, checkpoint: Checkpoint, directory: str | os.PathLike[str],
@@ -85,6 +101,37 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self.max_to_keep = max_to_keep
         self.checkpoint_name = checkpoint_name
+        self.restored_snapshot: SnapshotInfo | None = None
+        self._launch = elastic_env()
+        self._snapshots: SnapshotStore | None = None
+        self._boundaries = 0
+        if self._launch is not None and hooks.taker() is None:
+            if job_secret() is None:
+                warnings.warn("an elastic job's variables are set, but this process has no "
+                              "job secret (it was not started by mpistrat run): no "
+                              "snapshots are taken", RuntimeWarning, stacklevel=2)
+            else:
+                hooks.set_taker(self._at_boundary)
+
+    def _store(self) -> SnapshotStore:
+        """The job's snapshots (collective the first time: every rank reaches the same
+        step boundary, or restore, together)."""
+        if self._snapshots is None:
+            assert self._launch is not None
+            secret = job_secret()
+            assert secret is not None
+            self._snapshots = SnapshotStore(self.checkpoint, self._launch, secret)
+            # the job ends well when every rank's script does: its snapshots go then
+            # (a failed launch ends in MPI_Abort, which runs no atexit: they stay for the
+            # relaunch)
+            atexit.register(self._snapshots.close, remove=True)
+        return self._snapshots
+
+    def _at_boundary(self, position: hooks.Position) -> None:
+        assert self._launch is not None
+        self._boundaries += 1
+        if self._boundaries % self._launch.snapshot_every == 0:
+            self._store().take(position)
 
     @property
     def _prefix(self) -> str:
@@ -131,5 +178,16 @@ class CheckpointManager:
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest complete checkpoint and return its path, or return None
-        (nothing saved yet: the objects keep their initial values)."""
+        (nothing saved yet: the objects keep their initial values).
+
+        After an elastic job's relaunch, the newest snapshot any surviving host holds
+        comes first (its manifest's path is returned, and :attr:`restored_snapshot`
+        says more); the directory's newest checkpoint when no host holds one."""
+        if self._launch is not None and self._launch.resumed and \
+                hooks.taker() == self._at_boundary:
+            info = self._store().restore()
+            if info is not None:
+                self.restored_snapshot = info
+                hooks.set_resume(info.position)
+                return info.path
         return self.checkpoint.restore(self.latest_checkpoint)

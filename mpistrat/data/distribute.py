@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .._nest import map_structure
+from ..elastic.hooks import step_boundary, take_resume
 from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
 from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext
@@ -124,7 +125,27 @@ class _DistributedInput(abc.ABC):
         """An empty per-replica batch made from the element spec, or None if unknown."""
 
     def __iter__(self) -> Iterator[Any]:
-        return self._iterate(next(self._epochs))
+        return self._positioned(self._iterate(next(self._epochs)))
+
+    def _positioned(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, each handed out at a step boundary of an elastic job
+        (:mod:`mpistrat.elastic.hooks`): after a restart, the first iterator of this kind
+        skips the global batches the restored snapshot had trained on already."""
+        kind = self._kind()
+        skip = take_resume(kind)
+        for index, batch in enumerate(batches):
+            if index >= skip:
+                step_boundary((kind, index))
+                yield batch
+
+    def _kind(self) -> str:
+        """What tells this input's iterators apart across a restart, whatever the number
+        of ranks: the class and the number of global steps."""
+        try:
+            steps: object = len(self)  # type: ignore[arg-type]
+        except TypeError:
+            steps = "?"
+        return f"{type(self).__name__}/{steps}"
 
     def _iterate(self, epoch: int) -> Iterator[Any]:
         steps = self._local_steps(epoch)

@@ -8,6 +8,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..elastic.env import set_job_secret
 from ..errors import RunSetupError
 from ..launch.env import detect
 from ..ps.roles import NUM_PS_ENV
@@ -88,6 +89,7 @@ def _run_job(options: RunOptions, world: Any,
             # every rank holds rank 0's, broadcast over MPI (the job's own channel)
             mine = auth.take_secret(env)
             secret = world.bcast((mine or auth.new_secret()) if rank == 0 else None, root=0)
+            set_job_secret(secret)  # (snapshots of an elastic job are authenticated with it)
             if MONITOR_ENV in (os.environ if env is None else env):  # mpistrat run -n
                 client = MonitorClient.connect(env, rank, host, secret)
             else:  # a plain mpiexec across hosts: the job's own monitor (collective)

@@ -1,0 +1,58 @@
+"""Step boundaries, where an elastic job takes its snapshots: the standard library only,
+so that the input pipeline (:mod:`mpistrat.data`) and the checkpoint manager
+(:mod:`mpistrat.checkpoint`) meet here without importing each other.
+
+A step boundary is the moment between two training steps when every rank holds the
+same, complete state: the distributed dataset's iterator is asked for global batch ``i``
+(so batches ``0 .. i-1`` are trained on, and their updates applied), or the script calls
+:func:`mpistrat.elastic.step`. With snapshots off (no elastic job, or no
+:class:`~mpistrat.checkpoint.CheckpointManager` to take them), a boundary costs one
+branch.
+
+The input pipeline's position travels the other way: a restored snapshot says which
+iterator was at which global batch (:func:`set_resume`), and the first iterator of that
+kind started afterwards skips those batches (:func:`take_resume`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["set_taker", "taker", "step_boundary", "set_resume", "take_resume", "Position"]
+
+# (what the iterator is, how many global batches it has handed out): None for a boundary
+# the script marks itself (mpistrat.elastic.step)
+Position = tuple[str, int] | None
+_TAKER: list[Callable[[Position], None]] = []
+_RESUME: list[tuple[str, int]] = []
+
+
+def set_taker(take: Callable[[Position], None] | None) -> None:
+    """Call ``take(position)`` at every step boundary from now on (None: stop)."""
+    _TAKER[:] = [take] if take is not None else []
+
+
+def taker() -> Callable[[Position], None] | None:
+    """What is called at a step boundary, or None."""
+    return _TAKER[0] if _TAKER else None
+
+
+def step_boundary(position: Position) -> None:
+    """A step boundary at ``position`` (see the module docstring)."""
+    if _TAKER:
+        _TAKER[0](position)
+
+
+def set_resume(position: Position) -> None:
+    """The restored snapshot's input position: the next :func:`take_resume` of that
+    iterator kind gets its batch count (None: none)."""
+    _RESUME[:] = [position] if position is not None else []
+
+
+def take_resume(kind: str) -> int:
+    """How many global batches a new iterator of ``kind`` skips: the restored position's
+    count the first time one of its kind starts after a restore, else 0."""
+    if _RESUME and _RESUME[0][0] == kind:
+        return _RESUME.pop()[1]
+    return 0
+
