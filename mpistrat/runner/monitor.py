@@ -49,7 +49,7 @@ from .reports import read_report, report_path
 
 __all__ = ["JobMonitor", "MonitorClient", "MONITOR_ENV", "RankRecord", "active",
            "LAUNCHER_GRACE", "address", "listen", "bind_address", "lost_text",
-           "MAX_LINE", "MAX_PENDING", "HELLO_WITHIN"]
+           "vanished_records", "MAX_LINE", "MAX_PENDING", "HELLO_WITHIN"]
 
 MONITOR_ENV = "MPISTRAT_RUN_MONITOR"
 _CONNECT_TIMEOUT = 1.0  # seconds per address a rank tries to reach the monitor
@@ -376,17 +376,7 @@ class JobMonitor:
         host (``"?"`` for a rank never heard of)."""
         with self.lock:
             records = dict(self.records)
-        # a rank that announced a failure ends the job: who vanished after that was ended
-        # by the launcher; who vanished before was lost
-        failed = [r.ended for r in records.values()
-                  if r.status and r.ended is not None]
-        first_failure = min(failed) if failed else None
-        vanished = sorted((r for r in records.values()
-                           if r.status is None and r.closed is not None),
-                          key=lambda r: r.order if r.order is not None else 0)
-        if first_failure is not None:
-            vanished = [r for r in vanished if (r.order or 0) < first_failure]
-        return vanished, _hostnames(records, self.size)
+        return vanished_records(records), _hostnames(records, self.size)
 
     def lost_host(self) -> list[RankRecord] | None:
         """The ranks of the host that vanished first, when all of them did (a host lost
@@ -440,6 +430,22 @@ class JobMonitor:
             lines.append(f"mpistrat run: rank(s) {missing} never reached this launcher's "
                          f"monitor; nothing is known of them.")
         return "\n".join(lines) if lines else None
+
+
+def vanished_records(records: Mapping[int, RankRecord]) -> list[RankRecord]:
+    """The ranks of ``records`` whose process died without announcing its end, before any
+    rank announced a failure, in the order their connections closed
+    (:meth:`JobMonitor.vanished`; ``mpistrat run --min-ranks`` decides from it too)."""
+    # a rank that announced a failure ends the job: who vanished after that was ended
+    # by the launcher; who vanished before was lost
+    failed = [r.ended for r in records.values() if r.status and r.ended is not None]
+    first_failure = min(failed) if failed else None
+    vanished = sorted((r for r in records.values()
+                       if r.status is None and r.closed is not None),
+                      key=lambda r: r.order if r.order is not None else 0)
+    if first_failure is not None:
+        vanished = [r for r in vanished if (r.order or 0) < first_failure]
+    return vanished
 
 
 def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
