@@ -1,0 +1,389 @@
+"""``mpistrat run -n N --min-ranks M``: keep training when ranks are lost, by launching
+the job again on the ranks that are left.
+
+Each launch runs under its own :class:`~mpistrat.runner.monitor.JobMonitor`, all with
+the job's one id and one secret, and its ranks get the variables of
+:class:`mpistrat.elastic.env.ElasticEnv` (which launch this is, the sizes so far, what
+was lost). After a launch ends, :func:`decide` tells from the monitor's records what was
+lost and whether to launch again:
+
+* status 0: done;
+* a signal passed on to the launcher (Ctrl-C, SIGTERM): never restarted;
+* ranks **lost**: ranks that died without announcing their end before any rank announced
+  a failure (:func:`~mpistrat.runner.monitor.vanished_records`), or ranks that never
+  announced it and whose connection stayed open (the far side of a network partition).
+  Across hosts, the unit lost is the host: that of the first rank that vanished, and
+  every host with silent ranks. On one host, a rank killed makes hydra end the others
+  within milliseconds, so only the first rank that vanished is lost. The job is launched
+  again on what is left, unless that is below ``--min-ranks`` or ``--max-restarts`` are
+  spent;
+* nothing lost (a rank announced a failure first: a bug in the script would only recur):
+  the job ends with that status, as without ``--min-ranks``.
+
+A relaunch across hosts gets a hydra host file of its own (``HYDRA_HOST_FILE``, in a
+private temporary directory): the hosts of the previous launch, in their order, with the
+ranks each had, the lost ones left out. :func:`run_elastic` returns every launch's
+:class:`LaunchRecord` (sizes, hosts, status, what was lost, and when), for tests and
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from .._atomic import write_atomically
+from ..elastic.env import ElasticEnv
+from ..launch.hugepages import malloc_hugepages_env
+from . import auth
+from .hosts import name_ranks
+from .launch import job_hosts as _job_hosts
+from .launch import launch_command, self_launch
+from .monitor import JobMonitor, RankRecord, bind_address, vanished_records
+from .options import RunOptions
+
+__all__ = ["ElasticOptions", "Decision", "LaunchRecord", "ElasticResult", "decide",
+           "run_elastic", "host_file_text", "DEFAULT_MAX_RESTARTS", "DEFAULT_SNAPSHOT_EVERY"]
+
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_SNAPSHOT_EVERY = 1
+_HOST_FILE = "HYDRA_HOST_FILE"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """What ``--min-ranks``, ``--max-restarts`` and ``--snapshot-every`` asked for,
+    checked against the job's other options.
+
+    Attributes:
+        ranks: the ranks of the first launch (``-n N``).
+        min_ranks: the fewest ranks the job may go on with (``--min-ranks M``).
+        max_restarts: how many times the job may be launched again.
+        snapshot_every: steps between two snapshots (passed to the ranks only).
+        timeout: the job's ``--timeout`` (needed: see below).
+        num_ps: the job's ``--num-ps`` (not allowed).
+
+    Raises:
+        ValueError: a value out of range, no ``--timeout`` (a partition would leave the
+            ranks on this side waiting for ever, and the job never restarted), or
+            ``--num-ps``; the message names the value, what was expected, and the fix.
+    """
+
+    ranks: int
+    min_ranks: int
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
+    timeout: float | None = None
+    num_ps: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.ranks) or self.ranks < 1:
+            raise ValueError(f"-n must be a number of ranks >= 1, got {self.ranks!r}")
+        if not _is_int(self.min_ranks) or not 1 <= self.min_ranks <= self.ranks:
+            raise ValueError(
+                f"--min-ranks must be a number of ranks from 1 to -n {self.ranks} (the ranks "
+                f"the job starts with), got {self.min_ranks!r}; give --min-ranks M with "
+                f"1 <= M <= {self.ranks}")
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be an integer >= 0 (0: never launch "
+                             f"again), got {self.max_restarts!r}")
+        if not _is_int(self.snapshot_every) or self.snapshot_every < 1:
+            raise ValueError(f"--snapshot-every must be a number of steps >= 1, got "
+                             f"{self.snapshot_every!r}")
+        if self.num_ps is not None:
+            raise ValueError(f"--min-ranks {self.min_ranks} does not go with --num-ps "
+                             f"{self.num_ps}: parameter-server jobs are not elastic yet; "
+                             f"leave out one of them")
+        if self.timeout is None:
+            raise ValueError(
+                f"--min-ranks {self.min_ranks} needs --timeout SECONDS (or "
+                f"MPISTRAT_COLLECTIVE_TIMEOUT): without it, the ranks on this launcher's "
+                f"side of a network partition wait for the far side for ever and the job "
+                f"is never launched again; add e.g. --timeout 60")
+        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
+            raise ValueError(f"--timeout must be a number of seconds > 0, got "
+                             f"{self.timeout!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one launch's end means (:func:`decide`).
+
+    Attributes:
+        action: ``"done"`` (status 0), ``"restart"`` or ``"stop"``.
+        reason: ``"finished"``, ``"lost"`` (restart), or why it stops: ``"signal"``
+            (passed on by this launcher), ``"failure"`` (nothing lost: a rank announced a
+            failure first, or the launcher failed by itself), ``"unknown"`` (ranks that
+            never reached the monitor: where they ran is not known), ``"min-ranks"``,
+            ``"max-restarts"``.
+        lost_ranks: the ranks (of this launch) that were lost.
+        lost_hosts: the hosts lost whole (empty when one rank of one host is lost).
+        lost: what was lost, as :attr:`~mpistrat.elastic.env.ElasticEnv.lost` says it
+            (``host``, or ``host/rank``).
+        hosts: this launch's hosts with their ranks, in the order of their lowest rank.
+        survivors: the hosts, with their ranks, that a relaunch would run on.
+        message: what to print (``mpistrat run: ...``); None: nothing beyond the
+            monitor's summary.
+    """
+
+    action: str
+    reason: str
+    lost_ranks: tuple[int, ...] = ()
+    lost_hosts: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
+    hosts: tuple[tuple[str, int], ...] = ()
+    survivors: tuple[tuple[str, int], ...] = ()
+    message: str | None = None
+
+    @property
+    def size(self) -> int:
+        """The ranks of a relaunch (the survivors')."""
+        return sum(n for _, n in self.survivors)
+
+    @property
+    def restart(self) -> bool:
+        return self.action == "restart"
+
+
+def _hosts(records: Mapping[int, RankRecord]) -> tuple[tuple[str, int], ...]:
+    """The hosts of ``records`` with their number of ranks, in the order of their lowest
+    rank."""
+    counts: dict[str, int] = {}
+    for rank in sorted(records):
+        host = records[rank].host
+        counts[host] = counts.get(host, 0) + 1
+    return tuple(counts.items())
+
+
+def _placement(hosts: Sequence[tuple[str, int]]) -> str:
+    return ", ".join(f"{host}:{n}" for host, n in hosts)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'' if n == 1 else 's'}"
+
+
+def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
+           signals: Sequence[object] = (), sizes: Sequence[int] = (),
+           options: ElasticOptions) -> Decision:
+    """What the end of one launch means: a pure function of what its monitor recorded.
+
+    Args:
+        records: the monitor's records (rank → :class:`~mpistrat.runner.monitor.
+            RankRecord`), taken once the launcher ended.
+        size: the ranks of this launch.
+        status: the launcher's exit status.
+        signals: the signals this launcher passed on to it (``JobMonitor.signals``).
+        sizes: the size of every launch so far, this one last (its length - 1 is the
+            number of restarts used).
+        options: the job's :class:`ElasticOptions`.
+    """
+    sizes = tuple(sizes) or (size,)
+    hosts = _hosts(records)
+    if status == 0:
+        return Decision("done", "finished", hosts=hosts)
+    if signals:
+        return Decision("stop", "signal", hosts=hosts)
+    vanished = vanished_records(records)
+    silent = sorted(r.rank for r in records.values() if r.status is None and r.closed is None)
+    if not vanished and not silent:
+        return Decision("stop", "failure", hosts=hosts)
+    hostnames = [records[r].host if r in records else "?" for r in range(size)]
+    missing = sorted(set(range(size)) - set(records))
+    if len(hosts) == 1 and not missing:
+        # one host: hydra ends the others within ms of the first death; only it was lost
+        host = hosts[0][0]
+        lost_ranks = (vanished[0].rank,) if vanished else tuple(silent)
+        lost_hosts: tuple[str, ...] = ()
+        lost = tuple(f"{host}/{rank}" for rank in lost_ranks)
+        survivors: tuple[tuple[str, int], ...] = \
+            ((host, size - len(lost_ranks)),) if size > len(lost_ranks) else ()
+    else:
+        first = {vanished[0].host} if vanished else set()
+        gone = first | {records[r].host for r in silent}
+        lost_hosts = tuple(h for h, _ in hosts if h in gone)
+        lost_ranks = tuple(r for r in sorted(records) if records[r].host in gone)
+        lost = lost_hosts
+        survivors = tuple((h, n) for h, n in hosts if h not in gone)
+    what = f"lost {name_ranks(lost_ranks, hostnames)}"
+    so_far = ", ".join(str(n) for n in sizes)
+    rerun = "Rerun the job to resume from the newest complete checkpoint on disk."
+    loss = Decision("stop", "lost", lost_ranks, lost_hosts, lost, hosts, survivors)
+    if missing:
+        return replace(loss, reason="unknown", message=(
+            f"mpistrat run: {what}; not launching again: rank(s) {missing} never reached "
+            f"this launcher's monitor, so where they ran is not known (launch sizes so far: "
+            f"{so_far}). {rerun}"))
+    left = loss.size
+    if left < options.min_ranks:
+        return replace(loss, reason="min-ranks", message=(
+            f"mpistrat run: {what}; not launching again: {_ranks(left)} would be left, "
+            f"below --min-ranks {options.min_ranks} (launch sizes so far: {so_far}). "
+            f"{rerun}"))
+    used = len(sizes) - 1
+    if used >= options.max_restarts:
+        return replace(loss, reason="max-restarts", message=(
+            f"mpistrat run: {what}; not launching again: --max-restarts "
+            f"{options.max_restarts} spent ({used} restart{'' if used == 1 else 's'} so "
+            f"far; launch sizes so far: {so_far}). {rerun}"))
+    return replace(loss, action="restart", message=(
+        f"mpistrat run: {what}; restart {used + 1} of {options.max_restarts} on "
+        f"{_ranks(left)} ({_placement(survivors)})"))
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """One launch of an elastic job, as :func:`run_elastic` saw it. Times are
+    ``time.time()`` values.
+
+    Attributes:
+        restart: 0 for the first launch, then 1, 2, ...
+        size: its ranks.
+        hosts: its hosts with their ranks (from the monitor), in the order of their
+            lowest rank.
+        status: the launcher's exit status.
+        decision: what its end meant (:func:`decide`).
+        started: when it was started (the monitor made, just before ``mpiexec``).
+        ended: when its launcher ended: the loss detected.
+        lost_at: when the first rank that vanished closed its connection (None: none
+            vanished, e.g. only a partition's silent ranks were lost).
+        relaunched: when the next launch was started (None: it was the last).
+    """
+
+    restart: int
+    size: int
+    hosts: tuple[tuple[str, int], ...]
+    status: int
+    decision: Decision
+    started: float
+    ended: float
+    lost_at: float | None = None
+    relaunched: float | None = None
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        """What this launch lost (``host`` or ``host/rank``)."""
+        return self.decision.lost
+
+    @property
+    def loss(self) -> float:
+        """When the loss happened, as far as is known: :attr:`lost_at`, else
+        :attr:`ended`."""
+        return self.lost_at if self.lost_at is not None else self.ended
+
+    @property
+    def detection_s(self) -> float:
+        """Seconds from the loss to its launcher's end."""
+        return self.ended - self.loss
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Seconds from the loss to the next launch's start (None: not relaunched)."""
+        return None if self.relaunched is None else self.relaunched - self.loss
+
+
+@dataclass(frozen=True)
+class ElasticResult:
+    """What :func:`run_elastic` did: the exit status, and every launch in order."""
+
+    status: int
+    job: str
+    launches: tuple[LaunchRecord, ...] = field(default_factory=tuple)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(launch.size for launch in self.launches)
+
+
+def host_file_text(hosts: Sequence[tuple[str, int]]) -> str:
+    """A hydra host file: ``host:slots`` lines, in order."""
+    return "".join(f"{host}:{n}\n" for host, n in hosts)
+
+
+Launch = Callable[[list[str]], int]
+
+
+def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | None = None, *,
+                launch: Launch | None = None, job_hosts: Callable[[], list[str] | None]
+                | None = None) -> ElasticResult:
+    """Run ``options`` on ``elastic.ranks`` ranks, launching the job again on what is left
+    each time ranks are lost (:func:`decide`), until it ends otherwise.
+
+    Prints the monitor's summary of every failed launch, a line for every restart (what
+    was lost, on how many ranks and hosts it goes on, how long after the loss), and why it
+    stops when it stops after a loss. ``launch`` runs an ``mpiexec`` command line
+    (default :func:`~mpistrat.runner.launch.self_launch`), ``job_hosts`` tells where
+    ``mpiexec`` will start ranks (default :func:`~mpistrat.runner.launch.job_hosts`).
+    """
+    launch = self_launch if launch is None else launch
+    job_hosts = _job_hosts if job_hosts is None else job_hosts
+    job = secrets.token_hex(16)
+    secret = auth.new_secret()
+    sizes = [elastic.ranks]
+    lost: list[str] = []
+    launches: list[LaunchRecord] = []
+    saved_host_file = os.environ.get(_HOST_FILE)
+    directory: str | None = None
+    started = time.time()
+    try:
+        while True:
+            size = sizes[-1]
+            rank_env = dict(malloc_hugepages_env() or {})
+            rank_env.update(ElasticEnv(job, len(sizes) - 1, tuple(sizes), tuple(lost),
+                                       elastic.snapshot_every).as_env())
+            bind = bind_address(job_hosts(), os.environ.get("HYDRA_IFACE"))
+            with JobMonitor(size, timeout=options.timeout, report_dir=options.report_dir,
+                            secret=secret, bind=bind) as monitor:
+                status = launch(launch_command(options, size, mpiexec, rank_env=rank_env))
+                ended = time.time()
+                if status != 0:
+                    monitor.finish(status)  # (also waits for the last connections)
+            with monitor.lock:
+                records = dict(monitor.records)
+            decision = decide(records, size, status, signals=tuple(monitor.signals),
+                              sizes=sizes, options=elastic)
+            vanished = vanished_records(records)
+            lost_at = vanished[0].closed if vanished else None
+            relaunched = time.time()
+            record = LaunchRecord(len(sizes) - 1, size, decision.hosts, status, decision,
+                                  started, ended, lost_at,
+                                  relaunched if decision.restart else None)
+            launches.append(record)
+            if not decision.restart:
+                if decision.message:
+                    _say(decision.message)
+                return ElasticResult(status, job, tuple(launches))
+            if len(decision.hosts) > 1:  # across hosts: the survivors' own host file
+                if directory is None:
+                    directory = tempfile.mkdtemp(prefix="mpistrat-elastic-")  # (0700)
+                path = os.path.join(directory, "hosts")
+                write_atomically(path, host_file_text(decision.survivors), mode=0o600)
+                os.environ[_HOST_FILE] = path
+            _say(f"{decision.message} after {record.recovery_s:.1f} s")
+            sizes.append(decision.size)
+            lost += decision.lost
+            started = relaunched
+    finally:
+        if saved_host_file is None:
+            os.environ.pop(_HOST_FILE, None)
+        else:
+            os.environ[_HOST_FILE] = saved_host_file
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _say(text: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
