@@ -39,7 +39,8 @@ def _end_options_at_module(args: list[str]) -> list[str]:
     to the module as ``python -m`` would pass it (only before the script position)."""
     takes_value = {"-n", "--np", "--mpiexec", "--spec", "--num-packs", "--communication",
                    "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check",
-                   "--report-dir", "--num-ps", "--torch-backend"}
+                   "--report-dir", "--num-ps", "--torch-backend", "--min-ranks",
+                   "--max-restarts", "--snapshot-every"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -61,11 +62,42 @@ Examples:
   mpiexec -n 8 mpistrat run --spec @allreduce.spec --tag-output train.py
   srun --mpi=pmi2 python -m mpistrat run --timeout 600 train.py
   mpistrat run -n 4 --torch-backend mpistrat torch_ddp.py   a torchrun script
+  mpistrat run -n 4 --min-ranks 2 --timeout 30 train.py   keep training when a host is lost
 """
 
 
 def _settings() -> Any:
     return Settings.from_env()
+
+
+def _elastic_options(np_: int | None, min_ranks: int | None, max_restarts: int | None,
+                     snapshot_every: int | None, options: Any) -> Any:
+    """The checked ElasticOptions of --min-ranks (None: not an elastic job)."""
+    if min_ranks is None:
+        given = [name for name, value in (("--max-restarts", max_restarts),
+                                          ("--snapshot-every", snapshot_every))
+                 if value is not None]
+        if given:
+            many = len(given) > 1
+            raise click.UsageError(f"{' and '.join(given)} {'go' if many else 'goes'} with "
+                                   f"--min-ranks M (elastic training); add --min-ranks or "
+                                   f"leave {'them' if many else 'it'} out")
+        return None
+    if np_ is None:
+        raise click.UsageError("--min-ranks goes with -n N: mpistrat run launches a job "
+                               "again only when it starts mpiexec itself")
+    # here, not at the top: only this command needs it (start-up time)
+    from ..runner.elastic import DEFAULT_MAX_RESTARTS, DEFAULT_SNAPSHOT_EVERY, ElasticOptions
+
+    try:
+        return ElasticOptions(
+            ranks=np_, min_ranks=min_ranks,
+            max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts,
+            snapshot_every=(DEFAULT_SNAPSHOT_EVERY if snapshot_every is None
+                            else snapshot_every),
+            timeout=options.timeout, num_ps=options.num_ps)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 @click.command(cls=RunCommand, epilog=_EPILOG,
@@ -117,11 +149,22 @@ def _settings() -> Any:
                    "MPISTRAT_TORCH_BACKEND, else the script's choice, untouched]. Either "
                    "way, torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "
                    "... are set from MPI.")
+@click.option("--min-ranks", type=int, metavar="M",
+              help="With -n: elastic training. When ranks are lost (a host, or on one host "
+                   "a rank, dies; a partition), launch the job again on the ranks left, "
+                   "as long as at least M (1..N) are; needs --timeout. A failure the script "
+                   "raises is not restarted.")
+@click.option("--max-restarts", type=int, metavar="R",
+              help="With --min-ranks: launch the job again at most R times (0: never) "
+                   "[default: 3].")
+@click.option("--snapshot-every", type=int, metavar="K",
+              help="With --min-ranks: the ranks snapshot their state every K steps "
+                   "(MPISTRAT_ELASTIC_SNAPSHOT_EVERY) [default: 1].")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
         gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, report_dir, num_ps,
-        torch_backend, script_and_args):
+        torch_backend, min_ranks, max_restarts, snapshot_every, script_and_args):
     """Run a training script on every rank in a default MultiWorkerMirroredStrategy.
 
     The script runs as __main__ with its arguments; mpistrat.get_strategy() returns the
@@ -132,7 +175,9 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
     traceback, tagged with its rank, once, and ends the whole job with a non-zero
     status. Ranks missing from a collective are named after --stall-check seconds; with
     --timeout, no rank stays longer than that in one collective (its data exchange
-    included), and ranks or hosts that cannot be reached are named.
+    included), and ranks or hosts that cannot be reached are named. With -n and
+    --min-ranks, a job that loses ranks is launched again on the ranks left (the ranks
+    resume from their snapshots or checkpoints).
     """
     # here, not at the top: only this command needs it (start-up time)
     from ..launch.hugepages import restart_with_hugepages
@@ -178,6 +223,7 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
     if mpiexec is not None and np_ is None:
         raise click.UsageError("--mpiexec goes with -n N (mpistrat run starts mpiexec only "
                                "with -n)")
+    elastic = _elastic_options(np_, min_ranks, max_restarts, snapshot_every, options)
     try:
         if np_ is not None:
             # here, not at the top: only this command needs it (start-up time)
@@ -189,6 +235,10 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
             problem = check_target(options)  # the ranks check again, on their nodes
             if problem is not None:
                 raise _SetupError(f"mpistrat run: {problem}")
+            if elastic is not None:
+                from ..runner.elastic import run_elastic
+
+                ctx.exit(run_elastic(options, elastic, mpiexec).status)
             # the monitor names lost hosts when the launcher cannot (runner/monitor.py);
             # it listens where only the job's hosts can reach it
             with JobMonitor(np_, timeout=options.timeout, report_dir=options.report_dir,
