@@ -41,7 +41,10 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
+import warnings
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from .._atomic import write_atomically
+from ..elastic import hooks
 from ..elastic.env import ElasticEnv
 from ..runtime._mpi import Comm
 from .checkpoint import Checkpoint, _describe, _jsonable, _kind, _on_chief, _parse_dtype
@@ -64,6 +68,8 @@ MAX_MANIFEST = 1 << 20
 _ALIGN = 64
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _HOST = re.compile(r"[^A-Za-z0-9._-]")
+# stores whose snapshot is being written in the background (restore waits for them)
+_IN_FLIGHT: weakref.WeakSet[SnapshotStore] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class _Slot:
     map: mmap.mmap | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class SnapshotStore:
     """The snapshots of ``checkpoint`` in an elastic job's ``launch`` (collective to
     create: the ranks learn who writes on each host).
@@ -112,9 +118,10 @@ class SnapshotStore:
     secret: bytes = field(repr=False)
     comm: Comm | None = None
     root: str | None = None
+    background: bool = True
     sequence: int = 0  # the newest snapshot taken or restored
     taken: int = 0  # snapshots this process wrote
-    seconds: float = 0.0  # time they took here
+    seconds: float = 0.0  # time take() took here (the training's share of their cost)
 
     def __post_init__(self) -> None:
         if self.comm is None:
@@ -129,6 +136,8 @@ class SnapshotStore:
                                                 f"{self.launch.job}")
         self.directory = os.path.join(self.job_directory, _HOST.sub("_", host)[:64] or "host")
         self._slots = [_Slot(os.path.join(self.directory, f"slot-{i}")) for i in (0, 1)]
+        self._thread: threading.Thread | None = None
+        self._warned = False
         if self.writer:
             _private_directory(self.job_directory)
             _private_directory(self.directory)
@@ -138,44 +147,98 @@ class SnapshotStore:
 
     def take(self, position: tuple[str, int] | None) -> None:
         """Write snapshot ``sequence + 1`` of the current state (on this host's writer;
-        the other ranks only count it)."""
+        the other ranks only count it).
+
+        With ``background`` (the default), the writer copies mpistrat's variables into
+        the slot, checksums and commits in a thread of its own while training goes on:
+        the first write to any mpistrat variable (the next update) waits until the copy
+        is done (:func:`mpistrat.elastic.hooks.before_write`), so the snapshot holds the
+        state of this boundary. Other leaves (NumPy arrays, which the script may change
+        in place, scalars, generators, GPU values) are copied here, before returning."""
         self.sequence += 1
         if not self.writer:
             return
         started = time.perf_counter()
+        self.wait()  # (the previous snapshot is committed: snapshots commit in order)
         os.utime(self.job_directory)  # (a live job's snapshots are never swept, _sweep)
         slot = self._slots[self.sequence % 2]
-        values, entries, offset = [], [], 0
+        sources: list[tuple[dict[str, Any], np.ndarray, bool]] = []
+        entries, offset = [], 0
         for name, obj in self.checkpoint._leaves:
             kind = _kind(obj)
             if kind == "generator":
                 entries.append({"name": name, "kind": kind,
                                 "state": _jsonable(obj.bit_generator.state)})
                 continue
-            value = _host_value(obj)
+            value, fenced = _host_value(obj)
             offset = -(-offset // _ALIGN) * _ALIGN
-            entries.append({"name": name, "kind": kind, "dtype": value.dtype.name,
-                            "shape": list(value.shape), "offset": offset,
-                            "nbytes": int(value.nbytes)})
-            values.append(value)
+            entry = {"name": name, "kind": kind, "dtype": value.dtype.name,
+                     "shape": list(value.shape), "offset": offset, "nbytes": int(value.nbytes)}
+            entries.append(entry)
+            sources.append((entry, value, fenced and self.background))
             offset += value.nbytes
         _unlink(slot.path + ".json")  # (the data below is no longer what it describes)
         data = self._mapped(slot, offset)
-        arrays = [entry for entry in entries if entry["kind"] != "generator"]
-        for entry, value in zip(arrays, values):
-            target = _view(data, entry)
-            np.copyto(target, value, casting="no")
-            entry["crc32"] = zlib.crc32(_bytes(target))
+        for entry, value, later in sources:
+            if not later:
+                np.copyto(_view(data, entry), value, casting="no")
         manifest = {"format": FORMAT, "version": VERSION, "job": self.launch.job,
                     "sequence": self.sequence, "slot": self.sequence % 2,
                     "world_size": self._size, "launch": self.launch.restart,
                     "save_counter": self.checkpoint.save_counter, "data_size": offset,
                     "position": list(position) if position is not None else None,
                     "entries": entries, "created": time.time()}
-        manifest["mac"] = self._mac(manifest)
-        write_atomically(slot.path + ".json", json.dumps(manifest, sort_keys=True), mode=0o600)
+        deferred = [(entry, value) for entry, value, later in sources if later]
+        if not self.background:
+            self._finish(slot, data, manifest, sources, [])
+        else:
+            copied = threading.Event()
+            if deferred:
+                hooks.set_fence(copied.wait)
+            else:
+                copied.set()
+            self._thread = threading.Thread(
+                target=self._finish, args=(slot, data, manifest, sources, deferred, copied),
+                name="mpistrat-snapshot", daemon=True)
+            _IN_FLIGHT.add(self)
+            self._thread.start()
         self.taken += 1
         self.seconds += time.perf_counter() - started
+
+    def _finish(self, slot: _Slot, data: memoryview, manifest: dict[str, Any],
+                sources: list[tuple[dict[str, Any], np.ndarray, bool]],
+                deferred: list[tuple[dict[str, Any], np.ndarray]],
+                copied: threading.Event | None = None) -> None:
+        """Copy the ``deferred`` values, release the fence, checksum, commit."""
+        try:
+            try:
+                for entry, value in deferred:
+                    np.copyto(_view(data, entry), value, casting="no")
+            finally:
+                if copied is not None:
+                    hooks.set_fence(None)
+                    copied.set()
+            for entry, _, _ in sources:
+                entry["crc32"] = zlib.crc32(_bytes(_view(data, entry)))
+            manifest["mac"] = self._mac(manifest)
+            write_atomically(slot.path + ".json", json.dumps(manifest, sort_keys=True),
+                             mode=0o600)
+        except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"snapshot {manifest['sequence']} could not be written to "
+                              f"{self.directory}: {type(exc).__name__}: {exc}; training "
+                              f"goes on, a restart falls back to an older snapshot or the "
+                              f"checkpoint on disk (free memory in /dev/shm, or give "
+                              f"{DIR_ENV} another directory)", RuntimeWarning, stacklevel=1)
+
+    def wait(self) -> None:
+        """Until the snapshot being written here (if any) is committed."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        _IN_FLIGHT.discard(self)
 
     def _mapped(self, slot: _Slot, size: int) -> memoryview:
         """The slot's data file, ``size`` bytes, mapped (created or resized when needed)."""
@@ -212,6 +275,8 @@ class SnapshotStore:
         one. The writers look; the newest found is read on its host and broadcast."""
         comm = self.comm
         assert comm is not None
+        for store in list(_IN_FLIGHT):  # (this process's own snapshots, committed first)
+            store.wait()
         found: tuple[int, str, dict[str, Any]] | None = None
         notes: list[str] = []
         if self.writer:
@@ -355,6 +420,7 @@ class SnapshotStore:
     def close(self, remove: bool = False) -> None:
         """Unmap the slots; with ``remove``, delete this host's snapshots (the job is
         over)."""
+        self.wait()
         for slot in self._slots:
             self._unmap(slot)
         if remove and self.writer:
@@ -365,17 +431,21 @@ class SnapshotStore:
                 pass
 
 
-def _host_value(obj: Any) -> np.ndarray:
-    """``obj``'s value in host memory, without a copy where it lives there already."""
+def _host_value(obj: Any) -> tuple[np.ndarray, bool]:
+    """``obj``'s value in host memory, without a copy where it lives there already; and
+    whether every change to it waits for :func:`mpistrat.elastic.hooks.before_write`
+    (mpistrat's variables on the host: the value may be copied later)."""
     value: Any = obj
+    fenced = False
     if not isinstance(obj, np.ndarray):
         read = getattr(obj, "_read_array", None)  # mpistrat's variables: no copy
         value = read() if callable(read) else None
-        if not isinstance(value, np.ndarray):
+        fenced = isinstance(value, np.ndarray)
+        if not fenced:
             value = np.asarray(obj.numpy())
     if value.dtype.byteorder not in "=|":
-        value = value.astype(value.dtype.newbyteorder("="))
-    return value
+        value, fenced = value.astype(value.dtype.newbyteorder("=")), False
+    return value, fenced
 
 
 def _view(data: memoryview, entry: dict[str, Any]) -> np.ndarray:

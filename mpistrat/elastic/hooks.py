@@ -9,6 +9,10 @@ same, complete state: the distributed dataset's iterator is asked for global bat
 :class:`~mpistrat.checkpoint.CheckpointManager` to take them), a boundary costs one
 branch.
 
+A snapshot copies mpistrat's variables in the background; until it has, the first write
+to any of them waits (:func:`before_write`, called by every variable update: one branch
+when no copy is in flight).
+
 The input pipeline's position travels the other way: a restored snapshot says which
 iterator was at which global batch (:func:`set_resume`), and the first iterator of that
 kind started afterwards skips those batches (:func:`take_resume`).
@@ -18,13 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["set_taker", "taker", "step_boundary", "set_resume", "take_resume", "Position"]
+__all__ = ["set_taker", "taker", "step_boundary", "set_resume", "take_resume", "Position",
+           "set_fence", "before_write"]
 
 # (what the iterator is, how many global batches it has handed out): None for a boundary
 # the script marks itself (mpistrat.elastic.step)
 Position = tuple[str, int] | None
 _TAKER: list[Callable[[Position], None]] = []
 _RESUME: list[tuple[str, int]] = []
+_FENCE: list[Callable[[], object]] = []
 
 
 def set_taker(take: Callable[[Position], None] | None) -> None:
@@ -56,3 +62,16 @@ def take_resume(kind: str) -> int:
         return _RESUME.pop()[1]
     return 0
 
+
+
+def set_fence(wait: Callable[[], object] | None) -> None:
+    """Make :func:`before_write` call ``wait()`` until it is set to None again."""
+    _FENCE[:] = [wait] if wait is not None else []
+
+
+def before_write() -> None:
+    """About to change a variable: wait for a snapshot that still copies it."""
+    if _FENCE:
+        fence = _FENCE[:1]
+        if fence:
+            fence[0]()

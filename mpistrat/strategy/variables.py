@@ -31,6 +31,7 @@ import numpy as np
 
 from ..backends import get_backend
 from ..backends.interop import to_host, to_native
+from ..elastic.hooks import before_write
 from ..ops import ReduceOp
 from ..runtime.agreement import agree
 from ..values import Mirrored, PerReplica, components_of, select_replica
@@ -181,6 +182,7 @@ class Variable(metaclass=_VariableMeta):
 
     def _set(self, target: Any, value: Any) -> None:
         """Write ``value`` into the copy ``target`` (moved to where ``target`` lives)."""
+        before_write()  # (an elastic job's snapshot may still be copying the old value)
         backend = get_backend(target)
         source = _beside(target, _as_array(value))
         backend.xp.copyto(target, self._shaped(source, tuple(target.shape), backend.xp),

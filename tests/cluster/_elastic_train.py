@@ -1,0 +1,124 @@
+"""The training run of tests/cluster/test_elastic.py: softmax regression on synthetic
+data under the default ``MultiWorkerMirroredStrategy`` of ``mpistrat run``, with a
+``CheckpointManager`` (a checkpoint on disk each epoch) and nothing else for elasticity.
+
+    mpistrat run -n 4 --min-ranks 2 --timeout 8 tests/cluster/_elastic_train.py \\
+        --checkpoint-dir DIR --out FILE [--epochs 3] [--step-sleep 0.05]
+
+Each step trains on one global batch of a distributed dataset (the global batch is fixed;
+it is split over however many ranks there are) and also adds each sample's id to
+``seen``, a per-sample counter that is part of the model: after the run, every sample
+must have been applied exactly ``epochs`` times, whatever was lost and redone.
+
+Rank 0 prints ``launch L on N ranks: restored R`` first, then ``step S`` after each step
+(S counted from the start of training), and at the end writes FILE (``.npz``): the
+final weights, ``seen``, and the weights one process gets by training on the same global
+batches in the same order with plain NumPy (the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import mpistrat as ms
+
+SAMPLES, FEATURES, CLASSES = 512, 8, 4
+
+
+def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(SAMPLES, FEATURES))
+    y = (x @ rng.normal(size=(FEATURES, CLASSES))).argmax(axis=1)
+    return x, y
+
+
+def gradient(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The summed cross-entropy gradient of ``x``'s rows."""
+    logits = x @ w
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1
+    return x.T @ p
+
+
+def batches(x: np.ndarray, y: np.ndarray, epoch: int, batch: int) -> ms.Dataset:
+    ids = np.arange(len(x))
+    return ms.Dataset.from_tensor_slices((x, y, ids)).shuffle(len(x), seed=epoch).batch(batch)
+
+
+def reference(x: np.ndarray, y: np.ndarray, epochs: int, batch: int, lr: float) -> np.ndarray:
+    """The same training in one process: every global batch once, in order."""
+    w = np.zeros((FEATURES, CLASSES))
+    for epoch in range(epochs):
+        for xb, yb, _ in batches(x, y, epoch, batch):
+            w -= lr * gradient(w, xb, yb) / batch
+    return w
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    args = parser.parse_args()
+
+    strategy = ms.get_strategy()
+    rank = strategy.comm.Get_rank()
+    x, y = data()
+    options = ms.Options()
+    options.experimental_distribute.auto_shard_policy = ms.AutoShardPolicy.DATA
+    with strategy.scope():
+        w = ms.Variable(np.zeros((FEATURES, CLASSES)), name="w")
+        seen = ms.Variable(np.zeros(SAMPLES), name="seen", trainable=False)
+        epoch_done = ms.Variable(0, name="epoch", trainable=False)
+        step = ms.Variable(0, name="step", trainable=False)
+    manager = ms.CheckpointManager(ms.Checkpoint(w=w, seen=seen, epoch=epoch_done, step=step),
+                                   args.checkpoint_dir, max_to_keep=2)
+    restored = manager.restore_or_initialize()
+    launch = ms.elastic.info()
+    if rank == 0:
+        print(f"launch {launch.restart if launch else 0} on {strategy.comm.Get_size()} ranks: "
+              f"restored {restored} at step {int(step.numpy())}", flush=True)
+
+    def train_step(batch: tuple) -> None:
+        xb, yb, ids = batch
+        counts = np.zeros(SAMPLES)
+        np.add.at(counts, ids, 1)
+        ctx = ms.get_replica_context()
+        grad, counts = ctx.all_reduce(ms.ReduceOp.SUM, (gradient(w.read_value(), xb, yb),
+                                                         counts))
+
+        def apply(strategy: ms.Strategy, grad: object, counts: object) -> None:
+            w.assign_sub(args.lr * strategy.experimental_local_results(grad)[0] / args.batch)
+            seen.assign_add(strategy.experimental_local_results(counts)[0])
+            step.assign_add(1)
+
+        ctx.merge_call(apply, args=(grad, counts))
+
+    for epoch in range(int(epoch_done.numpy()), args.epochs):
+        dataset = batches(x, y, epoch, args.batch).with_options(options)
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(train_step, args=(batch,))
+            if rank == 0:
+                print(f"step {int(step.numpy())}", flush=True)
+            time.sleep(args.step_sleep)
+        epoch_done.assign(epoch + 1)
+        manager.save()
+    if rank == 0:
+        np.savez(args.out, w=w.numpy(), seen=seen.numpy(),
+                 reference=reference(x, y, args.epochs, args.batch, args.lr),
+                 sizes=np.array(launch.sizes if launch else [strategy.comm.Get_size()]))
+        print("finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
