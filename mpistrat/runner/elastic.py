@@ -254,7 +254,7 @@ class LaunchRecord:
             lowest rank.
         status: the launcher's exit status.
         decision: what its end meant (:func:`decide`).
-        started: when it was started (the monitor made, just before ``mpiexec``).
+        started: when its ``mpiexec`` was started.
         ended: when its launcher ended: the loss detected.
         lost_at: when the first rank that vanished closed its connection (None: none
             vanished, e.g. only a partition's silent ranks were lost).
@@ -335,7 +335,6 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
     launches: list[LaunchRecord] = []
     saved_host_file = os.environ.get(_HOST_FILE)
     directory: str | None = None
-    started = time.time()
     try:
         while True:
             size = sizes[-1]
@@ -345,20 +344,21 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
             bind = bind_address(job_hosts(), os.environ.get("HYDRA_IFACE"))
             with JobMonitor(size, timeout=options.timeout, report_dir=options.report_dir,
                             secret=secret, bind=bind) as monitor:
-                status = launch(launch_command(options, size, mpiexec, rank_env=rank_env))
+                argv = launch_command(options, size, mpiexec, rank_env=rank_env)
+                started = time.time()
+                if launches:  # (the previous launch's relaunch)
+                    launches[-1] = replace(launches[-1], relaunched=started)
+                status = launch(argv)
                 ended = time.time()
-                if status != 0:
-                    monitor.finish(status)  # (also waits for the last connections)
+                monitor.finish(status)  # (a failure's summary; waits for the last closes)
             with monitor.lock:
                 records = dict(monitor.records)
             decision = decide(records, size, status, signals=tuple(monitor.signals),
                               sizes=sizes, options=elastic)
             vanished = vanished_records(records)
             lost_at = vanished[0].closed if vanished else None
-            relaunched = time.time()
             record = LaunchRecord(len(sizes) - 1, size, decision.hosts, status, decision,
-                                  started, ended, lost_at,
-                                  relaunched if decision.restart else None)
+                                  started, ended, lost_at)
             launches.append(record)
             if not decision.restart:
                 if decision.message:
@@ -370,10 +370,9 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                 path = os.path.join(directory, "hosts")
                 write_atomically(path, host_file_text(decision.survivors), mode=0o600)
                 os.environ[_HOST_FILE] = path
-            _say(f"{decision.message} after {record.recovery_s:.1f} s")
+            _say(f"{decision.message} after {time.time() - record.loss:.1f} s")
             sizes.append(decision.size)
             lost += decision.lost
-            started = relaunched
     finally:
         if saved_host_file is None:
             os.environ.pop(_HOST_FILE, None)
