@@ -11,6 +11,8 @@ the job together — with every failure shown once — instead of leaving ranks 
 * :mod:`~mpistrat.runner.torchenv` — torchrun's variables (``RANK``, ``MASTER_ADDR``, ...)
   for ``torch.distributed`` scripts, and ``--torch-backend mpistrat``;
 * :mod:`~mpistrat.runner.launch` — ``-n N``: starting ``mpiexec`` itself;
+* :mod:`~mpistrat.runner.elastic` — ``-n N --min-ranks M``: launching the job again on
+  the ranks left when ranks are lost (:func:`~mpistrat.runner.elastic.run_elastic`);
 * :mod:`~mpistrat.runner.watchdog`, :mod:`~mpistrat.runner.monitor`,
   :mod:`~mpistrat.runner.sidecar` — ``--timeout`` inside MPI calls, and a lost host named
   from within the job, from ``mpistrat run -n`` and beside a plain ``mpiexec``
