@@ -10,23 +10,25 @@ other ranks write nothing.
 Layout, in ``$MPISTRAT_ELASTIC_DIR`` (default ``/dev/shm``, else the temporary
 directory)::
 
-    mpistrat-elastic-<uid>-<job id>/      (0700, this user's)
-        <host>/slot-0.data  slot-1.data   (the values, back to back; written in place)
-        <host>/slot-0.json  slot-1.json   (manifests: the commit records)
+    mpistrat-elastic-<uid>-<job id>/        (0700, this user's)
+        <host>/layout.json                  (names, dtypes, shapes, places; HMAC)
+        <host>/slot-0.data  slot-1.data     (a commit record, then the values)
 
-Two slots alternate: snapshot ``n`` goes to slot ``n % 2``. Its manifest is first deleted,
-then the values are copied into the slot's data file (mapped once, so a snapshot is one
-memory copy), then a new manifest is written under a temporary name and renamed into
-place: the rename commits. A rank killed at any moment leaves the other slot's snapshot
-complete and committed, and never a manifest that describes data being overwritten.
+Two slots alternate: snapshot ``n`` goes to slot ``n % 2``, a file mapped into the
+writer's memory once, so that taking a snapshot makes no system call. Its commit record
+(the sequence number, the input position, the generators' states, a CRC-32 per value,
+and an HMAC of all of it and the layout under the job's secret) is zeroed first, then the
+values are copied, then the record is written, its HMAC last. A rank killed at any
+moment leaves the other slot's snapshot committed, and never a record that describes
+values being overwritten (its HMAC no longer matches).
 
-A manifest is untrusted input: it is at most :data:`MAX_MANIFEST` bytes, read without
-following links from a regular file of this user's; every field is checked, the whole
-manifest carries an HMAC under the job's secret (so no file another job, or anybody
-without the secret, wrote is ever restored), its entries must be the checkpoint's own
-(names, kinds, dtypes, shapes), and each value's CRC-32 must match. A snapshot that fails
-any check is skipped with its reason, and the restore takes the newest one that passes on
-any host (or, when none does, the newest checkpoint on disk).
+Everything read is untrusted input: the layout is at most :data:`MAX_LAYOUT` bytes, read
+without following links from a regular file of this user's, authenticated, and must
+describe the checkpoint's own objects (names, kinds, dtypes, shapes) in places that do
+not overlap; a slot's record must be committed, authentic, its fields in range, and
+every value must match its checksum. A snapshot that fails any check is skipped with its
+reason, and the restore takes the newest one that passes on any host (or, when none
+does, the newest checkpoint on disk).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import re
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 import threading
 import time
@@ -58,13 +61,17 @@ from ..elastic.env import ElasticEnv
 from ..runtime._mpi import Comm
 from .checkpoint import Checkpoint, _describe, _jsonable, _kind, _on_chief, _parse_dtype
 
-__all__ = ["SnapshotStore", "SnapshotInfo", "DIR_ENV", "MAX_MANIFEST", "KEEP_ENV"]
+__all__ = ["SnapshotStore", "SnapshotInfo", "DIR_ENV", "MAX_LAYOUT", "KEEP_ENV",
+           "BACKGROUND_BYTES"]
 
 DIR_ENV = "MPISTRAT_ELASTIC_DIR"
 KEEP_ENV = "MPISTRAT_ELASTIC_KEEP"  # hours an abandoned job's snapshots stay (default 24)
 FORMAT = "mpistrat.snapshot"
 VERSION = 1
-MAX_MANIFEST = 1 << 20
+MAX_LAYOUT = 1 << 22
+BACKGROUND_BYTES = 1 << 20  # variables of at least this much are copied in the background
+_MAGIC = b"MPSNAP01"
+_HEADER = struct.Struct("<8sQQ32s")  # magic, sequence (0: none), record length, HMAC
 _ALIGN = 64
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _HOST = re.compile(r"[^A-Za-z0-9._-]")
@@ -77,7 +84,7 @@ class SnapshotInfo:
     """A snapshot restored (:meth:`SnapshotStore.restore`).
 
     Attributes:
-        path: its manifest, on the host it was read from.
+        path: its slot's data file, on the host it was read from.
         sequence: its number (one per snapshot taken in the job, across launches).
         world_size: the number of ranks that took it.
         position: the input pipeline's position then (see :mod:`mpistrat.elastic.hooks`).
@@ -93,8 +100,7 @@ class SnapshotInfo:
 
 @dataclass
 class _Slot:
-    path: str
-    size: int = 0
+    path: str  # the data file
     fd: int = -1
     map: mmap.mmap | None = None
 
@@ -102,15 +108,22 @@ class _Slot:
 @dataclass(eq=False)
 class SnapshotStore:
     """The snapshots of ``checkpoint`` in an elastic job's ``launch`` (collective to
-    create: the ranks learn who writes on each host).
+    create: the ranks learn who writes on each host, and a directory that cannot be
+    used is the same error on every rank).
 
     Args:
         checkpoint: the state.
         launch: the job's launch (its id names the directory).
-        secret: the job's secret (the manifests' HMAC key).
+        secret: the job's secret (the HMAC key).
         comm: the job's communicator (default: the checkpoint's).
         root: the directory the job's snapshot directory goes in (default
             ``$MPISTRAT_ELASTIC_DIR``, else ``/dev/shm``, else the temporary directory).
+        background: copy mpistrat's variables of at least :data:`BACKGROUND_BYTES` in
+            all, checksum and commit in a thread while training goes on (see
+            :meth:`take`); False: before :meth:`take` returns.
+
+    Raises:
+        PermissionError: the directory is not this user's private one (on every rank).
     """
 
     checkpoint: Checkpoint
@@ -135,79 +148,86 @@ class SnapshotStore:
         self.job_directory = os.path.join(root, f"mpistrat-elastic-{os.getuid()}-"
                                                 f"{self.launch.job}")
         self.directory = os.path.join(self.job_directory, _HOST.sub("_", host)[:64] or "host")
-        self._slots = [_Slot(os.path.join(self.directory, f"slot-{i}")) for i in (0, 1)]
+        self._slots = [_Slot(os.path.join(self.directory, f"slot-{i}.data")) for i in (0, 1)]
+        self._layout: dict[str, Any] | None = None  # written by this process
         self._thread: threading.Thread | None = None
         self._warned = False
+        problem = None
         if self.writer:
-            _private_directory(self.job_directory)
-            _private_directory(self.directory)
+            try:
+                _private_directory(self.job_directory)
+                _private_directory(self.directory)
+            except OSError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        problems = [p for p in self.comm.allgather(problem) if p is not None]
+        if problems:
+            raise PermissionError(f"elastic snapshots cannot be kept in {root}: "
+                                  f"{problems[0]}")
+        if self.writer:
             _sweep(root, self.job_directory)
+
+    @property
+    def layout_path(self) -> str:
+        """This host's layout file (the names, dtypes, shapes and places of the values)."""
+        return os.path.join(self.directory, "layout.json")
 
     # -- taking
 
     def take(self, position: tuple[str, int] | None) -> None:
-        """Write snapshot ``sequence + 1`` of the current state (on this host's writer;
-        the other ranks only count it).
+        """Write snapshot ``sequence + 1`` of the current state into slot
+        ``(sequence + 1) % 2`` (on this host's writer; the other ranks only count it).
 
-        With ``background`` (the default), the writer copies mpistrat's variables into
-        the slot, checksums and commits in a thread of its own while training goes on:
-        the first write to any mpistrat variable (the next update) waits until the copy
-        is done (:func:`mpistrat.elastic.hooks.before_write`), so the snapshot holds the
-        state of this boundary. Other leaves (NumPy arrays, which the script may change
-        in place, scalars, generators, GPU values) are copied here, before returning."""
+        Its commit record is invalidated first, then the values are copied, checksummed,
+        and the record rewritten, its HMAC last (module docstring). In the background
+        (large states), mpistrat's host variables are copied by a thread; the first
+        write to any of them (the next update) waits until the copy is done
+        (:func:`mpistrat.elastic.hooks.before_write`), so the snapshot holds this
+        boundary's state. Other leaves (NumPy arrays, which the script may change in
+        place, scalars, generators, GPU values) are copied before this returns."""
         self.sequence += 1
         if not self.writer:
             return
         started = time.perf_counter()
         self.wait()  # (the previous snapshot is committed: snapshots commit in order)
-        os.utime(self.job_directory)  # (a live job's snapshots are never swept, _sweep)
-        slot = self._slots[self.sequence % 2]
-        sources: list[tuple[dict[str, Any], np.ndarray, bool]] = []
-        entries, offset = [], 0
+        values: list[tuple[np.ndarray, bool]] = []
+        generators: dict[str, Any] = {}
         for name, obj in self.checkpoint._leaves:
-            kind = _kind(obj)
-            if kind == "generator":
-                entries.append({"name": name, "kind": kind,
-                                "state": _jsonable(obj.bit_generator.state)})
-                continue
-            value, fenced = _host_value(obj)
-            offset = -(-offset // _ALIGN) * _ALIGN
-            entry = {"name": name, "kind": kind, "dtype": value.dtype.name,
-                     "shape": list(value.shape), "offset": offset, "nbytes": int(value.nbytes)}
-            entries.append(entry)
-            sources.append((entry, value, fenced and self.background))
-            offset += value.nbytes
-        _unlink(slot.path + ".json")  # (the data below is no longer what it describes)
-        data = self._mapped(slot, offset)
-        for entry, value, later in sources:
-            if not later:
-                np.copyto(_view(data, entry), value, casting="no")
-        manifest = {"format": FORMAT, "version": VERSION, "job": self.launch.job,
-                    "sequence": self.sequence, "slot": self.sequence % 2,
-                    "world_size": self._size, "launch": self.launch.restart,
-                    "save_counter": self.checkpoint.save_counter, "data_size": offset,
-                    "position": list(position) if position is not None else None,
-                    "entries": entries, "created": time.time()}
-        deferred = [(entry, value) for entry, value, later in sources if later]
-        if not self.background:
-            self._finish(slot, data, manifest, sources, [])
-        else:
-            copied = threading.Event()
-            if deferred:
-                hooks.set_fence(copied.wait)
+            if _kind(obj) == "generator":
+                generators[name] = _jsonable(obj.bit_generator.state)
             else:
-                copied.set()
+                values.append(_host_value(obj))
+        layout = self._layout_for(values)
+        slot = self._slots[self.sequence % 2]
+        data = self._mapped(slot, layout)
+        _HEADER.pack_into(data, 0, _MAGIC, 0, 0, b"\0" * 32)  # (invalid until committed)
+        extra = {"sequence": self.sequence, "world_size": self._size,
+                 "launch": self.launch.restart, "save_counter": self.checkpoint.save_counter,
+                 "position": list(position) if position is not None else None,
+                 "generators": generators, "created": time.time()}
+        fenced = sum(v.nbytes for v, f in values if f)
+        later = self.background and fenced >= BACKGROUND_BYTES
+        entries = [e for e in layout["entries"] if e["kind"] != "generator"]
+        for entry, (value, fence) in zip(entries, values):
+            if not (later and fence):
+                np.copyto(_view(data, entry), value, casting="no")
+        if not later:
+            self._commit(data, layout, entries, extra, [])
+        else:
+            deferred = [(e, v) for e, (v, f) in zip(entries, values) if f]
+            copied = threading.Event()
+            hooks.set_fence(copied.wait)
             self._thread = threading.Thread(
-                target=self._finish, args=(slot, data, manifest, sources, deferred, copied),
+                target=self._commit, args=(data, layout, entries, extra, deferred, copied),
                 name="mpistrat-snapshot", daemon=True)
             _IN_FLIGHT.add(self)
             self._thread.start()
+        if self.taken % 64 == 0:
+            os.utime(self.job_directory)  # (a live job's snapshots are never swept)
         self.taken += 1
         self.seconds += time.perf_counter() - started
 
-    def _finish(self, slot: _Slot, data: memoryview, manifest: dict[str, Any],
-                sources: list[tuple[dict[str, Any], np.ndarray, bool]],
-                deferred: list[tuple[dict[str, Any], np.ndarray]],
+    def _commit(self, data: memoryview, layout: dict[str, Any], entries: list[dict[str, Any]],
+                extra: dict[str, Any], deferred: list[tuple[dict[str, Any], np.ndarray]],
                 copied: threading.Event | None = None) -> None:
         """Copy the ``deferred`` values, release the fence, checksum, commit."""
         try:
@@ -218,15 +238,19 @@ class SnapshotStore:
                 if copied is not None:
                     hooks.set_fence(None)
                     copied.set()
-            for entry, _, _ in sources:
-                entry["crc32"] = zlib.crc32(_bytes(_view(data, entry)))
-            manifest["mac"] = self._mac(manifest)
-            write_atomically(slot.path + ".json", json.dumps(manifest, sort_keys=True),
-                             mode=0o600)
+            extra["crc32"] = [zlib.crc32(_bytes(_view(data, e))) for e in entries]
+            body = json.dumps(extra, separators=(",", ":")).encode()
+            if len(body) > layout["header"] - _HEADER.size:
+                raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
+                                 f"{layout['header'] - _HEADER.size} its layout holds")
+            data[_HEADER.size:_HEADER.size + len(body)] = body
+            _HEADER.pack_into(data, 0, _MAGIC, extra["sequence"], len(body), b"\0" * 32)
+            mac = self._mac(layout["digest"], extra["sequence"], body)
+            data[_HEADER.size - 32:_HEADER.size] = mac  # (last: this commits)
         except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"snapshot {manifest['sequence']} could not be written to "
+                warnings.warn(f"snapshot {extra['sequence']} could not be written to "
                               f"{self.directory}: {type(exc).__name__}: {exc}; training "
                               f"goes on, a restart falls back to an older snapshot or the "
                               f"checkpoint on disk (free memory in /dev/shm, or give "
@@ -240,32 +264,70 @@ class SnapshotStore:
             self._thread = None
         _IN_FLIGHT.discard(self)
 
-    def _mapped(self, slot: _Slot, size: int) -> memoryview:
-        """The slot's data file, ``size`` bytes, mapped (created or resized when needed)."""
-        if slot.map is None or slot.size != size:
-            self._unmap(slot)
-            fd = os.open(slot.path + ".data", os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    def _layout_for(self, values: list[tuple[np.ndarray, bool]]) -> dict[str, Any]:
+        """This process's layout (written to :attr:`layout_path` the first time)."""
+        if self._layout is not None:
+            return self._layout
+        entries: list[dict[str, Any]] = []
+        offset, arrays = 0, iter(values)
+        generators = 0
+        for name, obj in self.checkpoint._leaves:
+            kind = _kind(obj)
+            if kind == "generator":
+                entries.append({"name": name, "kind": kind})
+                generators += 1
+                continue
+            value = next(arrays)[0]
+            offset = -(-offset // _ALIGN) * _ALIGN
+            entries.append({"name": name, "kind": kind, "dtype": value.dtype.name,
+                            "shape": list(value.shape), "offset": offset,
+                            "nbytes": int(value.nbytes)})
+            offset += value.nbytes
+        header = -(-(2048 + 16 * len(entries) + 1024 * generators) // 4096) * 4096
+        for entry in entries:
+            if "offset" in entry:
+                entry["offset"] += header
+        layout = {"format": FORMAT, "version": VERSION, "job": self.launch.job,
+                  "header": header, "size": header + offset, "entries": entries}
+        text = json.dumps(layout, sort_keys=True)
+        layout["mac"] = hmac.new(self.secret, b"mpistrat-snapshot-layout\0" + text.encode(),
+                                 hashlib.sha256).hexdigest()
+        write_atomically(self.layout_path, json.dumps(layout, sort_keys=True), mode=0o600)
+        layout["digest"] = hashlib.sha256(text.encode()).digest()
+        self._layout = layout
+        return layout
+
+    def _mapped(self, slot: _Slot, layout: dict[str, Any]) -> memoryview:
+        """The slot's data file, mapped (created or resized the first time)."""
+        if slot.map is None:
+            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
             try:
-                os.ftruncate(fd, max(size, 1))
-                slot.map = mmap.mmap(fd, max(size, 1))
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                    raise PermissionError(f"{slot.path} is not a regular file of this "
+                                          f"user's")
+                os.ftruncate(fd, layout["size"])
+                slot.map = mmap.mmap(fd, layout["size"])
             except BaseException:
                 os.close(fd)
                 raise
-            slot.fd, slot.size = fd, size
+            slot.fd = fd
         return memoryview(slot.map)
 
     def _unmap(self, slot: _Slot) -> None:
         if slot.map is not None:
-            slot.map.close()
+            try:
+                slot.map.close()
+            except BufferError:
+                pass  # (a view is still alive: the mapping goes with it)
             slot.map = None
         if slot.fd >= 0:
             os.close(slot.fd)
             slot.fd = -1
 
-    def _mac(self, manifest: dict[str, Any]) -> str:
-        body = json.dumps({k: v for k, v in manifest.items() if k != "mac"}, sort_keys=True)
-        return hmac.new(self.secret, b"mpistrat-snapshot\0" + body.encode(),
-                        hashlib.sha256).hexdigest()
+    def _mac(self, digest: bytes, sequence: int, body: bytes) -> bytes:
+        return hmac.new(self.secret, b"mpistrat-snapshot\0" + digest
+                        + sequence.to_bytes(8, "little") + body, hashlib.sha256).digest()
 
     # -- restoring
 
@@ -289,22 +351,23 @@ class SnapshotStore:
         source = sequences.index(best)
         values: list[np.ndarray] = []
 
-        def work() -> tuple[str, dict[str, Any]]:
+        def work() -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
             assert found is not None
-            path, manifest = found[1], found[2]
-            data = memoryview(_read_only_map(path[:-len(".json")] + ".data"))
-            values.extend(np.array(_view(data, e)) for e in manifest["entries"]
+            path, record = found[1], found[2]
+            layout = record.pop("layout")
+            data = memoryview(_read_only_map(path, layout["size"]))
+            values.extend(np.array(_view(data, e)) for e in layout["entries"]
                           if e["kind"] != "generator")
-            return path, manifest
+            return path, record, layout["entries"]
 
         def failure(exc: Exception) -> tuple[type[Exception], str]:
             return OSError, (f"reading the snapshot on rank {source} failed: "
                              f"{type(exc).__name__}: {exc}")
 
-        path, manifest = _on_chief(comm, source, work, failure)
+        path, record, entries = _on_chief(comm, source, work, failure)
         chief_values: Iterator[np.ndarray] = iter(values)
         received: list[np.ndarray | None] = []
-        for entry in manifest["entries"]:
+        for entry in entries:
             if entry["kind"] == "generator":
                 received.append(None)
                 continue
@@ -315,88 +378,86 @@ class SnapshotStore:
             if buffer.nbytes and comm.Get_size() > 1:
                 comm.Bcast(buffer.reshape(-1).view(np.uint8), root=source)
             received.append(buffer)
-        for (_, obj), entry, value in zip(self.checkpoint._leaves, manifest["entries"],
-                                          received):
+        for (name, obj), entry, value in zip(self.checkpoint._leaves, entries, received):
             if entry["kind"] == "generator":
-                obj.bit_generator.state = entry["state"]
+                obj.bit_generator.state = record["generators"][name]
             elif isinstance(obj, np.ndarray):
                 obj[...] = value
             else:
                 obj.assign(value)
-        self.checkpoint.save_counter = manifest["save_counter"]
+        self.checkpoint.save_counter = record["save_counter"]
         self.sequence = best
-        position = manifest["position"]
-        return SnapshotInfo(path, best, manifest["world_size"],
+        position = record["position"]
+        return SnapshotInfo(path, best, record["world_size"],
                             (position[0], position[1]) if position is not None else None,
                             skipped)
 
     def _newest(self) -> tuple[tuple[int, str, dict[str, Any]] | None, list[str]]:
-        """This host's newest valid snapshot ``(sequence, manifest path, manifest)``,
-        and why each other one found was skipped."""
+        """This host's newest valid snapshot ``(sequence, data path, record)`` (the
+        record holds its ``layout``), and why each other one found was skipped."""
+        if not os.path.lexists(self.layout_path):
+            return None, []
+        try:
+            layout = self.check_layout(self.layout_path)
+        except (OSError, ValueError) as exc:
+            return None, [f"{self.layout_path}: {exc}"]
         best: tuple[int, str, dict[str, Any]] | None = None
         notes = []
         for slot in self._slots:
-            path = slot.path + ".json"
-            if not os.path.lexists(path):
+            if not os.path.lexists(slot.path):
                 continue
             try:
-                manifest = self.check(path)
+                record = self.check(slot.path, layout)
             except (OSError, ValueError) as exc:
-                notes.append(f"{path}: {exc}")
+                notes.append(f"{slot.path}: {exc}")
                 continue
-            if best is None or manifest["sequence"] > best[0]:
-                best = (manifest["sequence"], path, manifest)
+            if best is None or record["sequence"] > best[0]:
+                best = (record["sequence"], slot.path, record)
         return best, notes
 
-    def check(self, path: str) -> dict[str, Any]:
-        """The manifest at ``path`` once every check of the module docstring passed.
+    def check_layout(self, path: str) -> dict[str, Any]:
+        """The layout at ``path`` once it passed every check: this job's, authentic,
+        and the checkpoint's own objects (names, kinds, dtypes, shapes) in places that
+        do not overlap.
 
         Raises:
             ValueError: naming the first check that failed.
-            OSError: the files cannot be read.
+            OSError: the file cannot be read.
         """
-        text = _read_private(path, MAX_MANIFEST)
+        text = _read_private(path, MAX_LAYOUT)
         try:
-            manifest = json.loads(text)
+            layout = json.loads(text)
         except ValueError as exc:
             raise ValueError(f"not JSON ({exc})") from None
-        if not isinstance(manifest, dict):
+        if not isinstance(layout, dict):
             raise ValueError("not a JSON object")
-        given = manifest.get("mac")
-        if not isinstance(given, str) or not hmac.compare_digest(given, self._mac(manifest)):
+        given = layout.pop("mac", None)
+        body = json.dumps(layout, sort_keys=True)
+        mac = hmac.new(self.secret, b"mpistrat-snapshot-layout\0" + body.encode(),
+                       hashlib.sha256).hexdigest()
+        if not isinstance(given, str) or not hmac.compare_digest(given, mac):
             raise ValueError("not written by this job (its authentication does not match)")
-        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION or \
-                manifest.get("job") != self.launch.job:
-            raise ValueError(f"not a version {VERSION} snapshot of job {self.launch.job}")
-        for name in ("sequence", "world_size", "save_counter", "data_size", "slot"):
-            if not _is_count(manifest.get(name)):
-                raise ValueError(f"{name} is {manifest.get(name)!r}, expected an integer >= 0")
-        if manifest["sequence"] % 2 != manifest["slot"] or \
-                not path.endswith(f"slot-{manifest['slot']}.json"):
-            raise ValueError(f"its slot {manifest['slot']} is not the file's")
-        position = manifest.get("position")
-        if position is not None and not (isinstance(position, list) and len(position) == 2
-                                         and isinstance(position[0], str)
-                                         and _is_count(position[1])):
-            raise ValueError(f"position is {position!r}, expected [kind, batches] or null")
-        entries = manifest.get("entries")
+        if layout.get("format") != FORMAT or layout.get("version") != VERSION or \
+                layout.get("job") != self.launch.job:
+            raise ValueError(f"not a version {VERSION} snapshot layout of job "
+                             f"{self.launch.job}")
+        header: Any = layout.get("header")
+        size: Any = layout.get("size")
+        if not _is_count(header) or header < _HEADER.size or not _is_count(size) or \
+                size < header:
+            raise ValueError(f"header {header!r} / size {size!r} are not a layout's")
+        entries = layout.get("entries")
         leaves = self.checkpoint._leaves
         if not isinstance(entries, list) or len(entries) != len(leaves):
             raise ValueError(f"it holds {len(entries) if isinstance(entries, list) else '?'} "
                              f"entries, the checkpoint {len(leaves)} objects")
-        data_path = path[:-len(".json")] + ".data"
-        data: memoryview | None = None
+        end = header
         for entry, (name, obj) in zip(entries, leaves):
             kind = _kind(obj)
             if not isinstance(entry, dict) or entry.get("name") != name or \
                     entry.get("kind") != kind:
                 raise ValueError(f"an entry is {_short(entry)}, expected {kind} {name!r}")
             if kind == "generator":
-                state = entry.get("state")
-                if not isinstance(state, dict) or state.get("bit_generator") != \
-                        type(obj.bit_generator).__name__:
-                    raise ValueError(f"entry {name!r} is not a "
-                                     f"{type(obj.bit_generator).__name__} state")
                 continue
             dtype, shape = _describe(obj)
             if entry.get("dtype") != dtype or entry.get("shape") != list(shape):
@@ -404,16 +465,69 @@ class SnapshotStore:
                                  f"{entry.get('shape')!r}, the object {dtype} {list(shape)}")
             nbytes = int(np.prod(shape, dtype=np.int64)) * _parse_dtype(dtype).itemsize
             offset: Any = entry.get("offset")
-            if entry.get("nbytes") != nbytes or not _is_count(offset) or \
-                    offset + nbytes > manifest["data_size"] or \
-                    not _is_count(entry.get("crc32")):
-                raise ValueError(f"entry {name!r} has a bad place or checksum field")
-            if data is None:
-                data = memoryview(_read_only_map(data_path, manifest["data_size"]))
-            if zlib.crc32(_bytes(_view(data, entry))) != entry["crc32"]:
-                raise ValueError(f"entry {name!r} does not match its checksum (torn or "
-                                 f"changed)")
-        return manifest
+            if entry.get("nbytes") != nbytes or not _is_count(offset) or offset < end or \
+                    offset + nbytes > size:
+                raise ValueError(f"entry {name!r} has a bad place ({offset!r}, "
+                                 f"{entry.get('nbytes')!r} bytes)")
+            end = offset + nbytes
+        layout["digest"] = hashlib.sha256(body.encode()).digest()
+        return layout
+
+    def check(self, path: str, layout: dict[str, Any]) -> dict[str, Any]:
+        """The commit record of the slot at ``path`` (with its ``layout``) once every
+        check passed: committed and authentic, its fields in range, every value
+        matching its checksum.
+
+        Raises:
+            ValueError: naming the first check that failed.
+            OSError: the file cannot be read.
+        """
+        data = memoryview(_read_only_map(path, layout["size"]))
+        magic, sequence, length, mac = _HEADER.unpack_from(data, 0)
+        if magic != _MAGIC or sequence == 0:
+            raise ValueError("no committed snapshot (being written when its rank ended, "
+                             "or never written)")
+        if length > layout["header"] - _HEADER.size:
+            raise ValueError(f"its record is {length} bytes, more than its layout's "
+                             f"{layout['header'] - _HEADER.size}")
+        body = bytes(data[_HEADER.size:_HEADER.size + length])
+        if not hmac.compare_digest(mac, self._mac(layout["digest"], sequence, body)):
+            raise ValueError("not committed by this job (its authentication does not "
+                             "match: torn, or written by someone else)")
+        try:
+            record = json.loads(body)
+        except ValueError as exc:
+            raise ValueError(f"its record is not JSON ({exc})") from None
+        arrays = [e for e in layout["entries"] if e["kind"] != "generator"]
+        if not isinstance(record, dict) or record.get("sequence") != sequence:
+            raise ValueError("its record is not the one committed")
+        for name in ("world_size", "save_counter", "launch"):
+            if not _is_count(record.get(name)):
+                raise ValueError(f"{name} is {record.get(name)!r}, expected an integer >= 0")
+        position = record.get("position")
+        if position is not None and not (isinstance(position, list) and len(position) == 2
+                                         and isinstance(position[0], str)
+                                         and _is_count(position[1])):
+            raise ValueError(f"position is {_short(position)}, expected [kind, batches] or "
+                             f"null")
+        generators = record.get("generators")
+        for name, obj in self.checkpoint._leaves:
+            if _kind(obj) == "generator":
+                state = generators.get(name) if isinstance(generators, dict) else None
+                if not isinstance(state, dict) or state.get("bit_generator") != \
+                        type(obj.bit_generator).__name__:
+                    raise ValueError(f"generator {name!r} has no "
+                                     f"{type(obj.bit_generator).__name__} state")
+        crcs = record.get("crc32")
+        if not isinstance(crcs, list) or len(crcs) != len(arrays) or \
+                not all(_is_count(c) for c in crcs):
+            raise ValueError("its checksums are not one per value")
+        for entry, crc in zip(arrays, crcs):
+            if zlib.crc32(_bytes(_view(data, entry))) != crc:
+                raise ValueError(f"entry {entry['name']!r} does not match its checksum "
+                                 f"(changed after the commit)")
+        record["layout"] = layout
+        return record
 
     # -- the end
 
