@@ -20,11 +20,12 @@ from __future__ import annotations
 import atexit
 import builtins
 import os
+import time
 import warnings
 from typing import Any
 
 from ..elastic import hooks
-from ..elastic.env import elastic_env, job_secret
+from ..elastic.env import AUTO_SHARE, elastic_env, job_secret
 from ..runtime._mpi import Comm, state_comm
 from . import _files
 from .checkpoint import Checkpoint, _on_chief
@@ -104,7 +105,8 @@ class CheckpointManager:
         self.restored_snapshot: SnapshotInfo | None = None
         self._launch = elastic_env()
         self._snapshots: SnapshotStore | None = None
-        self._boundaries = 0
+        self._boundaries = 0  # step boundaries since the job began (restored with snapshots)
+        self._last_snapshot = 0.0  # when the last one was taken (time.perf_counter())
         if self._launch is not None and hooks.taker() is None:
             if job_secret() is None:
                 warnings.warn("an elastic job's variables are set, but this process has no "
@@ -128,10 +130,21 @@ class CheckpointManager:
         return self._snapshots
 
     def _at_boundary(self, position: hooks.Position) -> None:
+        """Take a snapshot at this step boundary when it is due: every
+        ``snapshot_every`` boundaries, or (``auto``) when the time since the last one is
+        long enough for its cost to be at most ``AUTO_SHARE`` of it."""
         assert self._launch is not None
         self._boundaries += 1
-        if self._boundaries % self._launch.snapshot_every == 0:
-            self._store().take(position)
+        every = self._launch.snapshot_every
+        store = self._snapshots
+        if every:
+            if self._boundaries % every:
+                return
+        elif store is not None and store.taken and \
+                (time.perf_counter() - self._last_snapshot) * AUTO_SHARE < store.last_cost:
+            return
+        self._store().take(position, self._boundaries)
+        self._last_snapshot = time.perf_counter()
 
     @property
     def _prefix(self) -> str:
@@ -189,5 +202,7 @@ class CheckpointManager:
             if info is not None:
                 self.restored_snapshot = info
                 hooks.set_resume(info.position)
+                # (the first boundary to come is the restored one again: same number)
+                self._boundaries = info.sequence - 1
                 return info.path
         return self.checkpoint.restore(self.latest_checkpoint)

@@ -72,6 +72,7 @@ MAX_LAYOUT = 1 << 22
 BACKGROUND_BYTES = 1 << 20  # variables of at least this much are copied in the background
 _MAGIC = b"MPSNAP01"
 _HEADER = struct.Struct("<8sQQ32s")  # magic, sequence (0: none), record length, HMAC
+_NO_MAC = bytes(32)
 _ALIGN = 64
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _HOST = re.compile(r"[^A-Za-z0-9._-]")
@@ -103,6 +104,9 @@ class _Slot:
     path: str  # the data file
     fd: int = -1
     map: mmap.mmap | None = None
+    data: memoryview | None = None  # the whole mapping
+    views: list[np.ndarray] = field(default_factory=list)  # each value's place in it
+    raw: list[memoryview] = field(default_factory=list)  # the same, as bytes
 
 
 @dataclass(eq=False)
@@ -152,6 +156,8 @@ class SnapshotStore:
         self._layout: dict[str, Any] | None = None  # written by this process
         self._thread: threading.Thread | None = None
         self._warned = False
+        self._next_slot = 0
+        self.last_cost = 0.0  # seconds the last take() took here
         problem = None
         if self.writer:
             try:
@@ -173,9 +179,11 @@ class SnapshotStore:
 
     # -- taking
 
-    def take(self, position: tuple[str, int] | None) -> None:
-        """Write snapshot ``sequence + 1`` of the current state into slot
-        ``(sequence + 1) % 2`` (on this host's writer; the other ranks only count it).
+    def take(self, position: tuple[str, int] | None, number: int | None = None) -> None:
+        """Write snapshot ``number`` (default ``sequence + 1``; the step boundary's
+        number in the job, the same on every rank, so that hosts' snapshots compare) of
+        the current state into the slot the newest one is not in (on this host's writer;
+        the other ranks only count it).
 
         Its commit record is invalidated first, then the values are copied, checksummed,
         and the record rewritten, its HMAC last (module docstring). In the background
@@ -184,7 +192,7 @@ class SnapshotStore:
         (:func:`mpistrat.elastic.hooks.before_write`), so the snapshot holds this
         boundary's state. Other leaves (NumPy arrays, which the script may change in
         place, scalars, generators, GPU values) are copied before this returns."""
-        self.sequence += 1
+        self.sequence = self.sequence + 1 if number is None else number
         if not self.writer:
             return
         started = time.perf_counter()
@@ -192,59 +200,63 @@ class SnapshotStore:
         values: list[tuple[np.ndarray, bool]] = []
         generators: dict[str, Any] = {}
         for name, obj in self.checkpoint._leaves:
-            if _kind(obj) == "generator":
+            if isinstance(obj, np.random.Generator):
                 generators[name] = _jsonable(obj.bit_generator.state)
             else:
                 values.append(_host_value(obj))
         layout = self._layout_for(values)
-        slot = self._slots[self.sequence % 2]
+        slot = self._slots[self._next_slot]
+        self._next_slot = 1 - self._next_slot
         data = self._mapped(slot, layout)
-        _HEADER.pack_into(data, 0, _MAGIC, 0, 0, b"\0" * 32)  # (invalid until committed)
+        _HEADER.pack_into(data, 0, _MAGIC, 0, 0, _NO_MAC)  # (invalid until committed)
         extra = {"sequence": self.sequence, "world_size": self._size,
                  "launch": self.launch.restart, "save_counter": self.checkpoint.save_counter,
                  "position": list(position) if position is not None else None,
                  "generators": generators, "created": time.time()}
         fenced = sum(v.nbytes for v, f in values if f)
         later = self.background and fenced >= BACKGROUND_BYTES
-        entries = [e for e in layout["entries"] if e["kind"] != "generator"]
-        for entry, (value, fence) in zip(entries, values):
+        for target, (value, fence) in zip(slot.views, values):
             if not (later and fence):
-                np.copyto(_view(data, entry), value, casting="no")
+                np.copyto(target, value, casting="no")
         if not later:
-            self._commit(data, layout, entries, extra, [])
+            self._commit(slot, layout, extra, [])
         else:
-            deferred = [(e, v) for e, (v, f) in zip(entries, values) if f]
+            deferred = [(t, v) for t, (v, f) in zip(slot.views, values) if f]
             copied = threading.Event()
             hooks.set_fence(copied.wait)
             self._thread = threading.Thread(
-                target=self._commit, args=(data, layout, entries, extra, deferred, copied),
+                target=self._commit, args=(slot, layout, extra, deferred, copied),
                 name="mpistrat-snapshot", daemon=True)
             _IN_FLIGHT.add(self)
             self._thread.start()
         if self.taken % 64 == 0:
             os.utime(self.job_directory)  # (a live job's snapshots are never swept)
         self.taken += 1
-        self.seconds += time.perf_counter() - started
+        self.last_cost = time.perf_counter() - started
+        self.seconds += self.last_cost
 
-    def _commit(self, data: memoryview, layout: dict[str, Any], entries: list[dict[str, Any]],
-                extra: dict[str, Any], deferred: list[tuple[dict[str, Any], np.ndarray]],
+    def _commit(self, slot: _Slot, layout: dict[str, Any], extra: dict[str, Any],
+                deferred: list[tuple[np.ndarray, np.ndarray]],
                 copied: threading.Event | None = None) -> None:
-        """Copy the ``deferred`` values, release the fence, checksum, commit."""
+        """Copy the ``deferred`` values (``(place, value)``), release the fence,
+        checksum, commit."""
+        data = slot.data
+        assert data is not None
         try:
             try:
-                for entry, value in deferred:
-                    np.copyto(_view(data, entry), value, casting="no")
+                for target, value in deferred:
+                    np.copyto(target, value, casting="no")
             finally:
                 if copied is not None:
                     hooks.set_fence(None)
                     copied.set()
-            extra["crc32"] = [zlib.crc32(_bytes(_view(data, e))) for e in entries]
+            extra["crc32"] = [zlib.crc32(raw) for raw in slot.raw]
             body = json.dumps(extra, separators=(",", ":")).encode()
             if len(body) > layout["header"] - _HEADER.size:
                 raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
                                  f"{layout['header'] - _HEADER.size} its layout holds")
             data[_HEADER.size:_HEADER.size + len(body)] = body
-            _HEADER.pack_into(data, 0, _MAGIC, extra["sequence"], len(body), b"\0" * 32)
+            _HEADER.pack_into(data, 0, _MAGIC, extra["sequence"], len(body), _NO_MAC)
             mac = self._mac(layout["digest"], extra["sequence"], body)
             data[_HEADER.size - 32:_HEADER.size] = mac  # (last: this commits)
         except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
@@ -312,9 +324,18 @@ class SnapshotStore:
                 os.close(fd)
                 raise
             slot.fd = fd
-        return memoryview(slot.map)
+            slot.data = memoryview(slot.map)
+            slot.views = [_view(slot.data, e) for e in layout["entries"]
+                          if e["kind"] != "generator"]
+            slot.raw = [_bytes(view) for view in slot.views]
+        assert slot.data is not None
+        return slot.data
 
     def _unmap(self, slot: _Slot) -> None:
+        slot.views, slot.raw = [], []
+        if slot.data is not None:
+            slot.data.release()
+            slot.data = None
         if slot.map is not None:
             try:
                 slot.map.close()
@@ -413,6 +434,7 @@ class SnapshotStore:
                 continue
             if best is None or record["sequence"] > best[0]:
                 best = (record["sequence"], slot.path, record)
+                self._next_slot = 1 - self._slots.index(slot)  # (the newest stays)
         return best, notes
 
     def check_layout(self, path: str) -> dict[str, Any]:

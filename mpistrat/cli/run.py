@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import click
@@ -89,6 +90,15 @@ def _elastic_options(np_: int | None, min_ranks: int | None, max_restarts: int |
     # here, not at the top: only this command needs it (start-up time)
     from ..runner.elastic import DEFAULT_MAX_RESTARTS, DEFAULT_SNAPSHOT_EVERY, ElasticOptions
 
+    if snapshot_every is not None:
+        text = str(snapshot_every).strip().lower()
+        if text == "auto":
+            snapshot_every = 0
+        elif re.fullmatch(r"\d{1,9}", text) and int(text) >= 1:
+            snapshot_every = int(text)
+        else:
+            raise click.UsageError(f"--snapshot-every must be a number of steps >= 1, or "
+                                   f"auto, got {snapshot_every!r}")
     try:
         return ElasticOptions(
             ranks=np_, min_ranks=min_ranks,
@@ -157,9 +167,10 @@ def _elastic_options(np_: int | None, min_ranks: int | None, max_restarts: int |
 @click.option("--max-restarts", type=int, metavar="R",
               help="With --min-ranks: launch the job again at most R times (0: never) "
                    "[default: 3].")
-@click.option("--snapshot-every", type=int, metavar="K",
-              help="With --min-ranks: the ranks snapshot their state every K steps "
-                   "(MPISTRAT_ELASTIC_SNAPSHOT_EVERY) [default: 1].")
+@click.option("--snapshot-every", metavar="K|auto",
+              help="With --min-ranks: snapshot the state into each host's RAM every K "
+                   "steps; auto: every step unless that costs more than 3%% of the "
+                   "training time (then as often as 3%% allows) [default: auto].")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,

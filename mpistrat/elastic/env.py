@@ -11,7 +11,9 @@ Every launch of one elastic ``mpistrat run`` carries:
   (``4,3``);
 * ``MPISTRAT_ELASTIC_LOST``: what was lost so far, comma-separated: a host name, or
   ``host/rank`` for a single rank of a host that stayed;
-* ``MPISTRAT_ELASTIC_SNAPSHOT_EVERY``: take a snapshot every k steps (``--snapshot-every``).
+* ``MPISTRAT_ELASTIC_SNAPSHOT_EVERY``: take a snapshot every k steps (``--snapshot-every``);
+  0: ``auto``, at every step unless that would cost more than :data:`AUTO_SHARE` of the
+  training time (then at the first step boundary after that share of time has passed).
 
 The job's secret (``MPISTRAT_JOB_SECRET``) is the same for every launch too: snapshots
 are authenticated with it.
@@ -25,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["JOB_ENV", "RESTART_ENV", "SIZES_ENV", "LOST_ENV", "EVERY_ENV", "ElasticEnv",
-           "elastic_env", "rank_env", "set_job_secret", "job_secret"]
+           "elastic_env", "rank_env", "set_job_secret", "job_secret", "AUTO_SHARE"]
 
 JOB_ENV = "MPISTRAT_ELASTIC"
 RESTART_ENV = "MPISTRAT_ELASTIC_RESTART"
@@ -34,6 +36,7 @@ LOST_ENV = "MPISTRAT_ELASTIC_LOST"
 EVERY_ENV = "MPISTRAT_ELASTIC_SNAPSHOT_EVERY"
 _JOB = re.compile(r"[0-9a-f]{32}")
 _LOST = re.compile(r"[!-+\--~]{1,255}")  # printable, no comma or space
+AUTO_SHARE = 0.03  # --snapshot-every auto: the share of the training time snapshots may take
 _SECRET: list[bytes] = []  # the job's secret, as mpistrat run's rank set-up holds it
 
 
@@ -46,14 +49,14 @@ class ElasticEnv:
         restart: 0 for the first launch, then the number of relaunches so far.
         sizes: the world size of every launch so far, this one last.
         lost: hosts (``host``) and single ranks (``host/rank``) lost so far.
-        snapshot_every: steps between two snapshots.
+        snapshot_every: steps between two snapshots (0: ``auto``).
     """
 
     job: str
     restart: int = 0
     sizes: tuple[int, ...] = ()
     lost: tuple[str, ...] = ()
-    snapshot_every: int = 1
+    snapshot_every: int = 0
 
     @property
     def resumed(self) -> bool:
@@ -81,11 +84,11 @@ def elastic_env(env: Mapping[str, str] | None = None) -> ElasticEnv | None:
     try:
         restart = int(source.get(RESTART_ENV, "0"))
         sizes = tuple(int(n) for n in source.get(SIZES_ENV, "").split(",") if n)
-        every = int(source.get(EVERY_ENV, "1"))
+        every = int(source.get(EVERY_ENV, "0"))
     except ValueError:
         return None
     lost = tuple(item for item in source.get(LOST_ENV, "").split(",") if item)
-    if restart < 0 or every < 1 or any(n < 1 for n in sizes) or \
+    if restart < 0 or every < 0 or any(n < 1 for n in sizes) or \
             not all(_LOST.fullmatch(item) for item in lost):
         return None
     return ElasticEnv(job, restart, sizes, lost, every)

@@ -53,7 +53,7 @@ __all__ = ["ElasticOptions", "Decision", "LaunchRecord", "ElasticResult", "decid
            "run_elastic", "host_file_text", "DEFAULT_MAX_RESTARTS", "DEFAULT_SNAPSHOT_EVERY"]
 
 DEFAULT_MAX_RESTARTS = 3
-DEFAULT_SNAPSHOT_EVERY = 1
+DEFAULT_SNAPSHOT_EVERY = 0  # auto (mpistrat.elastic.env.AUTO_SHARE)
 _HOST_FILE = "HYDRA_HOST_FILE"
 
 
@@ -98,8 +98,8 @@ class ElasticOptions:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be an integer >= 0 (0: never launch "
                              f"again), got {self.max_restarts!r}")
-        if not _is_int(self.snapshot_every) or self.snapshot_every < 1:
-            raise ValueError(f"--snapshot-every must be a number of steps >= 1, got "
+        if not _is_int(self.snapshot_every) or self.snapshot_every < 0:
+            raise ValueError(f"--snapshot-every must be a number of steps >= 1, or auto, got "
                              f"{self.snapshot_every!r}")
         if self.num_ps is not None:
             raise ValueError(f"--min-ranks {self.min_ranks} does not go with --num-ps "

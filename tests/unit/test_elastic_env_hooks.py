@@ -56,7 +56,7 @@ def test_a_valid_launch_parses_to_every_field():
 
 def test_only_the_job_id_is_required_and_the_rest_defaults():
     launch = elastic_env({JOB_ENV: JOB})
-    assert launch == ElasticEnv(JOB, 0, (), (), 1)
+    assert launch == ElasticEnv(JOB, 0, (), (), 0)  # (snapshots: auto)
     assert not launch.resumed
 
 
@@ -91,7 +91,11 @@ def test_bad_sizes_turn_snapshots_off(sizes):
     assert elastic_env(_env(**{SIZES_ENV: sizes})) is None
 
 
-@pytest.mark.parametrize("every", ["0", "-3", "x"])
+def test_a_snapshot_interval_of_0_is_auto():
+    assert elastic_env(_env(**{EVERY_ENV: "0"})).snapshot_every == 0
+
+
+@pytest.mark.parametrize("every", ["-1", "-3", "x", "1.5"])
 def test_a_bad_snapshot_interval_turns_snapshots_off(every):
     assert elastic_env(_env(**{EVERY_ENV: every})) is None
 

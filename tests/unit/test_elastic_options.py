@@ -37,7 +37,7 @@ def _options(**changes):
                          "partition"]),
     ({"num_ps": 1}, ["--num-ps 1", "parameter-server jobs are not elastic yet"]),
     ({"max_restarts": -1}, ["--max-restarts", ">= 0", "got -1"]),
-    ({"snapshot_every": 0}, ["--snapshot-every", ">= 1", "got 0"]),
+    ({"snapshot_every": -1}, ["--snapshot-every", ">= 1, or auto", "got -1"]),
 ])
 def test_bad_options_are_named_with_the_fix(changes, words):
     with pytest.raises(ValueError) as error:
@@ -48,7 +48,7 @@ def test_bad_options_are_named_with_the_fix(changes, words):
 
 def test_good_options_and_their_defaults():
     options = _options(min_ranks=4, max_restarts=0)
-    assert (options.max_restarts, options.snapshot_every) == (0, 1)
+    assert (options.max_restarts, options.snapshot_every) == (0, 0)  # (0: auto)
     assert _options().max_restarts == 3
     assert _options(min_ranks=1).min_ranks == 1
 

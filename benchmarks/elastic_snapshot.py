@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""What an elastic job's snapshot costs a training step (docs/elastic.md).
+
+    mpiexec -n 2 .venv/bin/python benchmarks/elastic_snapshot.py [--state digits|resnet50]
+
+Steps run under a ``MultiWorkerMirroredStrategy``, in blocks of consecutive steps (as in
+training, a background snapshot overlaps the next step; the block ends when its last
+snapshot is committed), timed per step in three variants, interleaved (round robin, a
+barrier before each block, its slowest rank's time; see ``benchmarks/_interleave.py``):
+
+* ``off``: the step alone;
+* ``background``: a snapshot at the step boundary, then the step (what an elastic job
+  does: mpistrat's variables are copied into ``/dev/shm`` by a thread while the step
+  runs; the update waits for the copy if it has not finished);
+* ``sync``: the same snapshot written before the step goes on (``background=False``).
+
+States:
+
+* ``digits``: ``examples/digits_mlp.py``'s model and momentum (4 + 4 variables, 37 KiB),
+  its training step on one global batch of 64;
+* ``resnet50``: ResNet-50's 161 parameter tensors (97.5 MiB float32) and a step that
+  all-reduces a gradient of each (one batched all-reduce) and applies SGD: the
+  communication and update of a ResNet-50 step without its compute, so the snapshot's
+  share here is an upper bound of its share of a real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import mpistrat as ms  # noqa: E402
+from mpistrat.bench.shapes import resnet50_gradient_shapes  # noqa: E402
+from mpistrat.checkpoint.snapshot import SnapshotStore  # noqa: E402
+from mpistrat.elastic.env import ElasticEnv  # noqa: E402
+
+from _interleave import interleaved  # noqa: E402
+
+
+def digits_state(strategy: Any) -> tuple[list[Any], Any]:
+    import digits_mlp as digits
+
+    x, y, _, _ = digits.load_data(0)
+    xb, yb = x[:64], y[:64]
+    with strategy.scope():
+        params = [ms.Variable(p) for p in digits.init_params(64, 0)]
+        velocity = [ms.Variable(np.zeros_like(p.numpy())) for p in params]
+    shard = slice(strategy.comm.Get_rank() * 64 // strategy.comm.Get_size(),
+                  (strategy.comm.Get_rank() + 1) * 64 // strategy.comm.Get_size())
+
+    def apply(strategy: Any, grads: tuple) -> None:
+        for p, v, g in zip(params, velocity, grads):
+            g = strategy.experimental_local_results(g)[0] / 64
+            v.assign(0.9 * v.read_value() - 0.1 * g)
+            p.assign_add(v.read_value())
+
+    def replica_step() -> None:
+        _, _, grads = digits.loss_and_grads([p.read_value() for p in params], xb[shard],
+                                            yb[shard])
+        ctx = ms.get_replica_context()
+        ctx.merge_call(apply, args=(ctx.all_reduce(ms.ReduceOp.SUM, tuple(grads)),))
+
+    return params + velocity, lambda: strategy.run(replica_step)
+
+
+def resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
+    rng = np.random.default_rng(0)
+    with strategy.scope():
+        params = [ms.Variable(rng.standard_normal(shape, np.float32) * 0.01)
+                  for shape in resnet50_gradient_shapes()]
+    grads = tuple(np.full(p.shape, 1e-6, np.float32) for p in params)
+
+    def apply(strategy: Any, reduced: tuple) -> None:
+        for p, g in zip(params, reduced):
+            p.assign_sub(strategy.experimental_local_results(g)[0])
+
+    def replica_step() -> None:
+        ctx = ms.get_replica_context()
+        ctx.merge_call(apply, args=(ctx.all_reduce(ms.ReduceOp.SUM, grads),))
+
+    return params, lambda: strategy.run(replica_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state", choices=("digits", "resnet50"), default="digits")
+    parser.add_argument("--iters", type=int, default=0, help="default: 300 digits, 30 resnet50")
+    parser.add_argument("--dir", default=None, help="snapshot root (default /dev/shm)")
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    strategy = ms.MultiWorkerMirroredStrategy()
+    state, step = (digits_state if args.state == "digits" else resnet50_state)(strategy)
+    checkpoint = ms.Checkpoint(state=state)
+    job = comm.bcast(secrets.token_hex(16))
+    root = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    launch = ElasticEnv(job, 0, (comm.Get_size(),))
+    stores = {mode: SnapshotStore(checkpoint, launch, b"benchmark", root=root,
+                                  background=mode == "background")
+              for mode in ("background", "sync")}
+
+    block = 10 if args.state == "digits" else 3
+
+    def steps(store: SnapshotStore | None) -> Any:
+        def call() -> None:
+            for _ in range(block):
+                if store is not None:
+                    store.take(("benchmark", 0))
+                step()
+            if store is not None:
+                store.wait()  # (the last snapshot's background work counts too)
+        return call
+
+    iters = args.iters or (60 if args.state == "digits" else 12)
+    times = interleaved(comm, {"off": steps(None), "background": steps(stores["background"]),
+                               "sync": steps(stores["sync"])}, iters, warmup=2)
+    times = {name: {k: v / block for k, v in t.items()} for name, t in times.items()}
+    for store in stores.values():
+        store.close(remove=True)
+    if comm.Get_rank() == 0:
+        size = sum(np.asarray(v.numpy()).nbytes for v in state)
+        base = times["off"]["median"]
+        print(f"{args.state}: {size / 2**20:.2f} MiB of state, {comm.Get_size()} ranks, "
+              f"median of {iters} blocks of {block} steps each, interleaved")
+        print(f"{'variant':12} {'step ms':>9} {'p10':>8} {'p90':>8} {'x off':>7}")
+        for name, t in times.items():
+            print(f"{name:12} {t['median'] * 1e3:9.3f} {t['p10'] * 1e3:8.3f} "
+                  f"{t['p90'] * 1e3:8.3f} {t['median'] / base:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
