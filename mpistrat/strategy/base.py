@@ -24,6 +24,7 @@ from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, make_numpy_dataset
 from ..ops import ReduceOp
+from ..runtime import stall
 from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
 from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
@@ -533,7 +534,17 @@ class Strategy:
                 "shuffle_seed": self._shuffle_seed()}
 
     def _agree_any(self, flag: bool) -> bool:
-        return bool(self._comm.allreduce(bool(flag), op=mpi().LOR))
+        """Whether any worker's input has another batch (the end of an uneven epoch).
+        Watched like every collective: ``mpistrat run``'s stall check and ``--timeout``
+        bound it, so a lost peer ends the wait here too."""
+        flags = np.array([1 if flag else 0], dtype=np.int64)
+        watch = stall.current()
+        if watch is None:
+            MPI = mpi()
+            self._comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
+        else:
+            watch.allreduce(self._comm, flags, "the distributed dataset's next batch")
+        return bool(flags[0])
 
     def _shuffle_seed(self) -> int | None:
         return None

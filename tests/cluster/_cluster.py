@@ -5,8 +5,11 @@ own, since ``from conftest import`` could find another directory's conftest.)"""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +40,51 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not after {timeout} s")
         time.sleep(interval)
+
+
+def processes(cluster, host: str) -> dict[int, str]:
+    """pid -> command line of every process on ``host`` (its network namespace)."""
+    namespace = f"{cluster.control['CLUSTER_LOCAL_NAME']}-{host}"
+    listed = subprocess.run(["ip", "netns", "pids", namespace],
+                            capture_output=True, text=True, timeout=30, check=False)
+    found = {}
+    for pid in map(int, listed.stdout.split()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                found[pid] = file.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
+
+
+def kill_host(cluster, host: str, keep_slurmd: bool = True) -> None:
+    """SIGKILL every process of ``host`` (but its slurmd, which the Slurm tests need,
+    unless ``keep_slurmd`` is False)."""
+    for pid, cmd in processes(cluster, host).items():
+        if keep_slurmd and cmd.startswith("slurmd "):
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Job:
+    """A job under a launcher, its output to files (no pipe can fill up), run from
+    ``cwd`` with the cluster's environment."""
+
+    def __init__(self, cluster, argv, tmp_path: Path, cwd: Path | None = None) -> None:
+        self.out, self.err = tmp_path / "job.out", tmp_path / "job.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(
+                [str(a) for a in argv], cwd=cwd or Path(__file__).resolve().parents[2],
+                env=cluster.env, stdout=out, stderr=err, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+
+    @property
+    def output(self) -> str:
+        return self.out.read_text() + self.err.read_text()

@@ -10,8 +10,9 @@ it is split over however many ranks there are) and also adds each sample's id to
 ``seen``, a per-sample counter that is part of the model: after the run, every sample
 must have been applied exactly ``epochs`` times, whatever was lost and redone.
 
-Rank 0 prints ``launch L on N ranks: restored R`` first, then ``step S`` after each step
-(S counted from the start of training), and at the end writes FILE (``.npz``): the
+Rank 0 prints ``launch L on N ranks: restored R at step S`` first, then ``step S at T``
+after each step (S counted from the start of training, T its wall-clock time), and at the
+end writes FILE (``.npz``): the
 final weights, ``seen``, and the weights one process gets by training on the same global
 batches in the same order with plain NumPy (the reference).
 """
@@ -108,7 +109,7 @@ def main() -> int:
         for batch in strategy.experimental_distribute_dataset(dataset):
             strategy.run(train_step, args=(batch,))
             if rank == 0:
-                print(f"step {int(step.numpy())}", flush=True)
+                print(f"step {int(step.numpy())} at {time.time():.3f}", flush=True)
             time.sleep(args.step_sleep)
         epoch_done.assign(epoch + 1)
         manager.save()

@@ -35,6 +35,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _cluster import Job as _Job
+from _cluster import kill_host as _kill_host
+from _cluster import processes as _processes
+from _cluster import wait_until as _wait_for
 
 from mpistrat.checkpoint import _files
 
@@ -61,24 +65,6 @@ class Ended:
 
     hosts: dict[str, float | None] = field(default_factory=dict)
     launcher: float | None = None
-
-
-def _namespace(cluster, host: str) -> str:
-    return f"{cluster.control['CLUSTER_LOCAL_NAME']}-{host}"
-
-
-def _processes(cluster, host: str) -> dict[int, str]:
-    """pid -> command line of every process on ``host``."""
-    listed = subprocess.run(["ip", "netns", "pids", _namespace(cluster, host)],
-                            capture_output=True, text=True, timeout=30, check=False)
-    found = {}
-    for pid in map(int, listed.stdout.split()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as file:
-                found[pid] = file.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-    return found
 
 
 def _ranks(cluster, host: str) -> list[int]:
@@ -138,26 +124,6 @@ def _check_control_plane(cluster, job: _Job, launch: str) -> None:
     assert not seen, f"the job's secret is on the command line of processes {seen}"
 
 
-def _kill_host(cluster, host: str, keep_slurmd: bool = True) -> None:
-    """SIGKILL every process of ``host`` (but its slurmd, which the Slurm tests need,
-    unless ``keep_slurmd`` is False)."""
-    for pid, cmd in _processes(cluster, host).items():
-        if keep_slurmd and cmd.startswith("slurmd "):
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _wait_for(predicate, timeout: float, what: str, interval: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
-        time.sleep(interval)
-
-
 def _watch_until_ended(cluster, launcher: subprocess.Popen | None, fault_at: float,
                        limit: float) -> Ended:
     """Poll until every rank on every host (and the launcher) has ended, or ``limit``
@@ -202,25 +168,6 @@ def _rerun_resumes(cluster, directory: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"resumed from {path} at step {step}" in result.stdout, result.stdout
     assert f"finished at step {step + 3}" in result.stdout, result.stdout
-
-
-class _Job:
-    """A training job under a launcher, output to files (no pipe can fill up)."""
-
-    def __init__(self, cluster, argv, tmp_path: Path) -> None:
-        self.out, self.err = tmp_path / "job.out", tmp_path / "job.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.process = subprocess.Popen([str(a) for a in argv], cwd=ROOT, env=cluster.env,
-                                            stdout=out, stderr=err, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-
-    @property
-    def output(self) -> str:
-        return self.out.read_text() + self.err.read_text()
 
 
 def _fault_run(cluster, tmp_path: Path, launch: str, fault: str):

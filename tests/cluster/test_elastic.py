@@ -1,0 +1,131 @@
+"""Elastic training across the two real hosts of conftest.py (``mpistrat run -n 4
+--min-ranks``): a host lost in the middle of a run costs one step and seconds, not the run.
+
+Each test trains ``_elastic_train.py`` (softmax regression under the default strategy, a
+per-sample audit counter in the model, a checkpoint on disk each epoch and nothing else
+for elasticity) and, at step ``FAULT_STEP`` of the first launch, makes a fault:
+
+* every process of node2 killed: the launch ends at once, ``mpistrat run`` relaunches on
+  node1's two ranks, which restore the newest snapshot from their host's ``/dev/shm``;
+* node2's link pulled (a partition): node1's ranks time out (``--timeout``) and end,
+  node2's ranks, cut off from the launcher, end by themselves and never train on; the
+  launcher relaunches on node1 only;
+* with ``--min-ranks 3``: the loss leaves too few ranks and the job ends, naming node2.
+
+A run that goes on must finish with status 0, its final weights equal (to float
+rounding) to those one process gets from the same global batches in the same order,
+every sample applied exactly once per epoch, at most one step redone, and the first step
+on the survivors at most ``--timeout`` + 5 s after the fault.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _cluster import Job, kill_host, processes, wait_until
+
+pytestmark = pytest.mark.cluster
+
+VENV_BIN = Path(sys.executable).parent
+TRAIN = Path(__file__).resolve().parent / "_elastic_train.py"
+TIMEOUT = 8
+FAULT_STEP = 20
+EPOCHS = 3  # 16 steps an epoch: the fault falls in the second
+STEP = re.compile(r"^step (\d+) at ([\d.]+)$", re.M)
+LAUNCH = re.compile(r"^launch (\d+) on (\d+) ranks: restored (\S+) at step (\d+)$", re.M)
+
+
+def _training_ranks(cluster, host: str) -> list[int]:
+    return [pid for pid, cmd in processes(cluster, host).items()
+            if TRAIN.name in cmd and cmd.split()[0].rsplit("/", 1)[-1].startswith("python")]
+
+
+def _steps(output: str) -> list[tuple[int, float]]:
+    return [(int(s), float(t)) for s, t in STEP.findall(output)]
+
+
+def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):
+    """Run the training, make ``fault`` ('kill' or 'link') on node2 once step
+    FAULT_STEP is done; return (job, the fault's time.time(), the result file)."""
+    out = tmp_path / "result.npz"
+    argv = [VENV_BIN / "mpistrat", "run", "-n", "4", "--min-ranks", str(min_ranks),
+            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
+            "--checkpoint-dir", tmp_path / "ckpt", "--out", out, "--epochs", str(EPOCHS),
+            "--step-sleep", "0.1"]
+    job = Job(cluster, argv, tmp_path)
+    try:
+        wait_until(lambda: any(s >= FAULT_STEP for s, _ in _steps(job.output))
+                   or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
+        assert job.process.poll() is None, job.output
+        assert _training_ranks(cluster, "node1") and _training_ranks(cluster, "node2")
+        fault_at = time.time()
+        if fault == "kill":
+            kill_host(cluster, "node2")
+        else:
+            cluster.local("link", "node2", "down")
+        try:
+            if fault == "link":
+                # the cut-off side ends by itself, within the bound, and never trains on
+                wait_until(lambda: not _training_ranks(cluster, "node2"), TIMEOUT + 15,
+                           "node2's ranks to end")
+            job.process.wait(120)
+        finally:
+            if fault == "link":
+                cluster.local("link", "node2", "up")
+    finally:
+        job.stop()
+    for host in cluster.hosts:
+        kill_host(cluster, host)
+    return job, fault_at, out
+
+
+def _check_recovered(job: Job, fault_at: float, out: Path) -> None:
+    output = job.output
+    assert job.process.returncode == 0, output
+    assert re.search(r"mpistrat run: lost host node2 \(ranks 2, 3\); restart 1 of \d+ on 2 "
+                     r"ranks \(node1:2\)", output), output
+    launches = LAUNCH.findall(output)
+    assert [(int(n), int(r)) for n, r, _, _ in launches] == [(0, 4), (1, 2)], output
+    restored, resumed_at = launches[1][2], int(launches[1][3])
+    assert "/dev/shm/mpistrat-elastic-" in restored, output  # a snapshot, not the disk
+    steps = _steps(output)
+    before = max(s for s, t in steps if t < fault_at)
+    # at most one step redone: the snapshot is the state after the last step taken or
+    # the one before it (the fault can land between a step's end and the next boundary)
+    assert before - 1 <= resumed_at <= before, (before, resumed_at, output)
+    first = min(t for s, t in steps if t > fault_at and s == resumed_at + 1)
+    assert first - fault_at <= TIMEOUT + 5, (first - fault_at, output)
+    result = np.load(out)
+    assert list(result["sizes"]) == [4, 2]
+    np.testing.assert_allclose(result["w"], result["reference"], rtol=1e-9, atol=1e-12)
+    assert np.array_equal(result["seen"], np.full(len(result["seen"]), float(EPOCHS))), \
+        f"samples not applied exactly {EPOCHS} times: {np.unique(result['seen'])}"
+    print(f"recovered: first step on the survivors {first - fault_at:.2f} s after the "
+          f"fault; resumed at step {resumed_at} (last step before the fault: {before})")
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_host_costs_one_step_and_seconds(cluster, tmp_path):
+    job, fault_at, out = _elastic_run(cluster, tmp_path, "kill")
+    _check_recovered(job, fault_at, out)
+
+
+@pytest.mark.timeout(240)
+def test_a_partition_goes_on_on_the_launchers_side_only(cluster, tmp_path):
+    job, fault_at, out = _elastic_run(cluster, tmp_path, "link")
+    _check_recovered(job, fault_at, out)
+
+
+@pytest.mark.timeout(240)
+def test_fewer_than_the_minimum_ends_the_job_naming_the_host(cluster, tmp_path):
+    job, fault_at, _ = _elastic_run(cluster, tmp_path, "kill", min_ranks=3)
+    output = job.output
+    assert job.process.returncode != 0, output
+    assert "node2" in output and "--min-ranks 3" in output, output
+    assert len(LAUNCH.findall(output)) == 1, output
+    assert (tmp_path / "ckpt" / "ckpt-1.json").exists(), output  # the rerun's start
