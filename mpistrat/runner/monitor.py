@@ -62,6 +62,7 @@ _GREETING = b"mpistrat-monitor 1 "
 _HELLO = re.compile(rb"hello (\d{1,9}) ([!-~]{1,255}) (\d{1,10}) ([0-9a-f]{64})")
 _END = re.compile(rb"end (-?\d{1,6}) ([0-9a-f]{64})")
 _SETTLE = 1.0  # seconds the summary waits for the connections of ended ranks to close
+_QUIET = 0.3  # ... or until none has closed for this long
 # Once a rank has failed or vanished, the launcher gets this long (beyond --timeout and the
 # watchdog's hard stop) to end before it is ended: it may wait forever for a host it has
 # lost, while every rank ends within its own bound.
@@ -393,9 +394,16 @@ class JobMonitor:
         beyond what the ranks reported)."""
         if status == 0:
             return None
+        # the last closes of a job the launcher just ended come in a burst; ranks cut off
+        # by a partition never close: stop waiting once the burst is over
         deadline = time.monotonic() + _SETTLE
+        seen, quiet_since = self._events, time.monotonic()
         while not self.settled() and time.monotonic() < deadline:
-            time.sleep(0.05)  # the last closes of a job the launcher just ended
+            time.sleep(0.05)
+            if self._events != seen:
+                seen, quiet_since = self._events, time.monotonic()
+            elif time.monotonic() - quiet_since >= _QUIET:
+                break
         with self.lock:
             records = dict(self.records)
         if not records:
