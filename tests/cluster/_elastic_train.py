@@ -10,7 +10,9 @@ it is split over however many ranks there are) and also adds each sample's id to
 ``seen``, a per-sample counter that is part of the model: after the run, every sample
 must have been applied exactly ``epochs`` times, whatever was lost and redone.
 
-Rank 0 prints ``launch L on N ranks: restored R at step S`` first, then ``step S at T``
+Rank 0 prints ``launch L on N ranks: restored R at step S`` and ``launch times: script T0
+restored T1`` (wall-clock times: the script's start, the restore's end) first, then
+``step S at T``
 after each step (S counted from the start of training, T its wall-clock time), and at the
 end writes FILE (``.npz``): the
 final weights, ``seen``, and the weights one process gets by training on the same global
@@ -19,13 +21,16 @@ batches in the same order with plain NumPy (the reference).
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
-import numpy as np
+STARTED = time.time()  # (the script's start: the launch, Python and MPI are up)
 
-import mpistrat as ms
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import mpistrat as ms  # noqa: E402
 
 SAMPLES, FEATURES, CLASSES = 512, 8, 4
 
@@ -88,6 +93,7 @@ def main() -> int:
     if rank == 0:
         print(f"launch {launch.restart if launch else 0} on {strategy.comm.Get_size()} ranks: "
               f"restored {restored} at step {int(step.numpy())}", flush=True)
+        print(f"launch times: script {STARTED:.3f} restored {time.time():.3f}", flush=True)
 
     def train_step(batch: tuple) -> None:
         xb, yb, ids = batch
