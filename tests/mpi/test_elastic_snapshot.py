@@ -1,0 +1,1202 @@
+"""An elastic job's snapshots at 1-4 ranks (``mpistrat.checkpoint.snapshot``): each host's
+writer keeps the state in its own directory (a layout file, two slots each with a commit
+record at its head), a restore brings the newest valid snapshot any host holds to every
+rank, and every damaged, forged, foreign or planted file is skipped with its reason on every
+rank (or the restore finds nothing) — never a traceback on some ranks, a hang, or values
+that are not a snapshot's. The checkpoint manager's part: a
+snapshot at every step boundary of the distributed dataset, and after a relaunch the
+snapshot and the input position restored.
+
+Several hosts are simulated by giving each rank a host name (``socket.gethostname``) before
+the store is made: ``host0`` for the lower half of the ranks, ``host1`` for the upper half,
+all in one shared temporary directory (the ``root`` of the store).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import hmac
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import tempfile
+import uuid
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat import AutoShardPolicy, Dataset, elastic
+from mpistrat.checkpoint import Checkpoint, CheckpointManager, Scalar
+from mpistrat.checkpoint import snapshot as snapshot_module
+from mpistrat.checkpoint.snapshot import SnapshotStore
+from mpistrat.data import Options
+from mpistrat.elastic import hooks
+from mpistrat.elastic.env import ElasticEnv, set_job_secret
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"the job's secret, 32 bytes long!"
+KIND = "DistributedDataset/6"
+
+
+# --- fixtures and helpers -----------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """No taker, resume position or job secret leaks into or out of a test."""
+    hooks.set_taker(None)
+    hooks.set_resume(None)
+    hooks.set_fence(None)
+    set_job_secret(None)
+    yield
+    hooks.set_taker(None)
+    hooks.set_resume(None)
+    hooks.set_fence(None)
+    set_job_secret(None)
+
+
+@pytest.fixture
+def root(world):
+    """A directory every rank names the same (rank 0 makes it, then broadcasts it)."""
+    path = world.bcast(tempfile.mkdtemp(prefix="mpistrat-snap-") if world.rank == 0 else None)
+    yield path
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def new_job(comm) -> str:
+    return comm.bcast(uuid.uuid4().hex if comm.rank == 0 else None)
+
+
+def host_of(rank: int, size: int) -> str:
+    """host0 for the lower half of the ranks, host1 for the upper (one host at 1 rank)."""
+    return f"host{rank * 2 // size}"
+
+
+@pytest.fixture
+def hosts(world, monkeypatch):
+    """Every rank on its simulated host (from now on); the list of every rank's host."""
+    names = [host_of(r, world.size) for r in range(world.size)]
+    monkeypatch.setattr(socket, "gethostname", lambda: names[world.rank])
+    return names
+
+
+class State:
+    """One of every kind of leaf: a float32 array, a mirrored variable, a Scalar and a
+    generator; ``set(k)`` gives them values that depend on ``k`` only."""
+
+    def __init__(self, comm, variable=True):
+        self.w = np.zeros((3, 4), np.float32)
+        self.v = None
+        if variable:
+            strategy = ms.MultiWorkerMirroredStrategy(comm=comm)
+            with strategy.scope():
+                self.v = ms.Variable(np.zeros((2, 3), np.float64), name="v")
+        self.step = Scalar(0)
+        self.rng = np.random.default_rng(0)
+        objects = {"w": self.w, "step": self.step, "rng": self.rng}
+        if variable:
+            objects["model"] = {"v": self.v}
+        self.checkpoint = Checkpoint(comm=comm, **objects)
+
+    @staticmethod
+    def expected(k):
+        return (np.arange(12, dtype=np.float32).reshape(3, 4) * k + 0.5,
+                np.full((2, 3), 1.25 * k),
+                10 * k,
+                np.random.default_rng(100 + k).bit_generator.state)
+
+    def set(self, k):
+        w, v, step, rng = self.expected(k)
+        self.w[...] = w
+        if self.v is not None:
+            self.v.assign(v)
+        self.step.assign(step)
+        self.rng.bit_generator.state = rng
+
+    def values(self):
+        return (self.w.copy(), None if self.v is None else np.array(self.v.numpy()),
+                int(self.step), self.rng.bit_generator.state)
+
+    def holds(self, k) -> bool:
+        w, v, step, rng = self.values()
+        ew, ev, estep, erng = self.expected(k)
+        return (w.dtype == np.float32 and np.array_equal(w, ew)
+                and (v is None or np.array_equal(v, ev)) and step == estep and rng == erng)
+
+    def digest(self) -> str:
+        w, v, step, rng = self.values()
+        parts = [w.tobytes(), b"" if v is None else v.tobytes(), str(step).encode(),
+                 json.dumps(rng, sort_keys=True).encode()]
+        return hashlib.sha256(b"|".join(parts)).hexdigest()
+
+
+def make_store(state, job, root, comm, secret=SECRET, restart=0):
+    return SnapshotStore(state.checkpoint, ElasticEnv(job, restart, (comm.size,)), secret,
+                         comm=comm, root=root)
+
+
+def same_everywhere(comm, value) -> bool:
+    return len({repr(v) for v in comm.allgather(value)}) == 1
+
+
+def outcome(fn):
+    """``fn()``'s result and None, or None and the exception it raised."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001
+        return None, exc
+
+
+def summary(info):
+    """What every rank must agree on about a restore."""
+    if info is None:
+        return None
+    return (info.path, info.sequence, info.world_size, info.position, info.skipped)
+
+
+HEADER = struct.Struct("<8sQQ32s")  # magic, sequence (0: none), record length, HMAC
+
+
+def header_of(path):
+    """(magic, sequence, record length, mac, record bytes) at the head of a slot."""
+    with open(path, "rb") as file:
+        head = file.read(HEADER.size)
+        magic, sequence, length, mac = HEADER.unpack(head)
+        return magic, sequence, length, mac, file.read(min(length, 1 << 16))
+
+
+def slot_holding(directory, sequence):
+    """The slot file of ``directory`` whose committed sequence is ``sequence``."""
+    found = [os.path.join(directory, f"slot-{i}.data") for i in (0, 1)
+             if os.path.exists(os.path.join(directory, f"slot-{i}.data"))
+             and header_of(os.path.join(directory, f"slot-{i}.data"))[1] == sequence]
+    assert len(found) == 1, (directory, sequence, found)
+    return found[0]
+
+
+def sequences_in(directory):
+    return sorted(header_of(os.path.join(directory, name))[1]
+                  for name in os.listdir(directory) if name.endswith(".data"))
+
+
+def layout_body(layout):
+    return json.dumps({k: v for k, v in layout.items() if k != "mac"}, sort_keys=True)
+
+
+def layout_mac(secret, layout):
+    """The layout's authentication as the writer makes it (checked against a real one in
+    test_the_files_are_authenticated_as_the_tests_assume)."""
+    return hmac.new(secret, b"mpistrat-snapshot-layout\0" + layout_body(layout).encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def record_mac(secret, layout, sequence, body):
+    digest = hashlib.sha256(layout_body(layout).encode()).digest()
+    return hmac.new(secret, b"mpistrat-snapshot\0" + digest + sequence.to_bytes(8, "little")
+                    + body, hashlib.sha256).digest()
+
+
+def read_json(path):
+    with open(path) as file:
+        return json.load(file)
+
+
+def replace_file(path, data: bytes):
+    os.unlink(path)
+    with open(path, "wb") as file:
+        file.write(data)
+
+
+def commit(path, layout, sequence, body: bytes, secret=SECRET, header_sequence=None):
+    """Write a commit record into the slot at ``path`` (in place), authenticated under
+    ``secret`` as the writer would."""
+    header_sequence = sequence if header_sequence is None else header_sequence
+    with open(path, "r+b") as file:
+        file.write(HEADER.pack(b"MPSNAP01", header_sequence, len(body),
+                               record_mac(secret, layout, header_sequence, body)))
+        file.write(body)
+
+
+def host_dirs(store) -> list[str]:
+    return sorted(glob.glob(os.path.join(store.job_directory, "*")))
+
+# --- round trips --------------------------------------------------------------------------
+
+
+def test_round_trip_restores_every_kind_of_leaf_on_every_rank(comm):
+    rank, size = comm.rank, comm.size
+    root = comm.bcast(tempfile.mkdtemp(prefix="mpistrat-snap-") if rank == 0 else None)
+    try:
+        state = State(comm)
+        store = make_store(state, new_job(comm), root, comm)
+        assert store.writer == (rank == 0)  # one real host: its lowest rank writes
+        state.set(1)
+        state.checkpoint.save_counter = 4
+        store.take((KIND, 3))
+        assert store.sequence == 1 and store.taken == (1 if rank == 0 else 0)
+        state.set(9)
+        state.checkpoint.save_counter = 0
+        assert state.holds(9) and not state.holds(1)
+        info = store.restore()
+        assert info is not None
+        assert info.sequence == 1 and info.world_size == size and info.position == (KIND, 3)
+        assert os.path.dirname(info.path) == store.directory
+        assert header_of(info.path)[1] == 1
+        assert info.skipped == ()
+        assert state.holds(1) and state.checkpoint.save_counter == 4
+        assert state.w.dtype == np.float32
+        assert same_everywhere(comm, (summary(info), state.digest()))
+        store.close()
+    finally:
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def test_nothing_to_restore_is_none_and_changes_nothing(world, root):
+    state = State(world)
+    state.set(5)
+    store = make_store(state, new_job(world), root, world)
+    assert store.restore() is None
+    assert state.holds(5) and store.sequence == 0
+    store.close()
+
+
+def test_the_newest_of_two_is_restored_and_the_slots_alternate(world, root):
+    state = State(world)
+    job = new_job(world)
+    store = make_store(state, job, root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()  # (the writer has written)
+    assert sequences_in(store.directory) == [1, 2]  # one slot each
+    state.set(9)
+    info = store.restore()
+    assert info.sequence == 2 and info.position == (KIND, 2) and state.holds(2)
+    assert info.path == slot_holding(store.directory, 2)
+    state.set(3)
+    store.take((KIND, 3))  # overwrites snapshot 1, not the newest
+    world.Barrier()
+    assert sequences_in(store.directory) == [2, 3]
+    state.set(9)
+    assert store.restore().sequence == 3 and state.holds(3)
+    store.close()
+
+    # a relaunch: a new store (its count at 0) finds snapshot 3 and continues from it
+    state2 = State(world)
+    store2 = make_store(state2, job, root, world, restart=1)
+    assert store2.sequence == 0
+    info = store2.restore()
+    assert info.sequence == 3 and store2.sequence == 3 and state2.holds(3)
+    state2.set(4)
+    store2.take((KIND, 4))
+    world.Barrier()
+    assert sequences_in(store2.directory) == [3, 4]  # the restored one stays
+    state2.set(9)
+    assert store2.restore().sequence == 4 and state2.holds(4)
+    assert same_everywhere(world, state2.digest())
+    store2.close(remove=True)
+    world.Barrier()
+    assert not os.path.exists(store2.job_directory)
+
+
+def test_a_smaller_launch_restores_what_the_whole_job_took(world, root):
+    """Each half of the ranks restores on its own communicator (as fewer ranks would):
+    the snapshot's world size is the one that took it."""
+    job = new_job(world)
+    state = State(world, variable=False)
+    store = make_store(state, job, root, world)
+    state.set(6)
+    store.take((KIND, 5))
+    store.close()
+    half = world.Split(color=int(world.rank >= (world.size + 1) // 2), key=world.rank)
+    try:
+        small = State(half, variable=False)
+        small.set(0)
+        smaller = make_store(small, job, root, half, restart=1)
+        assert smaller.writer == (half.rank == 0)
+        info = smaller.restore()
+        assert info is not None and info.world_size == world.size and info.sequence == 1
+        assert info.position == (KIND, 5) and small.holds(6)
+        smaller.close()
+    finally:
+        half.Free()
+
+
+def test_a_background_copy_holds_the_boundarys_values(world, root):
+    """A variable large enough to be copied in the background: the next write to it
+    waits for the copy, so the snapshot holds the values at take()."""
+    strategy = ms.MultiWorkerMirroredStrategy(comm=world)
+    n = snapshot_module.BACKGROUND_BYTES // 4 + 1024
+    with strategy.scope():
+        big = ms.Variable(np.zeros(n, np.float32))
+    checkpoint = Checkpoint(comm=world, big=big)
+    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
+                          comm=world, root=root)
+    first = np.arange(n, dtype=np.float32)
+    big.assign(first)
+    store.take((KIND, 1))
+    big.assign(np.full(n, -1, np.float32))  # (waits for the copy)
+    big.assign_add(np.full(n, -1, np.float32))
+    info = store.restore()  # (waits for the commit)
+    assert info.sequence == 1
+    np.testing.assert_array_equal(np.asarray(big.numpy()), first)
+    store.close()
+
+
+# --- several hosts ------------------------------------------------------------------------
+
+
+def test_each_hosts_writer_writes_its_own_directory(world, root, hosts):
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    assert store.writer == (hosts.index(hosts[world.rank]) == world.rank)
+    assert os.path.basename(store.directory) == hosts[world.rank]
+    state.set(1)
+    store.take(None)
+    world.Barrier()
+    assert sorted(os.listdir(store.job_directory)) == sorted(set(hosts))
+    for name in set(hosts):
+        directory = os.path.join(store.job_directory, name)
+        files = sorted(os.listdir(directory))
+        assert files[0] == "layout.json" and len(files) == 2, (name, files)
+        assert sequences_in(directory) == [1]
+        layout = store.check_layout(os.path.join(directory, "layout.json"))
+        assert store.check(slot_holding(directory, 1), layout)["sequence"] == 1
+    assert store.taken == (1 if store.writer else 0)
+    info = store.restore()
+    assert info.position is None and state.holds(1)
+    store.close()
+
+
+def test_a_lost_hosts_directory_leaves_the_others_copy(world, root, hosts):
+    if len(set(hosts)) < 2:
+        pytest.skip("one simulated host at 1 rank")
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(os.path.join(store.job_directory, "host0"))
+    world.Barrier()
+    state.set(9)
+    info = store.restore()
+    assert info is not None and info.sequence == 1 and state.holds(1)
+    assert os.path.dirname(info.path) == os.path.join(store.job_directory, "host1")
+    assert same_everywhere(world, (summary(info), state.digest()))
+    if world.rank == 0:
+        shutil.rmtree(os.path.join(store.job_directory, "host1"))
+    world.Barrier()
+    state.set(9)
+    assert store.restore() is None and state.holds(9)
+    store.close()
+
+
+def test_the_newest_snapshot_any_host_holds_wins(world, root, hosts):
+    if len(set(hosts)) < 2:
+        pytest.skip("one simulated host at 1 rank")
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()
+    host0, host1 = (os.path.join(store.job_directory, h) for h in ("host0", "host1"))
+    if world.rank == 0:  # host0's newest is lost: it holds snapshot 1, host1 snapshot 2
+        os.unlink(slot_holding(host0, 2))
+    world.Barrier()
+    state.set(9)
+    info = store.restore()
+    assert info.sequence == 2 and state.holds(2)  # on host0's ranks too: host1's values
+    assert os.path.dirname(info.path) == host1
+    assert same_everywhere(world, (summary(info), state.digest()))
+    if world.rank == 0:  # and now host1 holds none newer than host0's
+        for name in os.listdir(host1):
+            if name.endswith(".data"):
+                os.unlink(os.path.join(host1, name))
+    world.Barrier()
+    state.set(9)
+    info = store.restore()
+    assert info.sequence == 1 and state.holds(1)
+    assert os.path.dirname(info.path) == host0
+    assert same_everywhere(world, (summary(info), state.digest()))
+    store.close()
+
+
+# --- what an attacker (or an accident) leaves in the directory ----------------------------
+
+
+def test_the_files_are_authenticated_as_the_tests_assume(world, root):
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    world.Barrier()
+    layout = read_json(store.layout_path)
+    assert layout["mac"] == layout_mac(SECRET, layout)
+    assert layout_mac(b"another secret", layout) != layout["mac"]
+    magic, sequence, length, mac, body = header_of(slot_holding(store.directory, 1))
+    assert (magic, sequence) == (b"MPSNAP01", 1)
+    assert mac == record_mac(SECRET, layout, 1, body)
+    assert json.loads(body)["sequence"] == 1
+    store.close()
+
+
+class Target:
+    """What an attack gets: the file, the host's layout (parsed), a directory outside."""
+
+    def __init__(self, path, layout_path, elsewhere):
+        self.path, self.layout_path, self.elsewhere = path, layout_path, elsewhere
+        self.layout = read_json(layout_path)
+
+
+def relayout(change, secret=SECRET, remac=True):
+    """Edit the layout; re-authenticated under ``secret``, or keeping the old mac."""
+    def attack(t):
+        layout = dict(t.layout)
+        change(layout)
+        if remac:
+            layout["mac"] = layout_mac(secret, layout)
+        replace_file(t.path, json.dumps(layout, sort_keys=True).encode())
+    return attack
+
+
+def entry(target, **fields):
+    def change(layout):
+        layout["entries"] = [dict(e) for e in layout["entries"]]
+        found = next(e for e in layout["entries"] if e["name"] == target)
+        for key, value in fields.items():
+            found[key] = value(found, layout) if callable(value) else value
+    return change
+
+
+def put(**fields):
+    def change(mapping):
+        mapping.update(fields)
+    return change
+
+
+def text(data):
+    def attack(t):
+        replace_file(t.path, data if isinstance(data, bytes) else data.encode())
+    return attack
+
+
+def symlinked(t):
+    """The file replaced by a link to a valid copy of itself elsewhere."""
+    planted = os.path.join(t.elsewhere, os.path.basename(t.path))
+    shutil.copyfile(t.path, planted)
+    os.unlink(t.path)
+    os.symlink(planted, t.path)
+
+
+def fifo(t):
+    os.unlink(t.path)
+    os.mkfifo(t.path, 0o600)
+
+
+def directory(t):
+    os.unlink(t.path)
+    os.mkdir(t.path, 0o700)
+
+
+def padded(size):
+    def attack(t):
+        with open(t.path) as file:
+            content = file.read()
+        replace_file(t.path, (content + " " * (size - len(content))).encode())
+    return attack
+
+
+def recommit(change=None, secret=SECRET, header_sequence=None, raw=None):
+    """A new commit record in the slot, authenticated under ``secret``."""
+    def attack(t):
+        body = header_of(t.path)[4]
+        record = json.loads(body)
+        if change is not None:
+            change(record)
+        data = raw if raw is not None else json.dumps(record).encode()
+        commit(t.path, t.layout, record.get("sequence", 2) if isinstance(record, dict)
+               else 2, data, secret, header_sequence)
+    return attack
+
+
+def poke(offset, value: bytes):
+    """Overwrite bytes of the slot's head in place (the old mac kept)."""
+    def attack(t):
+        with open(t.path, "r+b") as file:
+            file.seek(offset)
+            file.write(value)
+    return attack
+
+
+def flip_value(t):
+    place = next(e for e in t.layout["entries"] if e["name"] == "w")
+    with open(t.path, "r+b") as file:
+        file.seek(place["offset"] + 5)
+        byte = file.read(1)
+        file.seek(place["offset"] + 5)
+        file.write(bytes([byte[0] ^ 0x01]))
+
+
+def flip_record(t):
+    length = header_of(t.path)[2]
+    with open(t.path, "r+b") as file:
+        file.seek(HEADER.size + length - 2)
+        byte = file.read(1)
+        file.seek(HEADER.size + length - 2)
+        file.write(bytes([byte[0] ^ 0x01]))
+
+
+def truncated(t):
+    os.truncate(t.path, os.path.getsize(t.path) // 2)
+
+
+def mac_zeroed(t):
+    with open(t.path, "r+b") as file:
+        file.seek(HEADER.size - 32)
+        file.write(bytes(32))
+
+
+def header_zeroed(t):
+    with open(t.path, "r+b") as file:
+        file.write(HEADER.pack(b"MPSNAP01", 0, 0, bytes(32)))
+
+
+DEEP = 100_000
+
+NOT_THIS_JOBS = "not written by this job"
+LAYOUT_ATTACKS = {
+    # forged: the authentication fails
+    "another secret": (relayout(lambda m: None, secret=b"not the job's secret"),
+                       NOT_THIS_JOBS),
+    "no mac": (relayout(lambda m: m.pop("mac"), remac=False), NOT_THIS_JOBS),
+    "edited size, old mac": (relayout(put(size=1 << 40), remac=False), NOT_THIS_JOBS),
+    "edited shape, old mac": (relayout(entry("w", shape=[4, 3]), remac=False),
+                              NOT_THIS_JOBS),
+    "edited offset, old mac": (relayout(entry("w", offset=lambda e, m: m["size"]),
+                                        remac=False), NOT_THIS_JOBS),
+    "edited nbytes, old mac": (relayout(entry("w", nbytes=lambda e, m: e["nbytes"] * 2),
+                                        remac=False), NOT_THIS_JOBS),
+    # authenticated (the job's secret), but not this job's or not these objects
+    "another job's id": (relayout(lambda m: m.update(job=uuid.uuid4().hex)),
+                         "not a version 1 snapshot layout of job"),
+    "another version": (relayout(put(version=2)), "not a version 1 snapshot layout of job"),
+    "header too small": (relayout(put(header=8)), "header 8 / size"),
+    "size below the header": (relayout(lambda m: m.update(size=m["header"] - 1)),
+                              "are not a layout's"),
+    "header not a number": (relayout(put(header="4096")), "are not a layout's"),
+    "offset beyond the size": (relayout(entry("w", offset=lambda e, m: m["size"])),
+                               "entry 'w' has a bad place"),
+    "offset in the header": (relayout(entry("model/v", offset=0)),
+                             "entry 'model/v' has a bad place"),
+    "overlapping values": (relayout(entry("w", offset=lambda e, m: next(
+        x["offset"] for x in m["entries"] if x["name"] == "model/v"))),
+        "entry 'w' has a bad place"),
+    "float offset": (relayout(entry("w", offset=lambda e, m: float(e["offset"]))),
+                     "entry 'w' has a bad place"),
+    "nbytes": (relayout(entry("w", nbytes=lambda e, m: e["nbytes"] + 4)),
+               "entry 'w' has a bad place"),
+    "shape": (relayout(entry("w", shape=[4, 3])), r"entry 'w' is 'float32' \[4, 3\]"),
+    "dtype": (relayout(entry("w", dtype="float64")), r"entry 'w' is 'float64'"),
+    "other names": (relayout(entry("w", name="u")), "an entry is"),
+    "other kind": (relayout(entry("w", kind="generator")), "an entry is"),
+    "fewer entries": (relayout(lambda m: m.update(entries=m["entries"][:-1])),
+                      "it holds 3 entries, the checkpoint 4 objects"),
+    "entries not a list": (relayout(put(entries="all")), r"it holds \? entries"),
+    "entry not an object": (relayout(lambda m: m.update(entries=[7, *m["entries"][1:]])),
+                            "an entry is 7"),
+    # not a layout at all
+    "a symlink": (symlinked, "Too many levels of symbolic links"),
+    "5 MiB": (padded(5 << 20), r"\d+ bytes, more than a \w+'s 4194304"),
+    "not JSON": (text("{\"size\": 1, "), "not JSON"),
+    "empty": (text(""), "not JSON"),
+    "binary": (text(b"\x00\xff\xfegarbage"), "not JSON"),
+    "JSON array": (text("[1, 2, 3]"), "not a JSON object"),
+    "JSON string": (text("\"layout\""), "not a JSON object"),
+    "FIFO": (fifo, "not a regular file"),
+    "directory": (directory, "not a regular file"),
+}
+
+
+def _outcome_everywhere(world, store):
+    info, error = outcome(store.restore)
+    assert same_everywhere(world, (summary(info), repr(error)))
+    assert error is None, f"{type(error).__name__}: {error}"
+    return info
+
+
+@pytest.mark.parametrize("attack", list(LAYOUT_ATTACKS))
+def test_an_attacked_layout_is_skipped_with_its_reason(world, root, hosts, attack):
+    """host0's layout is attacked: with a second host, its snapshot is restored and host0's
+    reason reported; on one host there is nothing to restore. And check_layout() names
+    the failed check."""
+    change, reason = LAYOUT_ATTACKS[attack]
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()
+    host0 = os.path.join(store.job_directory, "host0", "layout.json")
+    if world.rank == 0:
+        elsewhere = tempfile.mkdtemp(dir=root)
+        change(Target(host0, host0, elsewhere))
+    world.Barrier()
+    with pytest.raises((ValueError, OSError)) as raised:
+        store.check_layout(host0)
+    assert re.search(reason, str(raised.value)), (reason, str(raised.value))
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    if len(set(hosts)) == 1:
+        assert info is None and state.holds(9)
+    else:
+        assert info is not None and info.sequence == 2 and state.holds(2)
+        assert os.path.dirname(info.path) == os.path.join(store.job_directory, "host1")
+        assert len(info.skipped) == 1 and info.skipped[0].startswith(host0 + ": ")
+        assert re.search(reason, info.skipped[0]), (reason, info.skipped)
+    assert same_everywhere(world, state.digest())
+    store.close()
+
+
+SLOT_ATTACKS = {
+    # torn or forged: the commit's authentication fails
+    "never committed": (header_zeroed, "no committed snapshot"),
+    "killed before the last write": (mac_zeroed, "not committed by this job"),
+    "another magic": (poke(0, b"MPSNAP99"), "no committed snapshot"),
+    "sequence edited, old mac": (poke(8, (7).to_bytes(8, "little")),
+                                 "not committed by this job"),
+    "record edited, old mac": (flip_record, "not committed by this job"),
+    "record length edited, old mac": (poke(16, (5).to_bytes(8, "little")),
+                                      "not committed by this job"),
+    "record longer than its room": (poke(16, (1 << 40).to_bytes(8, "little")),
+                                    r"its record is 1099511627776 bytes, more than"),
+    "another secret": (recommit(secret=b"not the job's secret"), "not committed by this job"),
+    # authenticated under the job's secret, but inconsistent
+    "record's sequence not the header's": (recommit(header_sequence=5),
+                                           "its record is not the one committed"),
+    "record not JSON": (recommit(raw=b"{\"sequence\": 2,"), "its record is not JSON"),
+    "record an array": (recommit(raw=b"[2]"), "its record is not the one committed"),
+    "negative world size": (recommit(put(world_size=-1)), "world_size is -1"),
+    "save counter true": (recommit(put(save_counter=True)), "save_counter is True"),
+    "bad position": (recommit(put(position=[KIND, -1])), "position is"),
+    "position not a pair": (recommit(put(position=KIND)), "position is"),
+    "no generator": (recommit(put(generators={})), "generator 'rng' has no PCG64 state"),
+    "another generator": (recommit(put(generators={"rng": {"bit_generator": "MT19937"}})),
+                          "generator 'rng' has no PCG64 state"),
+    "checksums missing": (recommit(lambda r: r["crc32"].pop()),
+                          "its checksums are not one per value"),
+    "checksum negative": (recommit(lambda r: r["crc32"].__setitem__(0, -1)),
+                          "its checksums are not one per value"),
+    # the values
+    "flipped bit": (flip_value, "entry 'w' does not match its checksum"),
+    "truncated": (truncated, r"its data holds \d+ bytes"),
+    # not a slot at all
+    "a symlink": (symlinked, "Too many levels of symbolic links"),
+    "FIFO": (fifo, "not a regular file"),
+    "directory": (directory, "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("attack", list(SLOT_ATTACKS))
+def test_an_attacked_snapshot_is_skipped_and_the_older_one_restored(world, root, hosts,
+                                                                   attack):
+    """Snapshot 2 is attacked on every host: every rank skips it with its reason and
+    restores snapshot 1."""
+    change, reason = SLOT_ATTACKS[attack]
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()
+    attacked = world.bcast([slot_holding(d, 2) for d in host_dirs(store)]
+                           if world.rank == 0 else None)  # (before rank 0 changes them)
+    if world.rank == 0:
+        for path in attacked:
+            change(Target(path, os.path.join(os.path.dirname(path), "layout.json"),
+                          tempfile.mkdtemp(dir=root)))
+    world.Barrier()
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    assert info is not None and info.sequence == 1 and info.position == (KIND, 1)
+    assert header_of(info.path)[1] == 1 and state.holds(1)
+    assert len(info.skipped) == len(set(hosts)), info.skipped
+    for path, note in zip(attacked, sorted(info.skipped)):
+        assert note.startswith(path + ": "), (path, note)
+        assert re.search(reason, note), (reason, note)
+    assert same_everywhere(world, state.digest())
+    store.close()
+
+
+def test_a_deleted_newest_slot_restores_the_previous_snapshot(world, root, hosts):
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()
+    if world.rank == 0:
+        for d in host_dirs(store):
+            os.unlink(slot_holding(d, 2))
+    world.Barrier()
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    assert info.sequence == 1 and state.holds(1) and info.skipped == ()
+    store.close()
+
+
+def test_records_are_bound_to_their_layout(world, root, hosts):
+    """A layout re-authenticated with the job's secret but not the one the records were
+    committed under (a field added): no record passes."""
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()
+    if world.rank == 0:
+        for d in host_dirs(store):
+            layout = os.path.join(d, "layout.json")
+            relayout(put(comment="same places"))(Target(layout, layout, None))
+    world.Barrier()
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    assert info is None and state.holds(9)
+    store.close()
+
+
+def test_a_layout_larger_than_its_slots_skips_them(world, root, hosts):
+    """A layout (authentic) whose size is beyond the slots' files: each slot is skipped,
+    none is read past its end."""
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    world.Barrier()
+    layout_path = os.path.join(host_dirs(store)[0], "layout.json")
+    if world.rank == 0:
+        relayout(put(size=1 << 40))(Target(layout_path, layout_path, None))
+    world.Barrier()
+    layout = store.check_layout(layout_path)
+    with pytest.raises(ValueError, match=r"its data holds \d+ bytes"):
+        store.check(slot_holding(os.path.dirname(layout_path), 1), layout)
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    if len(set(hosts)) == 1:
+        assert info is None and state.holds(9)
+    else:
+        assert info.sequence == 1 and state.holds(1) and len(info.skipped) == 1
+    store.close()
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: check() accepts a record without "
+                   "'position' (record.get), restore() then reads record['position'] and "
+                   "raises KeyError on every rank after the values were assigned")
+def test_a_record_without_a_position_is_skipped_or_restored_whole(world, root):
+    """An authentic record without its position field: a restore either skips it or
+    restores it (no position) — never an error after the values were assigned."""
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    world.Barrier()
+    if world.rank == 0:
+        path = slot_holding(store.directory, 1)
+        recommit(lambda r: r.pop("position"))(Target(path, store.layout_path, None))
+    world.Barrier()
+    state.set(9)
+    info, error = outcome(store.restore)
+    assert same_everywhere(world, (summary(info), repr(error), state.digest()))
+    assert error is None, f"{type(error).__name__}: {error}"
+    assert (info is None and state.holds(9)) or (info.position is None and state.holds(1))
+    store.close()
+
+
+def test_both_slots_attacked_is_none_and_changes_nothing(world, root, hosts):
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    world.Barrier()
+    if world.rank == 0:
+        for d in host_dirs(store):
+            layout = os.path.join(d, "layout.json")
+            flip_value(Target(slot_holding(d, 2), layout, None))
+            mac_zeroed(Target(slot_holding(d, 1), layout, None))
+    world.Barrier()
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    assert info is None and state.holds(9) and state.checkpoint.save_counter == 0
+    store.close()
+
+
+def test_fifos_in_place_of_every_file_do_not_block(world, root):
+    """Opening a FIFO for reading waits for a writer: the restore must not."""
+    state = State(world, variable=False)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    store.close()
+    world.Barrier()
+    if world.rank == 0:
+        for name in ("slot-0.data", "slot-1.data"):
+            path = os.path.join(store.directory, name)
+            if os.path.exists(path):
+                os.unlink(path)
+            os.mkfifo(path, 0o600)
+    world.Barrier()
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    assert info is None and state.holds(9)
+    world.Barrier()
+    if world.rank == 0:
+        os.unlink(store.layout_path)
+        os.mkfifo(store.layout_path, 0o600)
+    world.Barrier()
+    info = _outcome_everywhere(world, store)
+    assert info is None and state.holds(9)
+
+
+def test_snapshots_of_other_objects_are_skipped(world, root, hosts):
+    """Snapshots the same job took of another checkpoint (the script changed: another
+    shape, other names, fewer objects) are never restored into this one."""
+    job = new_job(world)
+    other = Checkpoint(comm=world, w=np.ones((4, 3), np.float32), step=Scalar(7),
+                       rng=np.random.default_rng(3), model={"v": np.ones((2, 3))})
+    foreign = SnapshotStore(other, ElasticEnv(job, 0, (world.size,)), SECRET, comm=world,
+                            root=root)
+    foreign.take((KIND, 1))
+    foreign.take((KIND, 2))
+    foreign.close()
+    state = State(world)
+    state.set(9)
+    renamed = Checkpoint(comm=world, u=np.zeros((4, 3), np.float32), step=Scalar(0),
+                         rng=np.random.default_rng(1), model={"v": np.zeros((2, 3))})
+    fewer = Checkpoint(comm=world, w=np.zeros((4, 3), np.float32), step=Scalar(0),
+                       model={"v": np.zeros((2, 3))})
+    for checkpoint, reason in (
+            (state.checkpoint, "an entry is .*, expected variable 'model/v'"),
+            (renamed, "an entry is .*, expected array 'u'"),
+            (fewer, "it holds 4 entries, the checkpoint 3 objects")):
+        store = SnapshotStore(checkpoint, ElasticEnv(job, 1, (world.size,)), SECRET,
+                              comm=world, root=root)
+        info = _outcome_everywhere(world, store)
+        assert info is None
+        with pytest.raises(ValueError, match=reason):
+            store.check_layout(store.layout_path)
+        store.close()
+    assert state.holds(9)
+
+
+def test_same_names_other_shapes_are_skipped(world, root):
+    job = new_job(world)
+    bigger = State(world)
+    bigger.w = np.zeros((4, 4), np.float32)
+    bigger.checkpoint = Checkpoint(comm=world, w=bigger.w, step=bigger.step, rng=bigger.rng,
+                                   model={"v": bigger.v})
+    foreign = make_store(bigger, job, root, world)
+    foreign.take((KIND, 1))
+    foreign.close()
+    state = State(world)
+    state.set(9)
+    store = make_store(state, job, root, world, restart=1)
+    assert _outcome_everywhere(world, store) is None and state.holds(9)
+    with pytest.raises(ValueError, match=r"entry 'w' is 'float32' \[4, 4\], the object "
+                                         r"float32 \[3, 4\]"):
+        store.check_layout(store.layout_path)
+    store.close()
+
+
+# --- JSON nested past the parser's limit --------------------------------------------------
+
+
+def _nested(depth):
+    return "{\"mac\": \"0\", \"a\": " + "[" * depth + "]" * depth + "}"
+
+
+_RECURSION = pytest.mark.xfail(
+    strict=True, raises=RecursionError,
+    reason="library bug: a layout nested deeper than the JSON parser's recursion limit "
+           "raises RecursionError from check_layout() (not ValueError), which restore() "
+           "does not catch: the host's writer raises while its other ranks wait")
+
+
+@_RECURSION
+def test_a_deeply_nested_layout_is_a_value_error(world, root):
+    state = State(world, variable=False)
+    store = make_store(state, new_job(world), root, world)
+    path = os.path.join(root, f"deep-{world.rank}.json")
+    try:
+        for depth in (900, 990, 1000, 5000, DEEP):
+            with open(path, "w") as file:
+                file.write(_nested(depth))
+            with pytest.raises(ValueError):
+                store.check_layout(path)
+    finally:
+        store.close()
+
+
+@_RECURSION
+def test_a_deeply_nested_layout_is_skipped_on_every_rank(world, root, monkeypatch):
+    """(Every rank its own host here, so that every rank is a writer and the bug, while
+    it lasts, raises on every rank instead of hanging the others.)"""
+    monkeypatch.setattr(socket, "gethostname", lambda: f"solo{world.rank}")
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    world.Barrier()
+    if world.rank == 0:
+        for d in host_dirs(store):
+            replace_file(os.path.join(d, "layout.json"), _nested(DEEP).encode())
+    world.Barrier()
+    state.set(9)
+    try:
+        info = store.restore()
+        assert info is None and state.holds(9)
+    finally:
+        store.close()
+
+
+# --- the job directory --------------------------------------------------------------------
+
+
+def _everyone_refuses(world, make):
+    store, error = outcome(make)
+    if store is not None:
+        store.close()
+    return world.allgather(None if error is None else (type(error).__name__, str(error)))
+
+
+@pytest.mark.parametrize("how", ["symlink", "mode 0777", "host directory 0777", "a file"])
+def test_an_unsafe_job_directory_is_refused_on_every_rank(world, root, how):
+    job = new_job(world)
+    state = State(world, variable=False)
+    job_directory = os.path.join(root, f"mpistrat-elastic-{os.getuid()}-{job}")
+    real = os.path.join(root, "real")
+    if world.rank == 0:
+        if how == "symlink":
+            os.mkdir(real, 0o700)
+            os.symlink(real, job_directory)
+        elif how == "mode 0777":
+            os.mkdir(job_directory)
+            os.chmod(job_directory, 0o777)
+        elif how == "host directory 0777":
+            os.mkdir(job_directory, 0o700)
+            host = os.path.join(job_directory, snapshot_module._HOST.sub(
+                "_", socket.gethostname())[:64] or "host")
+            os.mkdir(host)
+            os.chmod(host, 0o777)
+        else:
+            open(job_directory, "w").close()
+    world.Barrier()
+    everyone = _everyone_refuses(world, lambda: make_store(state, job, root, world))
+    for error in everyone:
+        assert error is not None and error[0] == "PermissionError", everyone
+        assert "not a private directory" in error[1] and "MPISTRAT_ELASTIC_DIR" in error[1]
+    if how == "symlink":  # nothing was written through the link
+        assert os.listdir(real) == []
+
+
+def test_a_refused_directory_on_one_simulated_host_reaches_every_rank(world, root, hosts):
+    if len(set(hosts)) < 2:
+        pytest.skip("one simulated host at 1 rank")
+    job = new_job(world)
+    state = State(world, variable=False)
+    if world.rank == 0:  # host1's directory only
+        path = os.path.join(root, f"mpistrat-elastic-{os.getuid()}-{job}")
+        os.mkdir(path, 0o700)
+        os.mkdir(os.path.join(path, "host1"), 0o755)
+    world.Barrier()
+    everyone = _everyone_refuses(world, lambda: make_store(state, job, root, world))
+    assert all(e is not None and e[0] == "PermissionError" and "host1" in e[1]
+               for e in everyone), everyone
+
+
+# --- torn writes --------------------------------------------------------------------------
+
+
+class _NoChecksum:
+    """Stands in for zlib in the snapshot module: the commit fails after the values were
+    copied (as a rank killed there would leave its slot)."""
+
+    @staticmethod
+    def crc32(*args):
+        raise OSError("killed before the commit")
+
+
+def test_a_take_cut_short_leaves_the_previous_snapshot(world, root, hosts, monkeypatch):
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    state.set(3)
+    monkeypatch.setattr(snapshot_module, "zlib", _NoChecksum)
+    if store.writer:
+        with pytest.warns(RuntimeWarning, match="snapshot 3 could not be written"):
+            store.take((KIND, 3))
+            store.wait()
+    else:
+        store.take((KIND, 3))
+    monkeypatch.undo()
+    monkeypatch.setattr(socket, "gethostname", lambda: hosts[world.rank])
+    world.Barrier()
+    for d in host_dirs(store):  # snapshot 1's slot now holds snapshot 3's values, uncommitted
+        assert sequences_in(d) == [0, 2]
+    state.set(9)
+    info = _outcome_everywhere(world, store)
+    assert info.sequence == 2 and info.position == (KIND, 2) and state.holds(2)
+    assert len(info.skipped) == len(set(hosts))
+    assert all("no committed snapshot" in note for note in info.skipped), info.skipped
+    assert store.sequence == 2
+    store.close()
+
+
+# --- the checkpoint manager ---------------------------------------------------------------
+
+
+@pytest.fixture
+def elastic_job(world, root, monkeypatch):
+    """This process as a rank of an elastic job's first launch (its snapshots in root)."""
+    job = new_job(world)
+    monkeypatch.setenv("MPISTRAT_ELASTIC", job)
+    monkeypatch.setenv("MPISTRAT_ELASTIC_RESTART", "0")
+    monkeypatch.setenv("MPISTRAT_ELASTIC_SIZES", str(world.size))
+    monkeypatch.setenv("MPISTRAT_ELASTIC_LOST", "")
+    monkeypatch.setenv("MPISTRAT_ELASTIC_SNAPSHOT_EVERY", "1")
+    monkeypatch.setenv("MPISTRAT_ELASTIC_DIR", root)
+    set_job_secret(SECRET)
+    managers = []
+    yield job, managers
+    for manager in managers:
+        if manager._snapshots is not None:
+            manager._snapshots.close()
+
+
+def local_ids(strategy, batch):
+    return [np.asarray(x).tolist() for x in strategy.experimental_local_results(batch)]
+
+
+def test_the_manager_restores_the_snapshot_and_the_input_position(world, root, elastic_job,
+                                                                  monkeypatch):
+    job, managers = elastic_job
+    strategy = ms.MultiWorkerMirroredStrategy(comm=world)
+    batch = 2 * world.size
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA
+    dataset = Dataset.range(6 * batch).batch(batch).with_options(options)
+    w, step = np.zeros(3, np.float32), Scalar(0)
+    manager = CheckpointManager(Checkpoint(comm=world, w=w, step=step),
+                                os.path.join(root, "ckpt"))
+    managers.append(manager)
+    assert hooks.taker() == manager._at_boundary
+    dist = strategy.experimental_distribute_dataset(dataset)
+    seen = []
+    iterator = iter(dist)
+    for i in range(3):
+        seen.append(local_ids(strategy, next(iterator)))  # a snapshot of i steps' state
+        w[...] = i + 1  # "train" on batch i
+        step.assign(i + 1)
+    seen.append(local_ids(strategy, next(iterator)))  # a snapshot of 3 steps', then lost
+    store = manager._snapshots
+    assert store is not None and store.sequence == 4
+    assert store.taken == (4 if store.writer else 0)
+    w[...] = -1
+    step.assign(-1)
+
+    # the relaunch: a new process (no taker), restart 1
+    hooks.set_taker(None)
+    monkeypatch.setenv("MPISTRAT_ELASTIC_RESTART", "1")
+    w2, step2 = np.zeros(3, np.float32), Scalar(0)
+    manager2 = CheckpointManager(Checkpoint(comm=world, w=w2, step=step2),
+                                 os.path.join(root, "ckpt"))
+    managers.append(manager2)
+    path = manager2.restore_or_initialize()
+    info = manager2.restored_snapshot
+    assert info is not None and path == info.path
+    assert os.path.dirname(path) == store.directory and header_of(path)[1] == 4
+    assert info.sequence == 4 and info.position == (KIND, 3) and info.world_size == world.size
+    np.testing.assert_array_equal(w2, np.full(3, 3, np.float32))
+    assert int(step2) == 3
+    dist2 = strategy.experimental_distribute_dataset(dataset)
+    resumed = [local_ids(strategy, b) for b in dist2]
+    assert len(resumed) == 3 and resumed[0] == seen[3]  # batches 3, 4, 5
+    # a snapshot before each of them, numbered by its boundary (the first one the
+    # restored boundary again)
+    assert manager2._snapshots.sequence == 6
+    again = [local_ids(strategy, b) for b in dist2]  # the next epoch starts at batch 0
+    assert len(again) == 6 and again[:4] == seen
+    assert same_everywhere(world, (summary(info), w2.tobytes(), int(step2)))
+
+
+def test_restart_zero_ignores_snapshots_and_a_restart_without_any_falls_back(
+        world, root, elastic_job, monkeypatch):
+    job, managers = elastic_job
+    w = np.zeros(2, np.float32)
+    manager = CheckpointManager(Checkpoint(comm=world, w=w), os.path.join(root, "ckpt"))
+    managers.append(manager)
+    w[...] = 5
+    elastic.step()  # a boundary the script marks: a snapshot of w = 5
+    w[...] = 7
+    assert manager.restore_or_initialize() is None  # launch 0: nothing restored, no disk
+    assert manager.restored_snapshot is None
+    np.testing.assert_array_equal(w, np.full(2, 7, np.float32))
+    hooks.set_taker(None)
+    monkeypatch.setenv("MPISTRAT_ELASTIC_RESTART", "1")
+    monkeypatch.setenv("MPISTRAT_ELASTIC", new_job(world))  # another job: no snapshot
+    manager2 = CheckpointManager(Checkpoint(comm=world, w=w), os.path.join(root, "ckpt"))
+    managers.append(manager2)
+    assert manager2.restore_or_initialize() is None and manager2.restored_snapshot is None
+    np.testing.assert_array_equal(w, np.full(2, 7, np.float32))
+
+
+def test_snapshot_every_k_boundaries(world, root, elastic_job, monkeypatch):
+    job, managers = elastic_job
+    monkeypatch.setenv("MPISTRAT_ELASTIC_SNAPSHOT_EVERY", "3")
+    step = Scalar(0)
+    manager = CheckpointManager(Checkpoint(comm=world, step=step), os.path.join(root, "c"))
+    managers.append(manager)
+    for i in range(7):
+        step.assign(i)
+        hooks.step_boundary(("X/7", i))
+    assert manager._snapshots.taken == (2 if manager._snapshots.writer else 0)
+    assert manager._snapshots.sequence == 6  # boundaries 3 and 6
+    hooks.set_taker(None)
+    monkeypatch.setenv("MPISTRAT_ELASTIC_RESTART", "1")
+    step2 = Scalar(0)
+    manager2 = CheckpointManager(Checkpoint(comm=world, step=step2), os.path.join(root, "c"))
+    managers.append(manager2)
+    assert manager2.restore_or_initialize() is not None
+    assert manager2.restored_snapshot.position == ("X/7", 5) and int(step2) == 5
+    assert hooks.take_resume("X/7") == 5
+
+
+def test_no_job_secret_means_no_snapshots(world, root, elastic_job):
+    set_job_secret(None)
+    with pytest.warns(RuntimeWarning, match="no job secret"):
+        manager = CheckpointManager(Checkpoint(comm=world, w=np.zeros(1)),
+                                    os.path.join(root, "c"))
+    assert hooks.taker() is None and manager._snapshots is None
