@@ -31,10 +31,12 @@ def _clean_hooks():
     """No taker, resume position or secret leaks into (or out of) a test."""
     hooks.set_taker(None)
     hooks.set_resume(None)
+    hooks.set_fence(None)
     set_job_secret(None)
     yield
     hooks.set_taker(None)
     hooks.set_resume(None)
+    hooks.set_fence(None)
     set_job_secret(None)
 
 
@@ -207,3 +209,15 @@ def test_a_new_resume_position_replaces_the_old():
     hooks.set_resume(("B/2", 2))
     assert hooks.take_resume("A/1") == 0
     assert hooks.take_resume("B/2") == 2
+
+
+def test_before_write_waits_on_the_fence_until_it_is_lifted():
+    waits = []
+    hooks.before_write()  # no fence: nothing to wait for
+    hooks.set_fence(lambda: waits.append("waited"))
+    hooks.before_write()
+    hooks.before_write()
+    assert waits == ["waited", "waited"]
+    hooks.set_fence(None)
+    hooks.before_write()
+    assert waits == ["waited", "waited"]
