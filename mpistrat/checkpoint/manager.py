@@ -198,7 +198,12 @@ class CheckpointManager:
         says more); the directory's newest checkpoint when no host holds one."""
         if self._launch is not None and self._launch.resumed and \
                 hooks.taker() == self._at_boundary:
-            info = self._store().restore()
+            store = self._store()
+            info = store.restore()
+            if info is None and store.skipped and self.checkpoint.comm.Get_rank() == 0:
+                warnings.warn("no snapshot of this job could be restored, so the newest "
+                              "checkpoint on disk is: " + "; ".join(store.skipped),
+                              RuntimeWarning, stacklevel=2)
             if info is not None:
                 self.restored_snapshot = info
                 hooks.set_resume(info.position)

@@ -158,6 +158,7 @@ class SnapshotStore:
         self._warned = False
         self._next_slot = 0
         self.last_cost = 0.0  # seconds the last take() took here
+        self.skipped: tuple[str, ...] = ()  # what the last restore() found and skipped
         problem = None
         if self.writer:
             try:
@@ -367,6 +368,7 @@ class SnapshotStore:
         sequences = comm.allgather(found[0] if found is not None else -1)
         skipped = tuple(note for part in comm.allgather(notes) for note in part)
         best = max(sequences)
+        self.skipped = skipped
         if best < 0:
             return None
         source = sequences.index(best)
@@ -420,7 +422,7 @@ class SnapshotStore:
             return None, []
         try:
             layout = self.check_layout(self.layout_path)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             return None, [f"{self.layout_path}: {exc}"]
         best: tuple[int, str, dict[str, Any]] | None = None
         notes = []
@@ -429,7 +431,7 @@ class SnapshotStore:
                 continue
             try:
                 record = self.check(slot.path, layout)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:
                 notes.append(f"{slot.path}: {exc}")
                 continue
             if best is None or record["sequence"] > best[0]:
@@ -449,8 +451,8 @@ class SnapshotStore:
         text = _read_private(path, MAX_LAYOUT)
         try:
             layout = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"not JSON mpistrat could write ({type(exc).__name__})") from None
         if not isinstance(layout, dict):
             raise ValueError("not a JSON object")
         given = layout.pop("mac", None)
@@ -518,15 +520,18 @@ class SnapshotStore:
                              "match: torn, or written by someone else)")
         try:
             record = json.loads(body)
-        except ValueError as exc:
-            raise ValueError(f"its record is not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"its record is not JSON mpistrat could write "
+                             f"({type(exc).__name__})") from None
         arrays = [e for e in layout["entries"] if e["kind"] != "generator"]
         if not isinstance(record, dict) or record.get("sequence") != sequence:
             raise ValueError("its record is not the one committed")
         for name in ("world_size", "save_counter", "launch"):
             if not _is_count(record.get(name)):
                 raise ValueError(f"{name} is {record.get(name)!r}, expected an integer >= 0")
-        position = record.get("position")
+        if "position" not in record:
+            raise ValueError("its record has no position")
+        position = record["position"]
         if position is not None and not (isinstance(position, list) and len(position) == 2
                                          and isinstance(position[0], str)
                                          and _is_count(position[1])):

@@ -808,9 +808,6 @@ def test_a_layout_larger_than_its_slots_skips_them(world, root, hosts):
     store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: check() accepts a record without "
-                   "'position' (record.get), restore() then reads record['position'] and "
-                   "raises KeyError on every rank after the values were assigned")
 def test_a_record_without_a_position_is_skipped_or_restored_whole(world, root):
     """An authentic record without its position field: a restore either skips it or
     restores it (no position) — never an error after the values were assigned."""
@@ -935,14 +932,6 @@ def _nested(depth):
     return "{\"mac\": \"0\", \"a\": " + "[" * depth + "]" * depth + "}"
 
 
-_RECURSION = pytest.mark.xfail(
-    strict=True, raises=RecursionError,
-    reason="library bug: a layout nested deeper than the JSON parser's recursion limit "
-           "raises RecursionError from check_layout() (not ValueError), which restore() "
-           "does not catch: the host's writer raises while its other ranks wait")
-
-
-@_RECURSION
 def test_a_deeply_nested_layout_is_a_value_error(world, root):
     state = State(world, variable=False)
     store = make_store(state, new_job(world), root, world)
@@ -957,7 +946,6 @@ def test_a_deeply_nested_layout_is_a_value_error(world, root):
         store.close()
 
 
-@_RECURSION
 def test_a_deeply_nested_layout_is_skipped_on_every_rank(world, root, monkeypatch):
     """(Every rank its own host here, so that every rank is a writer and the bug, while
     it lasts, raises on every rank instead of hanging the others.)"""
