@@ -4,11 +4,15 @@ from its checkpoints, and the custom loop converges on a non-power-of-two rank c
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +148,68 @@ def test_torch_ddp_script_on_two_ranks_reaches_the_one_process_accuracy():
     assert "2 ranks, mpistrat" in two, two
     assert one >= 0.9
     assert _accuracy(two) >= one - 0.02, (one, two)
+
+
+def _rank_pids(script: str) -> list[int]:
+    """The ranks of a running ``mpistrat run -n`` job of ``script`` (not its launcher:
+    only the launcher's command line holds ``--min-ranks``)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                argv = file.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(script.encode()) for a in argv) and b"mpistrat" in argv \
+                and b"--min-ranks" not in argv and b"-n" not in argv:
+            found.append(int(pid))
+    return sorted(found)
+
+
+def _newest_weights(directory: Path) -> dict[str, np.ndarray]:
+    from mpistrat.checkpoint import _files
+
+    path = _files.scan(str(directory), "ckpt")[-1][1]
+    manifest, arrays = _files.read(path)
+    return {e["name"]: arrays[e["key"]] for e in manifest["entries"] if e.get("key")}
+
+
+@pytest.mark.timeout(180)
+def test_digits_keeps_training_when_a_rank_is_lost(tmp_path):
+    """examples/digits_mlp.py, unchanged, under mpistrat run -n 4 --min-ranks 2: a rank
+    killed mid-run (SIGKILL, from outside) costs the job one step, not the run. The job
+    goes on on 3 ranks from the snapshot in /dev/shm (not the checkpoint of the last
+    epoch) and ends with the model an uninterrupted run on 4 ranks trains."""
+    epochs = "12"
+    _run(4, "examples/digits_mlp.py", "--epochs", epochs, "--checkpoint-dir",
+         str(tmp_path / "straight"), "--no-progress")
+    out = tmp_path / "job.out"
+    with open(out, "w") as log:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "mpistrat", "run", "-n", "4", "--min-ranks", "2",
+             "--timeout", "20", "examples/digits_mlp.py", "--epochs", epochs,
+             "--checkpoint-dir", str(tmp_path / "elastic"), "--no-progress"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "epoch   4/" not in out.read_text() and job.poll() is None:
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.02)
+        ranks = _rank_pids("examples/digits_mlp.py")
+        assert len(ranks) == 4, (ranks, out.read_text())
+        os.kill(ranks[-1], signal.SIGKILL)
+        assert job.wait(120) == 0, out.read_text()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    text = out.read_text()
+    assert re.search(r"mpistrat run: lost rank \d \(\S+\); restart 1 of 3 on 3 ranks", text), text
+    resumed = re.search(r"resumed from (\S+) \(epoch (\d+)\)", text)
+    assert resumed and "/dev/shm/mpistrat-elastic-" in resumed.group(1), text
+    assert "3 replicas)" in text, text  # (the epochs after the loss)
+    straight, elastic = (_newest_weights(tmp_path / d) for d in ("straight", "elastic"))
+    assert straight.keys() == elastic.keys()
+    for name in straight:
+        np.testing.assert_allclose(elastic[name], straight[name], rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
