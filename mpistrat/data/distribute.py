@@ -16,6 +16,7 @@ the others can finish: TF's ``get_next_as_optional`` behaviour.
 from __future__ import annotations
 
 import abc
+import hashlib
 import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -140,12 +141,20 @@ class _DistributedInput(abc.ABC):
 
     def _kind(self) -> str:
         """What tells this input's iterators apart across a restart, whatever the number
-        of ranks: the class and the number of global steps."""
+        of ranks: the class, the number of global steps (``?``: not known) and a digest
+        of what the input is made from (:meth:`_source`: a pipeline's steps, with their
+        sizes and shuffle seeds), so that only an iterator of the same input resumes."""
         try:
             steps: object = len(self)  # type: ignore[arg-type]
         except TypeError:
             steps = "?"
-        return f"{type(self).__name__}/{steps}"
+        digest = hashlib.blake2b(self._source().encode(), digest_size=8).hexdigest()
+        return f"{type(self).__name__}/{steps}/{digest}"
+
+    def _source(self) -> str:
+        """A description of the input that is the same in every process that builds it
+        alike (no object addresses)."""
+        return type(self).__name__
 
     def _iterate(self, epoch: int) -> Iterator[Any]:
         steps = self._local_steps(epoch)
@@ -309,6 +318,9 @@ class DistributedDataset(_DistributedInput):
     def _spec_template(self) -> Any:
         return _template_from_spec(self._dataset.element_spec)
 
+    def _source(self) -> str:
+        return repr(self._dataset)
+
     def __repr__(self) -> str:
         policy = self._policy.name if self._policy is not None else "none"
         return (f"<DistributedDataset worker {self._worker}/{self._workers} x "
@@ -339,6 +351,9 @@ class DistributedDatasetsFromFunction(_DistributedInput):
                          agree_any=agree_any, options=options, shuffle_seed=shuffle_seed)
         if not callable(dataset_fn):
             raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
+        # (the function, not its datasets: those differ from worker to worker)
+        self._function = (f"{getattr(dataset_fn, '__module__', '?')}."
+                          f"{getattr(dataset_fn, '__qualname__', type(dataset_fn).__name__)}")
         n = self.num_replicas_in_sync
         if self._options.experimental_replication_mode is InputReplicationMode.PER_WORKER:
             contexts = [InputContext(self._workers, self._worker, n)]
@@ -350,6 +365,9 @@ class DistributedDatasetsFromFunction(_DistributedInput):
              _as_dataset(dataset_fn(ctx), f"dataset_fn({ctx!r}) result"))
             for ctx in contexts
         ]
+
+    def _source(self) -> str:
+        return self._function
 
     @property
     def datasets(self) -> list[Dataset]:

@@ -1126,7 +1126,8 @@ def test_the_manager_restores_the_snapshot_and_the_input_position(world, root, e
     info = manager2.restored_snapshot
     assert info is not None and path == info.path
     assert os.path.dirname(path) == store.directory and header_of(path)[1] == 4
-    assert info.sequence == 4 and info.position == (KIND, 3) and info.world_size == world.size
+    assert info.sequence == 4 and info.position == (dist._kind(), 3) \
+        and info.world_size == world.size
     np.testing.assert_array_equal(w2, np.full(3, 3, np.float32))
     assert int(step2) == 3
     dist2 = strategy.experimental_distribute_dataset(dataset)
