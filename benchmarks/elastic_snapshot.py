@@ -12,7 +12,9 @@ barrier before each block, its slowest rank's time; see ``benchmarks/_interleave
 * ``background``: a snapshot at the step boundary, then the step (what an elastic job
   does: mpistrat's variables are copied into ``/dev/shm`` by a thread while the step
   runs; the update waits for the copy if it has not finished);
-* ``sync``: the same snapshot written before the step goes on (``background=False``).
+* ``sync``: the same snapshot written before the step goes on (``background=False``);
+* ``auto``: ``--snapshot-every auto``'s rule: a snapshot at a boundary once the time since
+  the last one is at least 1 / 3 % of what it cost.
 
 States:
 
@@ -31,6 +33,7 @@ import os
 import secrets
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +43,12 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from _interleave import interleaved  # noqa: E402
+
 import mpistrat as ms  # noqa: E402
 from mpistrat.bench.shapes import resnet50_gradient_shapes  # noqa: E402
 from mpistrat.checkpoint.snapshot import SnapshotStore  # noqa: E402
-from mpistrat.elastic.env import ElasticEnv  # noqa: E402
-
-from _interleave import interleaved  # noqa: E402
+from mpistrat.elastic.env import AUTO_SHARE, ElasticEnv  # noqa: E402
 
 
 def digits_state(strategy: Any) -> tuple[list[Any], Any]:
@@ -106,16 +109,22 @@ def main() -> None:
     root = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     launch = ElasticEnv(job, 0, (comm.Get_size(),))
     stores = {mode: SnapshotStore(checkpoint, launch, b"benchmark", root=root,
-                                  background=mode == "background")
-              for mode in ("background", "sync")}
+                                  background=mode != "sync")
+              for mode in ("background", "sync", "auto")}
 
     block = 10 if args.state == "digits" else 3
 
-    def steps(store: SnapshotStore | None) -> Any:
+    last = [0.0]
+
+    def steps(store: SnapshotStore | None, auto: bool = False) -> Any:
         def call() -> None:
             for _ in range(block):
-                if store is not None:
+                # auto: CheckpointManager's rule for --snapshot-every auto
+                due = not auto or not store.taken or \
+                    (time.perf_counter() - last[0]) * AUTO_SHARE >= store.last_cost
+                if store is not None and due:
                     store.take(("benchmark", 0))
+                    last[0] = time.perf_counter()
                 step()
             if store is not None:
                 store.wait()  # (the last snapshot's background work counts too)
@@ -123,7 +132,8 @@ def main() -> None:
 
     iters = args.iters or (60 if args.state == "digits" else 12)
     times = interleaved(comm, {"off": steps(None), "background": steps(stores["background"]),
-                               "sync": steps(stores["sync"])}, iters, warmup=2)
+                               "sync": steps(stores["sync"]),
+                               "auto": steps(stores["auto"], auto=True)}, iters, warmup=2)
     times = {name: {k: v / block for k, v in t.items()} for name, t in times.items()}
     for store in stores.values():
         store.close(remove=True)
@@ -136,6 +146,13 @@ def main() -> None:
         for name, t in times.items():
             print(f"{name:12} {t['median'] * 1e3:9.3f} {t['p10'] * 1e3:8.3f} "
                   f"{t['p90'] * 1e3:8.3f} {t['median'] / base:7.3f}")
+        auto = stores["auto"]
+        each = {m: stores[m].seconds / max(stores[m].taken, 1) * 1e3
+                for m in ("sync", "background")}
+        print(f"auto took {auto.taken} snapshots in {(iters + 2) * block} steps (one every "
+              f"{(iters + 2) * block / max(auto.taken, 1):.1f}); one snapshot's time in "
+              f"take() on rank 0: sync {each['sync']:.3f} ms, background "
+              f"{each['background']:.3f} ms")
 
 
 if __name__ == "__main__":
