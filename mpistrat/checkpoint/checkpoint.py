@@ -2,8 +2,15 @@
 
 The objects are named keyword arguments, as in ``tf.train.Checkpoint``; each may be a
 dict, list or tuple of further objects. A leaf is anything with ``numpy()`` and
-``assign(value)`` (mpistrat's variables, :class:`Scalar`), a NumPy array (restored in
-place), or a ``numpy.random.Generator`` (its state is saved, so shuffles resume too).
+``assign(value)`` (mpistrat's variables, :class:`Scalar`), a NumPy array or a
+``torch.Tensor`` (restored in place), a ``numpy.random.Generator`` (its state is saved,
+so shuffles resume too), or a *stateful* object with ``state_dict()`` and
+``load_state_dict()`` (a ``torch.nn.Module``, a ``torch.optim.Optimizer``,
+:class:`mpistrat.torch.ZeroRedundancyOptimizer`, whose state is gathered on the rank
+that writes, collectively, first): its state_dict is expanded into arrays and a JSON tree
+each time it is saved (:mod:`mpistrat.checkpoint._torch`), so its structure may change
+between saves (an optimizer's state appears at its first step). torch is never imported
+here unless a torch object is among the leaves.
 Values are numeric (bool, integers, floats, complex, datetime64/timedelta64) or one of
 ml_dtypes' types (bfloat16, ...); strings and structured arrays are refused when saving.
 
@@ -26,6 +33,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -112,8 +120,9 @@ def _leaves(objects: Mapping[str, Any]) -> list[tuple[str, Any]]:
             raise TypeError(
                 f"cannot checkpoint {name!r}: a {type(obj).__name__} ({obj!r:.60}); give an "
                 f"object with numpy() and assign() (an mpistrat Variable), a NumPy array, a "
-                f"numpy.random.Generator, or wrap numbers in mpistrat.checkpoint.Scalar so "
-                f"restore() can update them in place")
+                f"torch.Tensor, a numpy.random.Generator, an object with state_dict() and "
+                f"load_state_dict() (a torch module or optimizer), or wrap numbers in "
+                f"mpistrat.checkpoint.Scalar so restore() can update them in place")
         else:
             found.append((name, obj))
 
@@ -121,18 +130,57 @@ def _leaves(objects: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return found
 
 
+def _is_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.Tensor`` (without importing torch: one can only be
+    where torch is imported already)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, getattr(torch, "Tensor", ()))
+
+
+def _torch() -> Any:
+    """:mod:`mpistrat.checkpoint._torch`, imported once a torch object is seen."""
+    from . import _torch as module
+    return module
+
+
 def _kind(obj: Any) -> str | None:
     if isinstance(obj, np.ndarray):
         return "array"
     if isinstance(obj, np.random.Generator):
         return "generator"
+    if _is_tensor(obj):
+        return "tensor"
     if callable(getattr(obj, "numpy", None)) and callable(getattr(obj, "assign", None)):
         return "variable"
+    if callable(getattr(obj, "state_dict", None)) and \
+            callable(getattr(obj, "load_state_dict", None)):
+        return "stateful"
     return None
+
+
+def _value(obj: Any) -> np.ndarray:
+    """A value leaf's value (array, tensor, variable), as NumPy (maybe a view)."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if _is_tensor(obj):
+        return _torch().host_value(obj)
+    return np.asarray(obj.numpy())
+
+
+def _assign(obj: Any, value: np.ndarray) -> None:
+    """Restore a value leaf in place."""
+    if isinstance(obj, np.ndarray):
+        obj[...] = value
+    elif _is_tensor(obj):
+        _torch().assign(obj, value)
+    else:
+        obj.assign(value)
 
 
 def _describe(obj: Any) -> tuple[str, tuple[int, ...]]:
     """(dtype name, shape) of a leaf without copying when it says them itself."""
+    if _is_tensor(obj):
+        return _torch().describe(obj)  # type: ignore[no-any-return]
     dtype, shape = getattr(obj, "dtype", None), getattr(obj, "shape", None)
     if dtype is None or shape is None:
         value = np.asarray(obj.numpy())
@@ -176,6 +224,8 @@ class Checkpoint:
             kind = _kind(obj)
             if kind == "generator":
                 parts.append(f"{name}:generator:{type(obj.bit_generator).__name__}")
+            elif kind == "stateful":
+                parts.append(f"{name}:stateful:{_torch().signature(obj)}")
             else:
                 dtype, shape = _describe(obj)
                 parts.append(f"{name}:{dtype}{list(shape)}")
@@ -235,6 +285,7 @@ class Checkpoint:
         comm = self.comm
         chief = self._agree(what, f"{what} {target}")
         counter = self.save_counter
+        self._gather(chief)
 
         def work() -> tuple[str, int, str | None]:
             arrays, entries = self._collect()
@@ -277,6 +328,14 @@ class Checkpoint:
                           stacklevel=3)
         return path
 
+    def _gather(self, rank: int) -> None:
+        """Collective: the stateful leaves that hold their state in shares (a
+        ZeroRedundancyOptimizer) gather it on ``rank``, so that its ``state_dict()``
+        works there. Every rank calls it at the same point (a save, a snapshot)."""
+        for _, obj in self._leaves:
+            if _kind(obj) == "stateful" and _torch().needs_gather(obj):
+                _torch().gather(obj, rank)
+
     def _collect(self) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
         arrays: dict[str, np.ndarray] = {}
         entries: list[dict[str, Any]] = []
@@ -286,19 +345,18 @@ class Checkpoint:
                 entries.append({"name": name, "kind": kind,
                                 "state": _jsonable(obj.bit_generator.state)})
                 continue
-            value = np.array(obj if kind == "array" else obj.numpy(), copy=True)
-            if value.dtype.hasobject:
-                raise TypeError(f"cannot checkpoint {name!r}: it holds Python objects "
-                                f"(dtype object); use numeric arrays")
-            if value.dtype.byteorder not in "=|":  # stored native, so the name says it all
-                value = value.astype(value.dtype.newbyteorder("="))
-            try:
-                _parse_dtype(value.dtype.name)
-            except ValueError:
-                raise TypeError(
-                    f"cannot checkpoint {name!r}: its dtype {value.dtype} has no name a "
-                    f"manifest can hold and restore (strings, bytes and structured arrays "
-                    f"have none); use {_DTYPES}") from None
+            if kind == "stateful":
+                tree, parts = _torch().expand(obj, name)
+                described = []
+                for j, part in enumerate(parts):
+                    key = f"a{i}_{j}"
+                    arrays[key] = _storable(name, np.array(part, copy=True))
+                    described.append({"key": key, "dtype": arrays[key].dtype.name,
+                                      "shape": list(arrays[key].shape)})
+                entries.append({"name": name, "kind": kind, "tree": tree,
+                                "arrays": described})
+                continue
+            value = _storable(name, np.array(_value(obj), copy=True))
             key = f"a{i}"
             arrays[key] = value
             entries.append({"name": name, "kind": kind, "key": key, "dtype": value.dtype.name,
@@ -350,27 +408,33 @@ class Checkpoint:
 
         plan, counter = _on_chief(comm, chief, work, failure)
         rank, size = comm.Get_rank(), comm.Get_size()
-        received: list[np.ndarray | None] = []
         chief_values = iter(values)
-        for step in plan:
-            if step[0] == "generator":
-                received.append(None)
-                continue
+
+        def receive(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
             if rank == chief:
                 buffer = next(chief_values)
             else:
-                buffer = np.empty(step[2], dtype=_parse_dtype(step[1]))
+                buffer = np.empty(shape, dtype=_parse_dtype(dtype))
             if buffer.nbytes and size > 1:
                 comm.Bcast(buffer.reshape(-1).view(np.uint8), root=chief)
-            received.append(buffer)
+            return buffer
+
+        received: list[Any] = []
+        for step in plan:
+            if step[0] == "generator":
+                received.append(None)
+            elif step[0] == "stateful":
+                received.append([receive(d, s) for d, s in step[2]])
+            else:
+                received.append(receive(step[1], step[2]))
         # every collective is done: an object that refuses its value fails on its own rank
         for (_, obj), step, value in zip(self._leaves, plan, received):
             if step[0] == "generator":
                 obj.bit_generator.state = step[1]
-            elif isinstance(obj, np.ndarray):
-                obj[...] = value
+            elif step[0] == "stateful":
+                _torch().load(obj, step[1], value)
             else:
-                obj.assign(value)
+                _assign(obj, value)
         self.save_counter = counter
         return path
 
@@ -398,6 +462,19 @@ class Checkpoint:
                 raise ValueError(f"checkpoint entry {name!r} is a {entry.kind}, the object "
                                  f"is a {type(obj).__name__}; restore it into the objects it "
                                  f"was saved from")
+            if (kind == "stateful") != (entry.kind == "stateful"):
+                raise ValueError(f"checkpoint entry {name!r} is a {entry.kind}, the object "
+                                 f"is a {type(obj).__name__}; restore it into the objects it "
+                                 f"was saved from")
+            if kind == "stateful":
+                assert entry.parts is not None
+                parts = entry.parts
+                _torch().check_fits(obj, name, _torch().decode(
+                    entry.tree, len(parts), lambda j: parts[j]))
+                plan.append(("stateful", entry.tree,
+                             [(p.dtype.name, tuple(p.shape)) for p in parts]))
+                values.extend(parts)
+                continue
             if kind == "generator":
                 assert entry.state is not None
                 ours = type(obj.bit_generator).__name__
@@ -418,6 +495,23 @@ class Checkpoint:
             plan.append(("value", entry.dtype.name, entry.shape))
             values.append(entry.value)
         return plan, values
+
+
+def _storable(name: str, value: np.ndarray) -> np.ndarray:
+    """``value`` as a checkpoint stores it (native byte order, a dtype it can name)."""
+    if value.dtype.hasobject:
+        raise TypeError(f"cannot checkpoint {name!r}: it holds Python objects "
+                        f"(dtype object); use numeric arrays")
+    if value.dtype.byteorder not in "=|":  # stored native, so the name says it all
+        value = value.astype(value.dtype.newbyteorder("="))
+    try:
+        _parse_dtype(value.dtype.name)
+    except ValueError:
+        raise TypeError(
+            f"cannot checkpoint {name!r}: its dtype {value.dtype} has no name a "
+            f"manifest can hold and restore (strings, bytes and structured arrays "
+            f"have none); use {_DTYPES}") from None
+    return value
 
 
 def _on_chief(comm: Comm, chief: int, work: Callable[[], Any],
@@ -451,9 +545,11 @@ class _Entry(NamedTuple):
     shape: tuple[int, ...] | None = None
     value: np.ndarray | None = None  # the member, in ``dtype``, C-contiguous
     state: dict[str, Any] | None = None
+    tree: Any = None  # a stateful object's state_dict (mpistrat.checkpoint._torch)
+    parts: list[np.ndarray] | None = None  # ... and its arrays, checked like values
 
 
-_KINDS = ("array", "variable", "generator")
+_KINDS = ("array", "variable", "generator", "tensor", "stateful")
 _DTYPES = ("numeric arrays (bool, integers, floats, complex, datetime64, timedelta64) or "
            "ml_dtypes' (bfloat16, float8_*, int4, ...)")
 
@@ -488,25 +584,59 @@ def _check_entries(raw: list[Any], arrays: dict[str, np.ndarray],
             found[name] = _Entry(kind, state=_check_state(entry.get("state"),
                                                           lambda v, e: bad(i, '"state"', v, e)))
             continue
-        key = entry.get("key")
-        if not isinstance(key, str):
-            raise bad(i, '"key"', key, "the name of a member of the data file")
-        try:
-            dtype = _parse_dtype(entry.get("dtype"))
-        except ValueError as exc:
-            raise bad(i, '"dtype"', entry.get("dtype"), str(exc)) from None
-        shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(_files._is_int(n, 0) for n in shape):
-            raise bad(i, '"shape"', shape, "a list of integers >= 0")
-        if key not in arrays:
-            raise CheckpointCorruptError(
-                f"the data file of {record} has no member {key!r} (entry {name!r}); its "
-                f"members are {sorted(arrays)[:10]}: it was damaged or not written with this "
-                f"manifest; {_files._FIX}")
-        value = _member(arrays[key], dtype, tuple(shape), f"member {key!r} (entry {name!r}) "
-                                                          f"of the data file of {record}")
-        found[name] = _Entry(kind, dtype, tuple(shape), value)
+        if kind == "stateful":
+            described = entry.get("arrays")
+            if not isinstance(described, list):
+                raise bad(i, '"arrays"', described, "a list of arrays")
+            parts = []
+            for j, part in enumerate(described):
+                if not isinstance(part, dict):
+                    raise bad(i, f'"arrays" item {j}', part, "an object with key, dtype, shape")
+                parts.append(_checked_member(
+                    part, arrays, record, f"{name}[{j}]",
+                    lambda field, value, expected: bad(i, f'array {j}\'s {field}', value,
+                                                       expected))[2])
+            try:
+                from ._torch import decode  # (a manifest with a stateful entry)
+                decode(entry.get("tree"), len(parts), lambda j: None)
+            except ImportError:
+                raise CheckpointCorruptError(
+                    f"the manifest {record}: entry {name!r} holds an object's state_dict, "
+                    f"which needs PyTorch to restore; install torch") from None
+            except ValueError as exc:
+                raise bad(i, '"tree"', entry.get("tree"), f"a state_dict's tree ({exc})") \
+                    from None
+            found[name] = _Entry(kind, tree=entry.get("tree"), parts=parts)
+            continue
+        dtype, shape, value = _checked_member(
+            entry, arrays, record, name,
+            lambda field, value, expected: bad(i, field, value, expected))
+        found[name] = _Entry(kind, dtype, shape, value)
     return found
+
+
+def _checked_member(entry: dict[str, Any], arrays: dict[str, np.ndarray], record: str,
+                    name: str, bad: Callable[[str, Any, str], Exception]
+                    ) -> tuple[np.dtype, tuple[int, ...], np.ndarray]:
+    """The member an entry (``key``, ``dtype``, ``shape``) describes, checked."""
+    key = entry.get("key")
+    if not isinstance(key, str):
+        raise bad('"key"', key, "the name of a member of the data file")
+    try:
+        dtype = _parse_dtype(entry.get("dtype"))
+    except ValueError as exc:
+        raise bad('"dtype"', entry.get("dtype"), str(exc)) from None
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_files._is_int(n, 0) for n in shape):
+        raise bad('"shape"', shape, "a list of integers >= 0")
+    if key not in arrays:
+        raise CheckpointCorruptError(
+            f"the data file of {record} has no member {key!r} (entry {name!r}); its "
+            f"members are {sorted(arrays)[:10]}: it was damaged or not written with this "
+            f"manifest; {_files._FIX}")
+    value = _member(arrays[key], dtype, tuple(shape), f"member {key!r} (entry {name!r}) "
+                                                      f"of the data file of {record}")
+    return dtype, tuple(shape), value
 
 
 def _member(member: np.ndarray, dtype: np.dtype, shape: tuple[int, ...],

@@ -59,7 +59,18 @@ from .._atomic import write_atomically
 from ..elastic import hooks
 from ..elastic.env import ElasticEnv
 from ..runtime._mpi import Comm
-from .checkpoint import Checkpoint, _describe, _jsonable, _kind, _on_chief, _parse_dtype
+from .checkpoint import (
+    Checkpoint,
+    _assign,
+    _describe,
+    _jsonable,
+    _kind,
+    _on_chief,
+    _parse_dtype,
+    _storable,
+    _torch,
+    _value,
+)
 
 __all__ = ["SnapshotStore", "SnapshotInfo", "DIR_ENV", "MAX_LAYOUT", "KEEP_ENV",
            "BACKGROUND_BYTES"]
@@ -78,6 +89,9 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _HOST = re.compile(r"[^A-Za-z0-9._-]")
 # stores whose snapshot is being written in the background (restore waits for them)
 _IN_FLIGHT: weakref.WeakSet[SnapshotStore] = weakref.WeakSet()
+# leaves the layout places no value of: a generator's state is in the commit record, a
+# stateful object's arrays and tree past the layout's values (see SnapshotStore.take)
+_NO_VALUE = ("generator", "stateful")
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,7 @@ class _Slot:
     data: memoryview | None = None  # the whole mapping
     views: list[np.ndarray] = field(default_factory=list)  # each value's place in it
     raw: list[memoryview] = field(default_factory=list)  # the same, as bytes
+    extra: list[np.ndarray] = field(default_factory=list)  # the stateful leaves' arrays
 
 
 @dataclass(eq=False)
@@ -147,6 +162,7 @@ class SnapshotStore:
         hosts = self.comm.allgather(host)
         self._size = self.comm.Get_size()
         self.writer = hosts.index(host) == self.comm.Get_rank()  # this host's lowest rank
+        self._writers = sorted({hosts.index(h) for h in hosts})  # every host's
         root = self.root or os.environ.get(DIR_ENV) or (
             "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self.job_directory = os.path.join(root, f"mpistrat-elastic-{os.getuid()}-"
@@ -194,26 +210,45 @@ class SnapshotStore:
         boundary's state. Other leaves (NumPy arrays, which the script may change in
         place, scalars, generators, GPU values) are copied before this returns."""
         self.sequence = self.sequence + 1 if number is None else number
+        started = time.perf_counter()
+        states = self._expand_states()  # (collective for a sharded optimizer)
         if not self.writer:
             return
-        started = time.perf_counter()
         self.wait()  # (the previous snapshot is committed: snapshots commit in order)
         values: list[tuple[np.ndarray, bool]] = []
         generators: dict[str, Any] = {}
         for name, obj in self.checkpoint._leaves:
-            if isinstance(obj, np.random.Generator):
+            kind = _kind(obj)
+            if kind == "generator":
                 generators[name] = _jsonable(obj.bit_generator.state)
-            else:
+            elif kind != "stateful":
                 values.append(_host_value(obj))
         layout = self._layout_for(values)
+        places, index, size = _place_states(states, layout["size"])
         slot = self._slots[self._next_slot]
         self._next_slot = 1 - self._next_slot
-        data = self._mapped(slot, layout)
+        data = self._mapped(slot, layout, size)
         _HEADER.pack_into(data, 0, _MAGIC, 0, 0, _NO_MAC)  # (invalid until committed)
         extra = {"sequence": self.sequence, "world_size": self._size,
                  "launch": self.launch.restart, "save_counter": self.checkpoint.save_counter,
                  "position": list(position) if position is not None else None,
                  "generators": generators, "created": time.time()}
+        if states:
+            # the stateful leaves' arrays, then the index that describes them, past the
+            # layout's values: their structure may change from one snapshot to the next,
+            # the layout (and the other slot's snapshot) stays
+            slot.extra = []
+            for (_, _, arrays), entries in zip(states, places.values()):
+                for value, entry in zip(arrays, entries["arrays"]):
+                    view = _view(data, entry)
+                    np.copyto(view, value, casting="no")
+                    slot.extra.append(view)
+            at = size - len(index)
+            data[at:size] = index
+            extra["states"] = {"size": size, "index": [at, len(index)],
+                               "sha256": hashlib.sha256(index).hexdigest()}
+        else:
+            slot.extra = []
         fenced = sum(v.nbytes for v, f in values if f)
         later = self.background and fenced >= BACKGROUND_BYTES
         for target, (value, fence) in zip(slot.views, values):
@@ -251,7 +286,8 @@ class SnapshotStore:
                 if copied is not None:
                     hooks.set_fence(None)
                     copied.set()
-            extra["crc32"] = [zlib.crc32(raw) for raw in slot.raw]
+            extra["crc32"] = [zlib.crc32(raw) for raw in slot.raw] + \
+                [zlib.crc32(_bytes(view)) for view in slot.extra]
             body = json.dumps(extra, separators=(",", ":")).encode()
             if len(body) > layout["header"] - _HEADER.size:
                 raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
@@ -277,6 +313,30 @@ class SnapshotStore:
             self._thread = None
         _IN_FLIGHT.discard(self)
 
+    def _expand_states(self) -> list[tuple[str, Any, list[np.ndarray]]]:
+        """The stateful leaves' states on this host's writer: ``(name, tree, arrays)``
+        each (:func:`mpistrat.checkpoint._torch.expand`); nothing on the other ranks.
+        A sharded optimizer's state is gathered on every host's writer in turn, so
+        this is collective when the checkpoint holds one (every rank is at the same
+        step boundary)."""
+        leaves = [(name, obj) for name, obj in self.checkpoint._leaves
+                  if _kind(obj) == "stateful"]
+        if not leaves:
+            return []
+        torch_leaves = _torch()
+        rank = self.comm.Get_rank() if self.comm is not None else 0
+        states: list[tuple[str, Any, list[np.ndarray]]] = []
+        for name, obj in leaves:
+            if torch_leaves.needs_gather(obj):
+                for writer in self._writers:
+                    torch_leaves.gather(obj, writer)
+                    if writer == rank:
+                        states.append((name, *torch_leaves.expand(obj, name)))
+            elif self.writer:
+                states.append((name, *torch_leaves.expand(obj, name)))
+        return [(name, tree, [_storable(name, np.asarray(a)) for a in arrays])
+                for name, tree, arrays in states]
+
     def _layout_for(self, values: list[tuple[np.ndarray, bool]]) -> dict[str, Any]:
         """This process's layout (written to :attr:`layout_path` the first time)."""
         if self._layout is not None:
@@ -286,9 +346,9 @@ class SnapshotStore:
         generators = 0
         for name, obj in self.checkpoint._leaves:
             kind = _kind(obj)
-            if kind == "generator":
+            if kind in ("generator", "stateful"):
                 entries.append({"name": name, "kind": kind})
-                generators += 1
+                generators += kind == "generator"
                 continue
             value = next(arrays)[0]
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -310,30 +370,35 @@ class SnapshotStore:
         self._layout = layout
         return layout
 
-    def _mapped(self, slot: _Slot, layout: dict[str, Any]) -> memoryview:
-        """The slot's data file, mapped (created or resized the first time)."""
+    def _mapped(self, slot: _Slot, layout: dict[str, Any], size: int) -> memoryview:
+        """The slot's data file, at least ``size`` bytes, mapped (created or resized the
+        first time, and again when a stateful leaf's state outgrows it)."""
+        if slot.map is not None and len(slot.map) < size:
+            self._unmap(slot)
         if slot.map is None:
+            if size > layout["size"]:  # (room to grow: an optimizer's state appears)
+                size = layout["size"] + -(-(size - layout["size"]) * 5 // 4 // 4096) * 4096
             fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
             try:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
                     raise PermissionError(f"{slot.path} is not a regular file of this "
                                           f"user's")
-                os.ftruncate(fd, layout["size"])
-                slot.map = mmap.mmap(fd, layout["size"])
+                os.ftruncate(fd, size)
+                slot.map = mmap.mmap(fd, size)
             except BaseException:
                 os.close(fd)
                 raise
             slot.fd = fd
             slot.data = memoryview(slot.map)
             slot.views = [_view(slot.data, e) for e in layout["entries"]
-                          if e["kind"] != "generator"]
+                          if e["kind"] not in _NO_VALUE]
             slot.raw = [_bytes(view) for view in slot.views]
         assert slot.data is not None
         return slot.data
 
     def _unmap(self, slot: _Slot) -> None:
-        slot.views, slot.raw = [], []
+        slot.views, slot.raw, slot.extra = [], [], []
         if slot.data is not None:
             slot.data.release()
             slot.data = None
@@ -380,7 +445,9 @@ class SnapshotStore:
             layout = record.pop("layout")
             data = memoryview(_read_only_map(path, layout["size"]))
             values.extend(np.array(_view(data, e)) for e in layout["entries"]
-                          if e["kind"] != "generator")
+                          if e["kind"] not in _NO_VALUE)
+            values.extend(np.array(_view(data, e)) for _, _, part in record["states"]
+                          for e in part)
             return path, record, layout["entries"]
 
         def failure(exc: Exception) -> tuple[type[Exception], str]:
@@ -389,25 +456,28 @@ class SnapshotStore:
 
         path, record, entries = _on_chief(comm, source, work, failure)
         chief_values: Iterator[np.ndarray] = iter(values)
-        received: list[np.ndarray | None] = []
-        for entry in entries:
-            if entry["kind"] == "generator":
-                received.append(None)
-                continue
+
+        def receive(entry: dict[str, Any]) -> np.ndarray:
             if comm.Get_rank() == source:
                 buffer = next(chief_values)
             else:
                 buffer = np.empty(entry["shape"], _parse_dtype(entry["dtype"]))
             if buffer.nbytes and comm.Get_size() > 1:
                 comm.Bcast(buffer.reshape(-1).view(np.uint8), root=source)
-            received.append(buffer)
+            return buffer
+
+        received: list[np.ndarray | None] = [
+            None if e["kind"] in _NO_VALUE else receive(e) for e in entries]
+        states = {name: (tree, [receive(e) for e in part])
+                  for name, tree, part in record["states"]}
         for (name, obj), entry, value in zip(self.checkpoint._leaves, entries, received):
             if entry["kind"] == "generator":
                 obj.bit_generator.state = record["generators"][name]
-            elif isinstance(obj, np.ndarray):
-                obj[...] = value
+            elif entry["kind"] == "stateful":
+                _torch().load(obj, *states[name])
             else:
-                obj.assign(value)
+                assert value is not None
+                _assign(obj, value)
         self.checkpoint.save_counter = record["save_counter"]
         self.sequence = best
         position = record["position"]
@@ -481,7 +551,7 @@ class SnapshotStore:
             if not isinstance(entry, dict) or entry.get("name") != name or \
                     entry.get("kind") != kind:
                 raise ValueError(f"an entry is {_short(entry)}, expected {kind} {name!r}")
-            if kind == "generator":
+            if kind in _NO_VALUE:
                 continue
             dtype, shape = _describe(obj)
             if entry.get("dtype") != dtype or entry.get("shape") != list(shape):
@@ -523,7 +593,7 @@ class SnapshotStore:
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"its record is not JSON mpistrat could write "
                              f"({type(exc).__name__})") from None
-        arrays = [e for e in layout["entries"] if e["kind"] != "generator"]
+        arrays = [e for e in layout["entries"] if e["kind"] not in _NO_VALUE]
         if not isinstance(record, dict) or record.get("sequence") != sequence:
             raise ValueError("its record is not the one committed")
         for name in ("world_size", "save_counter", "launch"):
@@ -545,15 +615,21 @@ class SnapshotStore:
                         type(obj.bit_generator).__name__:
                     raise ValueError(f"generator {name!r} has no "
                                      f"{type(obj.bit_generator).__name__} state")
+        states: list[tuple[str, Any, list[Any]]] = []
+        if any(_kind(obj) == "stateful" for _, obj in self.checkpoint._leaves):
+            states = _check_states(record, layout, data, self.checkpoint._leaves)
+        extra = [dict(entry, name=f"{name}[{j}]") for name, _, entries in states
+                 for j, entry in enumerate(entries)]
         crcs = record.get("crc32")
-        if not isinstance(crcs, list) or len(crcs) != len(arrays) or \
+        if not isinstance(crcs, list) or len(crcs) != len(arrays) + len(extra) or \
                 not all(_is_count(c) for c in crcs):
             raise ValueError("its checksums are not one per value")
-        for entry, crc in zip(arrays, crcs):
+        for entry, crc in zip(arrays + extra, crcs):
             if zlib.crc32(_bytes(_view(data, entry))) != crc:
                 raise ValueError(f"entry {entry['name']!r} does not match its checksum "
                                  f"(changed after the commit)")
         record["layout"] = layout
+        record["states"] = states
         return record
 
     # -- the end
@@ -572,6 +648,100 @@ class SnapshotStore:
                 pass
 
 
+def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int
+                  ) -> tuple[dict[str, dict[str, Any]], bytes, int]:
+    """Where the stateful leaves' arrays go in a slot, from ``start`` (the layout's
+    end) on, and the index that says so (JSON, after them); the slot's size."""
+    places: dict[str, dict[str, Any]] = {}
+    offset = start
+    for name, tree, arrays in states:
+        entries = []
+        for value in arrays:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            entries.append({"dtype": value.dtype.name, "shape": list(value.shape),
+                            "offset": offset, "nbytes": int(value.nbytes)})
+            offset += value.nbytes
+        places[name] = {"tree": tree, "arrays": entries}
+    if not states:
+        return places, b"", start
+    index = json.dumps(places, separators=(",", ":")).encode()
+    return places, index, offset + len(index)
+
+
+def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryview,
+                  leaves: list[tuple[str, Any]]) -> list[tuple[str, Any, list[Any]]]:
+    """The stateful leaves' part of a slot (record field ``states``), checked as
+    untrusted input: its index where the record says, matching its SHA-256, JSON of
+    the expected form, every array in the slot past the layout's values without
+    overlap, and each state one its object takes. Returns ``(name, tree, array
+    entries)`` per stateful leaf, in the checkpoint's order.
+
+    Raises:
+        ValueError: naming the first check that failed.
+    """
+    states = record.get("states")
+    if not isinstance(states, dict):
+        raise ValueError("its record has no stateful objects' states")
+    size: Any = states.get("size")
+    place: Any = states.get("index")
+    digest: Any = states.get("sha256")
+    if not _is_count(size) or size < layout["size"] or size > len(data):
+        raise ValueError(f"its states end at {_short(size)}, beyond its data "
+                         f"({len(data)} bytes) or inside its layout's values")
+    if not (isinstance(place, list) and len(place) == 2 and all(_is_count(n) for n in place)
+            and place[0] >= layout["size"] and place[0] + place[1] == size
+            and place[1] <= MAX_LAYOUT):
+        raise ValueError(f"its states' index is at {_short(place)}, not within its data")
+    body = bytes(data[place[0]:size])
+    if not isinstance(digest, str) or not hmac.compare_digest(
+            hashlib.sha256(body).hexdigest(), digest):
+        raise ValueError("its states' index does not match its checksum")
+    try:
+        index = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"its states' index is not JSON mpistrat could write "
+                         f"({type(exc).__name__})") from None
+    names = [name for name, obj in leaves if _kind(obj) == "stateful"]
+    if not isinstance(index, dict) or sorted(index) != sorted(names):
+        raise ValueError(f"its states are of {_short(sorted(index) if isinstance(index, dict) else index)}, "
+                         f"the checkpoint's stateful objects are {names}")
+    torch_leaves = _torch()
+    end = layout["size"]
+    found = []
+    objects = dict(leaves)
+    for name in names:
+        state = index[name]
+        entries = state.get("arrays") if isinstance(state, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"the state of {name!r} has no list of arrays")
+        arrays = []
+        for entry in entries:
+            if not isinstance(entry, dict):
+                raise ValueError(f"the state of {name!r} has an array {_short(entry)}")
+            try:
+                dtype = _parse_dtype(entry.get("dtype"))
+            except ValueError:
+                raise ValueError(f"the state of {name!r} has an array of dtype "
+                                 f"{_short(entry.get('dtype'))}") from None
+            shape: Any = entry.get("shape")
+            offset: Any = entry.get("offset")
+            if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+                raise ValueError(f"the state of {name!r} has an array of shape "
+                                 f"{_short(shape)}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if entry.get("nbytes") != nbytes or not _is_count(offset) or offset < end or \
+                    offset + nbytes > place[0] or offset % dtype.alignment:
+                raise ValueError(f"the state of {name!r} has an array in a bad place "
+                                 f"({_short(offset)}, {_short(entry.get('nbytes'))} bytes)")
+            end = offset + nbytes
+            arrays.append(entry)
+        views = [_view(data, e) for e in arrays]
+        torch_leaves.check_fits(objects[name], name, torch_leaves.decode(
+            state.get("tree"), len(views), lambda j: views[j]))
+        found.append((name, state["tree"], arrays))
+    return found
+
+
 def _host_value(obj: Any) -> tuple[np.ndarray, bool]:
     """``obj``'s value in host memory, without a copy where it lives there already; and
     whether every change to it waits for :func:`mpistrat.elastic.hooks.before_write`
@@ -583,7 +753,7 @@ def _host_value(obj: Any) -> tuple[np.ndarray, bool]:
         value = read() if callable(read) else None
         fenced = isinstance(value, np.ndarray)
         if not fenced:
-            value = np.asarray(obj.numpy())
+            value = _value(obj)  # (a tensor: a view, copied before take() returns)
     if value.dtype.byteorder not in "=|":
         value, fenced = value.astype(value.dtype.newbyteorder("=")), False
     return value, fenced

@@ -1,0 +1,273 @@
+"""PyTorch leaves of a :class:`~mpistrat.checkpoint.Checkpoint`, imported only once a
+torch object is among the leaves (``torch`` is then imported already: mpistrat itself
+never imports it).
+
+* a ``torch.Tensor`` is a value like a NumPy array (its dtype by NumPy's name: bfloat16
+  through ml_dtypes), restored in place;
+* a **stateful** object (``state_dict()``/``load_state_dict()``: a ``torch.nn.Module``, a
+  ``torch.optim.Optimizer``, :class:`mpistrat.torch.ZeroRedundancyOptimizer`) is expanded
+  each time it is saved into a JSON tree and the arrays of its tensors (:func:`expand`),
+  since its structure may change (an optimizer's state appears at its first step), and
+  restored by rebuilding the ``state_dict`` and calling ``load_state_dict``.
+
+The tree is the state_dict with every tensor replaced by ``{"T": index}`` (its array),
+and every container tagged so that it comes back as it was: ``{"d": [[key, value],
+...]}`` for a dict (keys of any JSON-able type: an optimizer's state is keyed by int),
+``{"l": [...]}`` a list, ``{"t": [...]}`` a tuple, ``{"f": "nan"}`` a float JSON cannot
+hold; None, bools, ints, finite floats and strings stand for themselves. A tree read
+back is untrusted input: :func:`decode` accepts only that grammar, at most
+:data:`MAX_DEPTH` deep, every array used exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["is_stateful", "numpy_dtype", "describe", "host_value", "assign", "expand",
+           "decode", "check_fits", "signature", "gather", "MAX_DEPTH"]
+
+MAX_DEPTH = 64
+
+_NUMPY: dict[torch.dtype, Any] = {
+    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+    torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
+    torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+    torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and \
+        callable(getattr(obj, "load_state_dict", None))
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype a tensor of ``dtype`` is saved as."""
+    if dtype == torch.bfloat16:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("bfloat16 tensors need the ml_dtypes package for NumPy's "
+                            "bfloat16: pip install ml_dtypes") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    if dtype not in _NUMPY:
+        raise TypeError(f"cannot checkpoint a tensor of dtype {dtype}: expected one of "
+                        f"{sorted(str(d) for d in _NUMPY)} or torch.bfloat16")
+    return np.dtype(_NUMPY[dtype])
+
+
+def describe(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    return numpy_dtype(tensor.dtype).name, tuple(int(n) for n in tensor.shape)
+
+
+def host_value(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's values as a NumPy array: a view of a contiguous CPU tensor (no copy),
+    else a CPU copy."""
+    dtype = numpy_dtype(tensor.dtype)
+    value = tensor.detach()
+    if value.device.type != "cpu":
+        value = value.cpu()
+    if not value.is_contiguous():
+        value = value.contiguous()
+    if value.dtype == torch.bfloat16:
+        value = value.view(torch.int16)
+    try:  # (not Tensor.numpy(): it marks the storage as never resizable again)
+        array = np.from_dlpack(value)
+    except Exception:  # noqa: BLE001 - older NumPy/torch pairs lack a dtype in DLPack
+        array = value.numpy()
+    return array.view(dtype) if array.dtype != dtype else array
+
+
+def to_tensor(value: np.ndarray) -> torch.Tensor:
+    """A new CPU tensor holding ``value`` (bfloat16 included)."""
+    value = np.array(value, copy=True, order="C")
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(value)
+
+
+def assign(tensor: torch.Tensor, value: np.ndarray) -> None:
+    """Restore ``tensor`` in place (a parameter too)."""
+    with torch.no_grad():
+        tensor.copy_(to_tensor(value).view(tensor.shape))
+
+
+# --- stateful objects ------------------------------------------------------------------
+
+
+def expand(obj: Any, name: str) -> tuple[Any, list[np.ndarray]]:
+    """``obj.state_dict()`` as (the JSON tree, the arrays of its tensors)."""
+    arrays: list[np.ndarray] = []
+
+    def encode(value: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise TypeError(f"cannot checkpoint {name!r}: its state_dict nests deeper than "
+                            f"{MAX_DEPTH} at {path}")
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return float(value) if math.isfinite(value) else {"f": repr(float(value))}
+        if isinstance(value, torch.Tensor):
+            arrays.append(host_value(value))
+            return {"T": len(arrays) - 1}
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+            return encode(value.item(), path, depth)
+        if isinstance(value, (list, tuple)):
+            items = [encode(v, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
+            return {"l" if isinstance(value, list) else "t": items}
+        if isinstance(value, Mapping):
+            return {"d": [[encode(k, f"{path}/<key>", depth + 1),
+                           encode(v, f"{path}/{k}", depth + 1)] for k, v in value.items()]}
+        raise TypeError(f"cannot checkpoint {name!r}: its state_dict holds a "
+                        f"{type(value).__name__} at {path or '/'}; a state_dict may hold "
+                        f"tensors, None, bools, numbers, strings, lists, tuples and dicts")
+
+    tree = encode(obj.state_dict(), "", 0)
+    return tree, arrays
+
+
+def decode(tree: Any, count: int, leaf: Callable[[int], Any]) -> Any:
+    """The state_dict ``tree`` stands for, its ``{"T": i}`` replaced by ``leaf(i)``.
+
+    Raises:
+        ValueError: not a tree :func:`expand` writes (untrusted input), or an array
+            index out of ``range(count)``, used twice or not at all.
+    """
+    used = [False] * count
+
+    def walk(node: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"its state nests deeper than {MAX_DEPTH}")
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if isinstance(node, float):
+            return node
+        if not isinstance(node, dict) or len(node) != 1:
+            raise ValueError(f"its state holds {_short(node)}, not a value of the tree "
+                             f"grammar")
+        (tag, body), = node.items()
+        if tag == "T":
+            if not (isinstance(body, int) and not isinstance(body, bool)
+                    and 0 <= body < count) or used[body]:
+                raise ValueError(f"its state names array {_short(body)}: not one of its "
+                                 f"{count} arrays, or one named twice")
+            used[body] = True
+            return leaf(body)
+        if tag == "f":
+            if body not in ("nan", "inf", "-inf"):
+                raise ValueError(f"its state holds the float {_short(body)}")
+            return float(body)
+        if tag in ("l", "t") and isinstance(body, list):
+            items = [walk(item, depth + 1) for item in body]
+            return items if tag == "l" else tuple(items)
+        if tag == "d" and isinstance(body, list):
+            result: dict[Any, Any] = {}
+            for pair in body:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise ValueError(f"its state has a dict item {_short(pair)}")
+                key = walk(pair[0], depth + 1)
+                if isinstance(key, torch.Tensor) or not _hashable(key) or key in result:
+                    raise ValueError(f"its state has a dict key {_short(pair[0])} that is "
+                                     f"not a unique plain value")
+                result[key] = walk(pair[1], depth + 1)
+            return result
+        raise ValueError(f"its state holds {_short(node)}, not a value of the tree grammar")
+
+    state = walk(tree, 0)
+    if not all(used):
+        raise ValueError(f"its state leaves array {used.index(False)} unused")
+    return state
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_fits(obj: Any, name: str, state: Any) -> None:
+    """Whether ``obj.load_state_dict(state)`` will take ``state`` (arrays in place of
+    tensors), checked before any data moves.
+
+    Raises:
+        ValueError: saying what does not fit.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"entry {name!r} holds a {type(state).__name__}, not a state_dict")
+    if isinstance(obj, torch.nn.Module):
+        own = {k: v for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)}
+        saved = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
+        if set(own) != set(saved):
+            raise ValueError(
+                f"entry {name!r} holds the state of another module: missing "
+                f"{sorted(set(own) - set(saved))[:5]}, unexpected "
+                f"{sorted(str(k) for k in set(saved) - set(own))[:5]}; restore it into the "
+                f"module it was saved from")
+        for key, tensor in own.items():
+            dtype, shape = describe(tensor)
+            value = saved[key]
+            if value.dtype.name != dtype or value.shape != shape:
+                raise ValueError(f"entry {name!r}: {key} holds {value.dtype.name} of shape "
+                                 f"{list(value.shape)}, the module's is {dtype} of shape "
+                                 f"{list(shape)}; build the model with the shapes it was "
+                                 f"saved with")
+    elif isinstance(getattr(obj, "param_groups", None), list):
+        groups = state.get("param_groups")
+        if not isinstance(state.get("state"), dict) or not isinstance(groups, list) or \
+                not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                        for g in groups):
+            raise ValueError(f"entry {name!r} is not an optimizer's state (\"state\" and "
+                             f"\"param_groups\" with \"params\")")
+        mine = [len(g["params"]) for g in obj.param_groups]
+        theirs = [len(g["params"]) for g in groups]
+        if mine != theirs:
+            raise ValueError(f"entry {name!r} holds an optimizer of parameter groups of "
+                             f"{theirs} parameters, the optimizer has {mine}; restore it "
+                             f"into the optimizer it was saved from")
+        ids = {i for g in groups for i in g["params"]}
+        if len(ids) != sum(theirs) or any(k not in ids for k in state["state"]):
+            raise ValueError(f"entry {name!r}: its optimizer state names parameters its "
+                             f"groups do not hold")
+
+
+def signature(obj: Any) -> str:
+    """What every rank must agree on about a stateful object: its class and structure."""
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).__name__ + "{" + ";".join(
+            f"{k}:{describe(v)[0]}{list(v.shape)}" for k, v in obj.state_dict().items()
+            if isinstance(v, torch.Tensor)) + "}"
+    groups = getattr(obj, "param_groups", None)
+    if isinstance(groups, list):
+        return f"{type(obj).__name__}{[len(g['params']) for g in groups]}"
+    return type(obj).__name__
+
+
+def gather(obj: Any, rank: int) -> None:
+    """Make ``obj.state_dict()`` work on ``rank``: a sharded optimizer
+    (``consolidate_state_dict``) gathers its state there. Collective for such an
+    object: every rank of its communicator calls it, with the same rank."""
+    consolidate = getattr(obj, "consolidate_state_dict", None)
+    if callable(consolidate):
+        consolidate(to=rank)
+
+
+def needs_gather(obj: Any) -> bool:
+    return callable(getattr(obj, "consolidate_state_dict", None))
+
+
+def load(obj: Any, tree: Any, arrays: list[np.ndarray]) -> None:
+    """Rebuild the state_dict from ``tree`` and ``arrays`` and load it into ``obj``."""
+    obj.load_state_dict(decode(tree, len(arrays), lambda i: to_tensor(arrays[i])))
