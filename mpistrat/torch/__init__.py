@@ -10,6 +10,12 @@ Two ways to train a PyTorch model data-parallel with mpistrat (docs/torch.md):
 * **mpistrat's own wrapper**, :class:`DistributedDataParallel` with gradient buckets in
   node-shared memory, and :class:`ZeroRedundancyOptimizer` stepping each rank's share of
   node-shared parameters: :mod:`mpistrat.torch.ddp`, :mod:`mpistrat.torch.zero`.
+
+Elastic training (``mpistrat run --min-ranks``): a ``CheckpointManager`` over a
+``Checkpoint(model=net, optimizer=opt, ...)`` snapshots the module's and the optimizer's
+state (:mod:`mpistrat.checkpoint` takes torch tensors and objects with ``state_dict()``),
+and :class:`DistributedBatchSampler` marks the step boundaries and resumes the input at
+the same global batch on fewer ranks: :mod:`mpistrat.torch.sampler`.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from .ddp import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from .sampler import DistributedBatchSampler
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "broadcast_parameters",
+__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "DistributedBatchSampler",
+           "broadcast_parameters",
            "broadcast_optimizer_state", "DEFAULT_BUCKET_BYTES", "FUSED_BYTES",
            "BACKEND_NAME", "ProcessGroupMPI", "register", "use_instead_of_gloo"]
 
