@@ -237,6 +237,10 @@ def check_fits(obj: Any, name: str, state: Any) -> None:
             raise ValueError(f"entry {name!r} holds an optimizer of parameter groups of "
                              f"{theirs} parameters, the optimizer has {mine}; restore it "
                              f"into the optimizer it was saved from")
+        if not all(isinstance(i, int) and not isinstance(i, bool)
+                   for g in groups for i in g["params"]):
+            raise ValueError(f"entry {name!r}: its parameter groups name parameters by "
+                             f"other than integers")
         ids = {i for g in groups for i in g["params"]}
         if len(ids) != sum(theirs) or any(k not in ids for k in state["state"]):
             raise ValueError(f"entry {name!r}: its optimizer state names parameters its "
@@ -258,7 +262,8 @@ def signature(obj: Any) -> str:
 def gather(obj: Any, rank: int) -> None:
     """Make ``obj.state_dict()`` work on ``rank``: a sharded optimizer
     (``consolidate_state_dict``) gathers its state there. Collective for such an
-    object: every rank of its communicator calls it, with the same rank."""
+    object: every rank of its communicator calls it, with the same rank (a rank of the
+    checkpoint's communicator, which must be the optimizer's)."""
     consolidate = getattr(obj, "consolidate_state_dict", None)
     if callable(consolidate):
         consolidate(to=rank)

@@ -153,8 +153,8 @@ def _kind(obj: Any) -> str | None:
     if callable(getattr(obj, "numpy", None)) and callable(getattr(obj, "assign", None)):
         return "variable"
     if callable(getattr(obj, "state_dict", None)) and \
-            callable(getattr(obj, "load_state_dict", None)):
-        return "stateful"
+            callable(getattr(obj, "load_state_dict", None)) and "torch" in sys.modules:
+        return "stateful"  # (torch's objects: where torch is imported already)
     return None
 
 
@@ -597,12 +597,10 @@ def _check_entries(raw: list[Any], arrays: dict[str, np.ndarray],
                     lambda field, value, expected: bad(i, f'array {j}\'s {field}', value,
                                                        expected))[2])
             try:
-                from ._torch import decode  # (a manifest with a stateful entry)
-                decode(entry.get("tree"), len(parts), lambda j: None)
-            except ImportError:
-                raise CheckpointCorruptError(
-                    f"the manifest {record}: entry {name!r} holds an object's state_dict, "
-                    f"which needs PyTorch to restore; install torch") from None
+                # (without torch imported no object is stateful: the entry cannot be
+                # restored, and _plan says so before its tree is read)
+                if "torch" in sys.modules:
+                    _torch().decode(entry.get("tree"), len(parts), lambda j: None)
             except ValueError as exc:
                 raise bad(i, '"tree"', entry.get("tree"), f"a state_dict's tree ({exc})") \
                     from None

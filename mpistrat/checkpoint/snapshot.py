@@ -190,6 +190,14 @@ class SnapshotStore:
             _sweep(root, self.job_directory)
 
     @property
+    def collective(self) -> bool:
+        """Whether :meth:`take` is collective: a stateful leaf holds its state in shares
+        (a ZeroRedundancyOptimizer), gathered on every host's writer at each snapshot,
+        so every rank takes every snapshot or none."""
+        return any(_kind(obj) == "stateful" and _torch().needs_gather(obj)
+                   for _, obj in self.checkpoint._leaves)
+
+    @property
     def layout_path(self) -> str:
         """This host's layout file (the names, dtypes, shapes and places of the values)."""
         return os.path.join(self.directory, "layout.json")
@@ -736,8 +744,14 @@ def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryvi
             end = offset + nbytes
             arrays.append(entry)
         views = [_view(data, e) for e in arrays]
-        torch_leaves.check_fits(objects[name], name, torch_leaves.decode(
-            state.get("tree"), len(views), lambda j: views[j]))
+        try:
+            torch_leaves.check_fits(objects[name], name, torch_leaves.decode(
+                state.get("tree"), len(views), lambda j: views[j]))
+        except (ValueError, RecursionError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a skipped snapshot, never a traceback
+            raise ValueError(f"the state of {name!r} cannot be checked "
+                             f"({type(exc).__name__}: {exc})") from None
         found.append((name, state["tree"], arrays))
     return found
 
