@@ -72,7 +72,10 @@ class CheckpointManager:
     ``--snapshot-every`` boundaries; see :mod:`mpistrat.checkpoint.snapshot` and
     :mod:`mpistrat.elastic.hooks`), and after a relaunch :meth:`restore_or_initialize`
     restores the newest snapshot, and the input pipeline's position with it, before
-    looking at the directory.
+    looking at the directory. A torch loop marks its step boundaries with
+    :class:`mpistrat.torch.DistributedBatchSampler`; its module and optimizer are
+    snapshotted as the checkpoint's stateful leaves (a ZeroRedundancyOptimizer's state
+    is gathered on each host's writing rank at every snapshot, collectively).
 
     Args:
         checkpoint: the :class:`Checkpoint` to save and restore.
@@ -140,9 +143,14 @@ class CheckpointManager:
         if every:
             if self._boundaries % every:
                 return
-        elif store is not None and store.taken and \
-                (time.perf_counter() - self._last_snapshot) * AUTO_SHARE < store.last_cost:
-            return
+        elif store is not None:
+            due = not (store.taken and (time.perf_counter() - self._last_snapshot)
+                       * AUTO_SHARE < store.last_cost)
+            if store.collective:  # (rank 0, a writer, decides: every rank takes it or none)
+                assert store.comm is not None
+                due = store.comm.bcast(due, root=0)
+            if not due:
+                return
         self._store().take(position, self._boundaries)
         self._last_snapshot = time.perf_counter()
 

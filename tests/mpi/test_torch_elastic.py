@@ -439,3 +439,27 @@ def test_the_gradient_is_the_global_batchs_mean_whatever_the_shares(world, globa
                                reduction="sum").div(len(whole)).backward()
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_auto_snapshots_of_a_sharded_optimizer_are_taken_by_every_rank_or_none(
+        world, root, monkeypatch):
+    """``--snapshot-every auto`` with a ZeroRedundancyOptimizer, whose snapshot is
+    collective: rank 0 decides for every rank (only writers know a snapshot's cost), so
+    a skipped snapshot is skipped everywhere, never a gather some ranks wait in."""
+    monkeypatch.setenv("MPISTRAT_ELASTIC_DIR", root)
+    for name, value in ElasticEnv(new_job(world), 0, (world.size,), (), 0).as_env().items():
+        monkeypatch.setenv(name, value)
+    set_job_secret(SECRET)
+    model = net()
+    optimizer = make_optimizer("zero", model, world)
+    manager = CheckpointManager(Checkpoint(comm=world, model=model, optimizer=optimizer),
+                                os.path.join(root, "ckpt"))
+    sampler = mt.DistributedBatchSampler(40, 8, comm=world)
+    for index, _ in enumerate(sampler):
+        store = manager._snapshots
+        assert store is not None and store.collective
+        if index == 1:  # the writers find snapshots too costly now; the others cannot know
+            store.last_cost = 1e9 if store.writer else 0.0
+    assert store.sequence == 1  # the first boundary; then too soon (or too costly)
+    assert same_everywhere(world, store.sequence)
+    store.close()
