@@ -4,8 +4,10 @@ so that the input pipeline (:mod:`mpistrat.data`) and the checkpoint manager
 
 A step boundary is the moment between two training steps when every rank holds the
 same, complete state: the distributed dataset's iterator is asked for global batch ``i``
-(so batches ``0 .. i-1`` are trained on, and their updates applied), or the script calls
-:func:`mpistrat.elastic.step`. With snapshots off (no elastic job, or no
+(so batches ``0 .. i-1`` are trained on, and their updates applied), a torch
+``DataLoader`` asks :class:`mpistrat.torch.DistributedBatchSampler` for batch ``i`` (the
+one boundary of a torch loop: mpistrat.torch's DistributedDataParallel marks none, so a
+step counts once), or the script calls :func:`mpistrat.elastic.step`. With snapshots off (no elastic job, or no
 :class:`~mpistrat.checkpoint.CheckpointManager` to take them), a boundary costs one
 branch.
 

@@ -287,7 +287,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (the hooks are on its parameters, so calling the module
-        itself works as well)."""
+        itself works as well).
+
+        No step boundary of an elastic job is marked here (a step may run several
+        forward passes): :class:`mpistrat.torch.DistributedBatchSampler` marks one before
+        each batch, or the script calls :func:`mpistrat.elastic.step`."""
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
