@@ -16,7 +16,7 @@ directory)::
 
 Two slots alternate: snapshot ``n`` goes to slot ``n % 2``, a file mapped into the
 writer's memory once, so that taking a snapshot makes no system call. Its commit record
-(the sequence number, the input position, the generators' states, a CRC-32 per value,
+(the sequence number, the input position, the generators' states, a checksum per value,
 and an HMAC of all of it and the layout under the job's secret) is zeroed first, then the
 values are copied, then the record is written, its HMAC last. A rank killed at any
 moment leaves the other slot's snapshot committed, and never a record that describes
@@ -80,6 +80,7 @@ KEEP_ENV = "MPISTRAT_ELASTIC_KEEP"  # hours an abandoned job's snapshots stay (d
 FORMAT = "mpistrat.snapshot"
 VERSION = 1
 MAX_LAYOUT = 1 << 22
+_CRC_BYTES = 1 << 20  # values from this size on get the faster checksum (_checksum)
 BACKGROUND_BYTES = 1 << 20  # variables of at least this much are copied in the background
 _MAGIC = b"MPSNAP01"
 _HEADER = struct.Struct("<8sQQ32s")  # magic, sequence (0: none), record length, HMAC
@@ -231,6 +232,9 @@ class SnapshotStore:
                 generators[name] = _jsonable(obj.bit_generator.state)
             elif kind != "stateful":
                 values.append(_host_value(obj))
+        # (a slot's first snapshot creates and faults in its memory: not what the next
+        # ones cost, which --snapshot-every auto weighs)
+        fresh = self._layout is None or self._slots[self._next_slot].map is None
         layout = self._layout_for(values)
         places, index, size = _place_states(states, layout["size"])
         slot = self._slots[self._next_slot]
@@ -276,8 +280,9 @@ class SnapshotStore:
         if self.taken % 64 == 0:
             os.utime(self.job_directory)  # (a live job's snapshots are never swept)
         self.taken += 1
-        self.last_cost = time.perf_counter() - started
-        self.seconds += self.last_cost
+        cost = time.perf_counter() - started
+        self.last_cost = 0.0 if fresh else cost
+        self.seconds += cost
 
     def _commit(self, slot: _Slot, layout: dict[str, Any], extra: dict[str, Any],
                 deferred: list[tuple[np.ndarray, np.ndarray]],
@@ -294,8 +299,8 @@ class SnapshotStore:
                 if copied is not None:
                     hooks.set_fence(None)
                     copied.set()
-            extra["crc32"] = [zlib.crc32(raw) for raw in slot.raw] + \
-                [zlib.crc32(_bytes(view)) for view in slot.extra]
+            extra["checksums"] = [_checksum(raw) for raw in slot.raw] + \
+                [_checksum(_bytes(view)) for view in slot.extra]
             body = json.dumps(extra, separators=(",", ":")).encode()
             if len(body) > layout["header"] - _HEADER.size:
                 raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
@@ -628,12 +633,12 @@ class SnapshotStore:
             states = _check_states(record, layout, data, self.checkpoint._leaves)
         extra = [dict(entry, name=f"{name}[{j}]") for name, _, entries in states
                  for j, entry in enumerate(entries)]
-        crcs = record.get("crc32")
-        if not isinstance(crcs, list) or len(crcs) != len(arrays) + len(extra) or \
-                not all(_is_count(c) for c in crcs):
+        sums = record.get("checksums")
+        if not isinstance(sums, list) or len(sums) != len(arrays) + len(extra) or \
+                not all(_is_count(c) for c in sums):
             raise ValueError("its checksums are not one per value")
-        for entry, crc in zip(arrays + extra, crcs):
-            if zlib.crc32(_bytes(_view(data, entry))) != crc:
+        for entry, checksum in zip(arrays + extra, sums):
+            if _checksum(_bytes(_view(data, entry))) != checksum:
                 raise ValueError(f"entry {entry['name']!r} does not match its checksum "
                                  f"(changed after the commit)")
         record["layout"] = layout
@@ -771,6 +776,22 @@ def _host_value(obj: Any) -> tuple[np.ndarray, bool]:
     if value.dtype.byteorder not in "=|":
         value, fenced = value.astype(value.dtype.newbyteorder("=")), False
     return value, fenced
+
+
+def _checksum(raw: memoryview) -> int:
+    """A checksum of ``raw`` that finds a value damaged after its commit: CRC-32 below
+    :data:`_CRC_BYTES`; above, the wrapping sum and the xor of its 8-byte words side by
+    side with its tail and length (a 192-bit number: any one flipped bit changes the
+    sum), about 6 ms per 100 MiB where CRC-32 takes 25: fast enough to run at every
+    step. Not a defence against a forger: the record's HMAC is, and the directory is
+    the user's own."""
+    if len(raw) < _CRC_BYTES:
+        return zlib.crc32(raw)
+    words = np.frombuffer(raw, np.uint64, len(raw) // 8)
+    total = int(words.sum(dtype=np.uint64))
+    mixed = int(np.bitwise_xor.reduce(words))
+    tail = int.from_bytes(raw[8 * len(words):], "little")  # (< 8 bytes)
+    return total << 128 | mixed << 64 | tail << 8 ^ (len(raw) & 0xFF)
 
 
 def _view(data: memoryview, entry: dict[str, Any]) -> np.ndarray:

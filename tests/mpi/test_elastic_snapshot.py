@@ -699,9 +699,9 @@ SLOT_ATTACKS = {
     "no generator": (recommit(put(generators={})), "generator 'rng' has no PCG64 state"),
     "another generator": (recommit(put(generators={"rng": {"bit_generator": "MT19937"}})),
                           "generator 'rng' has no PCG64 state"),
-    "checksums missing": (recommit(lambda r: r["crc32"].pop()),
+    "checksums missing": (recommit(lambda r: r["checksums"].pop()),
                           "its checksums are not one per value"),
-    "checksum negative": (recommit(lambda r: r["crc32"].__setitem__(0, -1)),
+    "checksum negative": (recommit(lambda r: r["checksums"].__setitem__(0, -1)),
                           "its checksums are not one per value"),
     # the values
     "flipped bit": (flip_value, "entry 'w' does not match its checksum"),
