@@ -716,8 +716,9 @@ def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryvi
                          f"({type(exc).__name__})") from None
     names = [name for name, obj in leaves if _kind(obj) == "stateful"]
     if not isinstance(index, dict) or sorted(index) != sorted(names):
-        raise ValueError(f"its states are of {_short(sorted(index) if isinstance(index, dict) else index)}, "
-                         f"the checkpoint's stateful objects are {names}")
+        found = sorted(index) if isinstance(index, dict) else index
+        raise ValueError(f"its states are of {_short(found)}, the checkpoint's stateful "
+                         f"objects are {names}")
     torch_leaves = _torch()
     end = layout["size"]
     found = []
