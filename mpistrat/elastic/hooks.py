@@ -7,9 +7,9 @@ same, complete state: the distributed dataset's iterator is asked for global bat
 (so batches ``0 .. i-1`` are trained on, and their updates applied), a torch
 ``DataLoader`` asks :class:`mpistrat.torch.DistributedBatchSampler` for batch ``i`` (the
 one boundary of a torch loop: mpistrat.torch's DistributedDataParallel marks none, so a
-step counts once), or the script calls :func:`mpistrat.elastic.step`. With snapshots off (no elastic job, or no
-:class:`~mpistrat.checkpoint.CheckpointManager` to take them), a boundary costs one
-branch.
+step counts once), or the script calls :func:`mpistrat.elastic.step`. With snapshots off
+(no elastic job, or no :class:`~mpistrat.checkpoint.CheckpointManager` to take them), a
+boundary costs one branch.
 
 A snapshot copies mpistrat's variables in the background; until it has, the first write
 to any of them waits (:func:`before_write`, called by every variable update: one branch

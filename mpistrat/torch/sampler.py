@@ -39,6 +39,7 @@ just handed out``): DistributedDataParallel's mean over the ranks then makes the
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 import numpy as np
 import torch
 
