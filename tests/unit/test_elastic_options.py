@@ -15,8 +15,7 @@ from click.testing import CliRunner
 from mpistrat.cli.run import _end_options_at_module, run
 from mpistrat.elastic.env import JOB_ENV, LOST_ENV, RESTART_ENV, SIZES_ENV
 from mpistrat.runner import elastic
-from mpistrat.runner.elastic import (ElasticOptions, decide, host_file_text,
-                                     run_elastic)
+from mpistrat.runner.elastic import ElasticOptions, decide, host_file_text, run_elastic
 from mpistrat.runner.monitor import MONITOR_ENV, MonitorClient, RankRecord, active
 from mpistrat.runner.options import RunOptions
 
