@@ -214,7 +214,7 @@ class CheckpointManager:
                               RuntimeWarning, stacklevel=2)
             if info is not None:
                 self.restored_snapshot = info
-                hooks.set_resume(info.position)
+                hooks.set_resume(info.position, info.finished)
                 # (the first boundary to come is the restored one again: same number)
                 self._boundaries = info.sequence - 1
                 return info.path

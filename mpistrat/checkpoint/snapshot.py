@@ -105,6 +105,8 @@ class SnapshotInfo:
         world_size: the number of ranks that took it.
         position: the input pipeline's position then (see :mod:`mpistrat.elastic.hooks`).
         skipped: the snapshots found but not used, each with its reason.
+        finished: the iterators that had run to their end before it (``(kind, batches)``,
+            oldest first; :func:`mpistrat.elastic.hooks.finished`).
     """
 
     path: str
@@ -112,6 +114,7 @@ class SnapshotInfo:
     world_size: int
     position: tuple[str, int] | None
     skipped: tuple[str, ...] = ()
+    finished: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -244,6 +247,7 @@ class SnapshotStore:
         extra = {"sequence": self.sequence, "world_size": self._size,
                  "launch": self.launch.restart, "save_counter": self.checkpoint.save_counter,
                  "position": list(position) if position is not None else None,
+                 "finished": [list(item) for item in hooks.finished()],
                  "generators": generators, "created": time.time()}
         if states:
             # the stateful leaves' arrays, then the index that describes them, past the
@@ -496,7 +500,7 @@ class SnapshotStore:
         position = record["position"]
         return SnapshotInfo(path, best, record["world_size"],
                             (position[0], position[1]) if position is not None else None,
-                            skipped)
+                            skipped, tuple((k, n) for k, n in record["finished"]))
 
     def _newest(self) -> tuple[tuple[int, str, dict[str, Any]] | None, list[str]]:
         """This host's newest valid snapshot ``(sequence, data path, record)`` (the
@@ -620,6 +624,12 @@ class SnapshotStore:
                                          and _is_count(position[1])):
             raise ValueError(f"position is {_short(position)}, expected [kind, batches] or "
                              f"null")
+        ended = record.get("finished")
+        if not isinstance(ended, list) or len(ended) > hooks.MAX_FINISHED or not all(
+                isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and _is_count(item[1]) for item in ended):
+            raise ValueError(f"finished is {_short(ended)}, expected at most "
+                             f"{hooks.MAX_FINISHED} [kind, batches]")
         generators = record.get("generators")
         for name, obj in self.checkpoint._leaves:
             if _kind(obj) == "generator":

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._nest import map_structure
-from ..elastic.hooks import step_boundary, take_resume
+from ..elastic.hooks import iteration_ended, iteration_started, step_boundary, take_resume
 from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
 from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext
@@ -134,10 +134,13 @@ class _DistributedInput(abc.ABC):
         skips the global batches the restored snapshot had trained on already."""
         kind = self._kind()
         skip = take_resume(kind)
-        for index, batch in enumerate(batches):
-            if index >= skip:
-                step_boundary((kind, index))
+        iteration_started(kind)
+        count = 0
+        for count, batch in enumerate(batches, 1):
+            if count > skip:
+                step_boundary((kind, count - 1))
                 yield batch
+        iteration_ended(kind, count)
 
     def _kind(self) -> str:
         """What tells this input's iterators apart across a restart, whatever the number

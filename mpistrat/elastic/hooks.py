@@ -17,7 +17,12 @@ when no copy is in flight).
 
 The input pipeline's position travels the other way: a restored snapshot says which
 iterator was at which global batch (:func:`set_resume`), and the first iterator of that
-kind started afterwards skips those batches (:func:`take_resume`).
+kind started afterwards skips those batches (:func:`take_resume`). Iterators run to
+their end since (:func:`iteration_ended`; the last :data:`MAX_FINISHED`) travel along:
+after a relaunch, the script starts again at the top of its loop (its epoch counter is
+restored too), and an iterator that had ended before the snapshot's one started — the
+training pass of an epoch whose evaluation was cut short — skips all its batches, until
+the snapshot's own iterator starts.
 """
 
 from __future__ import annotations
@@ -25,13 +30,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 __all__ = ["set_taker", "taker", "step_boundary", "set_resume", "take_resume", "Position",
-           "set_fence", "before_write"]
+           "set_fence", "before_write", "iteration_started", "iteration_ended", "finished",
+           "MAX_FINISHED", "reset"]
 
 # (what the iterator is, how many global batches it has handed out): None for a boundary
 # the script marks itself (mpistrat.elastic.step)
 Position = tuple[str, int] | None
 _TAKER: list[Callable[[Position], None]] = []
 _RESUME: list[tuple[str, int]] = []
+MAX_FINISHED = 8  # iterators run to their end that a snapshot remembers (newest last)
+_FINISHED: list[tuple[str, int]] = []
+_RESUME_FINISHED: list[tuple[str, int]] = []
 _FENCE: list[Callable[[], object]] = []
 
 
@@ -51,18 +60,45 @@ def step_boundary(position: Position) -> None:
         _TAKER[0](position)
 
 
-def set_resume(position: Position) -> None:
-    """The restored snapshot's input position: the next :func:`take_resume` of that
-    iterator kind gets its batch count (None: none)."""
+def set_resume(position: Position,
+               finished: tuple[tuple[str, int], ...] | list[tuple[str, int]] = ()) -> None:
+    """The restored snapshot's input position and the iterators that had ended before
+    it (:func:`finished`): the next :func:`take_resume` of one of those kinds gets its
+    batch count (None, (): none)."""
     _RESUME[:] = [position] if position is not None else []
+    _RESUME_FINISHED[:] = list(finished)
 
 
 def take_resume(kind: str) -> int:
     """How many global batches a new iterator of ``kind`` skips: the restored position's
-    count the first time one of its kind starts after a restore, else 0."""
+    count the first time one of its kind starts after a restore (then the ended ones are
+    forgotten: what follows is new), an ended iterator's whole count if it starts before
+    that, else 0."""
     if _RESUME and _RESUME[0][0] == kind:
+        _RESUME_FINISHED.clear()
         return _RESUME.pop()[1]
+    for i, (ended, count) in enumerate(_RESUME_FINISHED):
+        if ended == kind:
+            del _RESUME_FINISHED[i]
+            return count
     return 0
+
+
+def iteration_started(kind: str) -> None:
+    """An iterator of ``kind`` starts: it is no longer one that ended."""
+    if _FINISHED:
+        _FINISHED[:] = [item for item in _FINISHED if item[0] != kind]
+
+
+def iteration_ended(kind: str, count: int) -> None:
+    """An iterator of ``kind`` handed out its last global batch (``count`` in all)."""
+    _FINISHED[:] = [item for item in _FINISHED if item[0] != kind][-(MAX_FINISHED - 1):]
+    _FINISHED.append((kind, count))
+
+
+def finished() -> tuple[tuple[str, int], ...]:
+    """The iterators run to their end lately (oldest first), for a snapshot."""
+    return tuple(_FINISHED)
 
 
 
@@ -77,3 +113,10 @@ def before_write() -> None:
         fence = _FENCE[:1]
         if fence:
             fence[0]()
+
+
+def reset() -> None:
+    """Forget every taker, fence, position and ended iterator (a new start, e.g. between
+    tests in one process)."""
+    for state in (_TAKER, _RESUME, _FINISHED, _RESUME_FINISHED, _FENCE):
+        state.clear()

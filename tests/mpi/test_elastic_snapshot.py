@@ -52,14 +52,10 @@ KIND = "DistributedDataset/6"
 @pytest.fixture(autouse=True)
 def _no_leaks():
     """No taker, resume position or job secret leaks into or out of a test."""
-    hooks.set_taker(None)
-    hooks.set_resume(None)
-    hooks.set_fence(None)
+    hooks.reset()
     set_job_secret(None)
     yield
-    hooks.set_taker(None)
-    hooks.set_resume(None)
-    hooks.set_fence(None)
+    hooks.reset()
     set_job_secret(None)
 
 
@@ -1139,6 +1135,56 @@ def test_the_manager_restores_the_snapshot_and_the_input_position(world, root, e
     again = [local_ids(strategy, b) for b in dist2]  # the next epoch starts at batch 0
     assert len(again) == 6 and again[:4] == seen
     assert same_everywhere(world, (summary(info), w2.tobytes(), int(step2)))
+
+
+def test_an_evaluation_cut_short_resumes_after_its_epochs_training(world, root, elastic_job,
+                                                                     monkeypatch):
+    """An epoch: a training pass, then an evaluation pass over another distributed
+    dataset, then the epoch counter. Lost in the evaluation: the relaunch (epoch counter
+    still at the epoch) must not train on the epoch again, the evaluation resumes where
+    it was, and the next epoch's evaluation runs whole."""
+    job, managers = elastic_job
+    strategy = ms.MultiWorkerMirroredStrategy(comm=world)
+    batch = 2 * world.size
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA
+
+    def train(epoch):
+        return strategy.experimental_distribute_dataset(
+            Dataset.range(4 * batch).shuffle(4 * batch, seed=epoch).batch(batch)
+            .with_options(options))
+
+    evaluation = strategy.experimental_distribute_dataset(
+        Dataset.range(3 * batch).batch(batch).with_options(options))
+    steps, epoch = Scalar(0), Scalar(0)
+    manager = CheckpointManager(Checkpoint(comm=world, steps=steps, epoch=epoch),
+                                os.path.join(root, "ckpt"))
+    managers.append(manager)
+    for _ in train(0):
+        steps.assign_add(1)
+    it = iter(evaluation)
+    next(it), next(it)  # the second evaluation batch's boundary: the snapshot; then lost
+
+    hooks.set_taker(None)
+    monkeypatch.setenv("MPISTRAT_ELASTIC_RESTART", "1")
+    steps2, epoch2 = Scalar(0), Scalar(0)
+    manager2 = CheckpointManager(Checkpoint(comm=world, steps=steps2, epoch=epoch2),
+                                 os.path.join(root, "ckpt"))
+    managers.append(manager2)
+    manager2.restore_or_initialize()
+    info = manager2.restored_snapshot
+    assert info is not None and info.position == (evaluation._kind(), 1)
+    assert info.finished == ((train(0)._kind(), 4),)
+    assert (int(steps2), int(epoch2)) == (4, 0)
+    counts = []
+    for e in range(int(epoch2), 2):  # the script's loop, from the restored epoch
+        for _ in train(e):
+            steps2.assign_add(1)
+        counts.append(sum(1 for _ in evaluation))
+        epoch2.assign(e + 1)
+    assert int(steps2) == 8  # epoch 0's training not again, epoch 1's whole
+    assert counts == [2, 3]  # epoch 0's evaluation from its second batch, epoch 1's whole
+    assert same_everywhere(world, (int(steps2), counts))
 
 
 def test_restart_zero_ignores_snapshots_and_a_restart_without_any_falls_back(

@@ -36,11 +36,11 @@ SECRET = b"the job's secret, 32 bytes long!"
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
-    for reset in (hooks.set_taker, hooks.set_resume, hooks.set_fence, set_job_secret):
-        reset(None)
+    hooks.reset()
+    set_job_secret(None)
     yield
-    for reset in (hooks.set_taker, hooks.set_resume, hooks.set_fence, set_job_secret):
-        reset(None)
+    hooks.reset()
+    set_job_secret(None)
 
 
 @pytest.fixture

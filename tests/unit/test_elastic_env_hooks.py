@@ -29,14 +29,10 @@ JOB = "0123456789abcdef0123456789abcdef"
 @pytest.fixture(autouse=True)
 def _clean_hooks():
     """No taker, resume position or secret leaks into (or out of) a test."""
-    hooks.set_taker(None)
-    hooks.set_resume(None)
-    hooks.set_fence(None)
+    hooks.reset()
     set_job_secret(None)
     yield
-    hooks.set_taker(None)
-    hooks.set_resume(None)
-    hooks.set_fence(None)
+    hooks.reset()
     set_job_secret(None)
 
 
@@ -221,3 +217,29 @@ def test_before_write_waits_on_the_fence_until_it_is_lifted():
     hooks.set_fence(None)
     hooks.before_write()
     assert waits == ["waited", "waited"]
+
+
+def test_iterators_that_ended_skip_whole_until_the_snapshots_own_starts():
+    hooks.iteration_started("train-0")
+    hooks.iteration_ended("train-0", 4)
+    hooks.iteration_started("eval")
+    assert hooks.finished() == (("train-0", 4),)
+    hooks.set_resume(("eval", 1), hooks.finished())
+    assert hooks.take_resume("train-0") == 4  # (the relaunch replays the epoch: skip it)
+    assert hooks.take_resume("eval") == 1
+    assert hooks.take_resume("train-0") == 0  # (after the snapshot's own: all new)
+
+
+def test_an_ended_iterator_is_forgotten_once_the_snapshots_own_has_started():
+    hooks.set_resume(("train-1", 2), (("eval", 3),))
+    assert hooks.take_resume("train-1") == 2
+    assert hooks.take_resume("eval") == 0  # (this epoch's evaluation: a new one)
+
+
+def test_ended_iterators_are_bounded_and_restarted_ones_dropped():
+    for i in range(3 * hooks.MAX_FINISHED):
+        hooks.iteration_ended(f"k{i}", i)
+    assert len(hooks.finished()) == hooks.MAX_FINISHED
+    assert hooks.finished()[-1] == (f"k{3 * hooks.MAX_FINISHED - 1}", 3 * hooks.MAX_FINISHED - 1)
+    hooks.iteration_started(f"k{3 * hooks.MAX_FINISHED - 1}")
+    assert len(hooks.finished()) == hooks.MAX_FINISHED - 1
