@@ -12,7 +12,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from mpistrat.cli.run import _end_options_at_module, run
+from mpistrat.cli import cli
+from mpistrat.cli.run import _end_options_at_module
 from mpistrat.elastic.env import JOB_ENV, LOST_ENV, RESTART_ENV, SIZES_ENV
 from mpistrat.runner import elastic
 from mpistrat.runner.elastic import ElasticOptions, decide, host_file_text, run_elastic
@@ -66,7 +67,7 @@ def test_the_command_line_refuses_them_as_usage_errors(argv, words, monkeypatch)
     monkeypatch.delenv("MPISTRAT_COLLECTIVE_TIMEOUT", raising=False)
     # (without -n this process would be a rank, which starts over with the heap's tunable)
     monkeypatch.setattr("mpistrat.launch.hugepages.restart_with_hugepages", lambda: None)
-    result = CliRunner().invoke(run, argv)
+    result = CliRunner().invoke(cli, ["run", *argv])
     assert result.exit_code == 2, result.output
     for word in words:
         assert word in result.output, result.output
@@ -76,7 +77,7 @@ def test_the_timeout_may_come_from_the_environment(monkeypatch, tmp_path):
     """MPISTRAT_COLLECTIVE_TIMEOUT is --timeout's default: then the options pass (and the
     job is refused later only for its missing script)."""
     monkeypatch.setenv("MPISTRAT_COLLECTIVE_TIMEOUT", "5")
-    result = CliRunner().invoke(run, ["-n", "4", "--min-ranks", "2", "no/such.py"])
+    result = CliRunner().invoke(cli, ["run", "-n", "4", "--min-ranks", "2", "no/such.py"])
     assert result.exit_code == 2 and "script 'no/such.py' not found" in result.output, \
         result.output
 
@@ -88,7 +89,7 @@ def test_the_options_take_values_before_the_script():
 
 
 def test_help_names_the_options_and_the_example():
-    text = CliRunner().invoke(run, ["--help"]).output
+    text = CliRunner().invoke(cli, ["run", "--help"]).output
     for word in ("--min-ranks M", "--max-restarts R", "[default: 3]", "--snapshot-every K",
                  "--min-ranks 2 --timeout 30 train.py"):
         assert word in text, text
