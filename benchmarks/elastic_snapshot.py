@@ -22,8 +22,8 @@ States:
   its training step on one global batch of 64;
 * ``resnet50``: ResNet-50's 161 parameter tensors (97.5 MiB float32) and a step that
   all-reduces a gradient of each (one batched all-reduce) and applies SGD: the
-  communication and update of a ResNet-50 step without its compute, so the snapshot's
-  share here is an upper bound of its share of a real step.
+  communication and update of a ResNet-50 step without its compute, unless
+  ``--compute-ms`` adds some (a background copy overlaps it, where a core is free).
 """
 
 from __future__ import annotations
@@ -77,6 +77,25 @@ def digits_state(strategy: Any) -> tuple[list[Any], Any]:
     return params + velocity, lambda: strategy.run(replica_step)
 
 
+def compute(milliseconds: float) -> Any:
+    """A fixed amount of work (float32 matrix products) that takes about ``milliseconds``
+    on this rank alone, standing for a step's forward and backward pass: calibrated once,
+    so that other work on the same cores makes it slower, as it would a real step."""
+    if not milliseconds:
+        return lambda: None
+    a = np.random.default_rng(1).standard_normal((192, 192), np.float32)
+    started, n = time.perf_counter(), 0
+    while time.perf_counter() - started < 0.2:
+        a @ a
+        n += 1
+    count = max(1, round(n * milliseconds / 1e3 / (time.perf_counter() - started)))
+
+    def work() -> None:
+        for _ in range(count):
+            a @ a
+    return work
+
+
 def resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
     rng = np.random.default_rng(0)
     with strategy.scope():
@@ -100,10 +119,19 @@ def main() -> None:
     parser.add_argument("--state", choices=("digits", "resnet50"), default="digits")
     parser.add_argument("--iters", type=int, default=0, help="default: 300 digits, 30 resnet50")
     parser.add_argument("--dir", default=None, help="snapshot root (default /dev/shm)")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="add this much computation (calibrated matrix products) to "
+                             "each step before its all-reduce, as a forward and backward "
+                             "pass would be (default 0: the step's communication only)")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     strategy = ms.MultiWorkerMirroredStrategy()
-    state, step = (digits_state if args.state == "digits" else resnet50_state)(strategy)
+    state, update = (digits_state if args.state == "digits" else resnet50_state)(strategy)
+    work = compute(args.compute_ms)
+
+    def step() -> None:
+        work()
+        update()
     checkpoint = ms.Checkpoint(state=state)
     job = comm.bcast(secrets.token_hex(16))
     root = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
@@ -141,6 +169,7 @@ def main() -> None:
         size = sum(np.asarray(v.numpy()).nbytes for v in state)
         base = times["off"]["median"]
         print(f"{args.state}: {size / 2**20:.2f} MiB of state, {comm.Get_size()} ranks, "
+              f"{args.compute_ms:g} ms of computation a step, "
               f"median of {iters} blocks of {block} steps each, interleaved")
         print(f"{'variant':12} {'step ms':>9} {'p10':>8} {'p90':>8} {'x off':>7}")
         for name, t in times.items():
