@@ -25,6 +25,16 @@ private temporary directory): the hosts of the previous launch, in their order, 
 ranks each had, the lost ones left out. :func:`run_elastic` returns every launch's
 :class:`LaunchRecord` (sizes, hosts, status, what was lost, and when), for tests and
 benchmarks.
+
+Inside a Slurm allocation (``sbatch --no-kill``, so that Slurm keeps the job when it
+marks the lost node down) hydra starts its proxies with ``srun``, one job step per
+launch, and reads the same host file (``srun --nodelist`` the survivors). A relaunch's
+step must overlap the lost launch's (``SLURM_OVERLAP=1``, srun's ``--overlap``): that
+step never ends in slurmctld, since its lost node cannot report its end, and it keeps
+what it held on the survivors' nodes (all their CPUs or GPUs, as a proxy step does), so
+without it the relaunch's ``srun`` would wait for ever ("step creation temporarily
+disabled ... Requested nodes are busy"; measured with Slurm 22.05: still so minutes
+later, after the node was marked down and removed from the job).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ __all__ = ["ElasticOptions", "Decision", "LaunchRecord", "ElasticResult", "decid
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_SNAPSHOT_EVERY = 0  # auto (mpistrat.elastic.env.AUTO_SHARE)
 _HOST_FILE = "HYDRA_HOST_FILE"
+_OVERLAP = "SLURM_OVERLAP"  # srun --overlap (Slurm >= 20.11; older versions ignore it)
 
 
 def _is_int(value: object) -> bool:
@@ -333,7 +344,7 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
     sizes = [elastic.ranks]
     lost: list[str] = []
     launches: list[LaunchRecord] = []
-    saved_host_file = os.environ.get(_HOST_FILE)
+    saved = {name: os.environ.get(name) for name in (_HOST_FILE, _OVERLAP)}
     directory: str | None = None
     try:
         while True:
@@ -370,14 +381,17 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                 path = os.path.join(directory, "hosts")
                 write_atomically(path, host_file_text(decision.survivors), mode=0o600)
                 os.environ[_HOST_FILE] = path
+            if os.environ.get("SLURM_JOB_ID"):  # a Slurm allocation (module docstring)
+                os.environ[_OVERLAP] = "1"
             _say(f"{decision.message} after {time.time() - record.loss:.1f} s")
             sizes.append(decision.size)
             lost += decision.lost
     finally:
-        if saved_host_file is None:
-            os.environ.pop(_HOST_FILE, None)
-        else:
-            os.environ[_HOST_FILE] = saved_host_file
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
 
