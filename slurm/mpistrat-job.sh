@@ -11,6 +11,8 @@
 : "${CHECKPOINT_GRACE:=90}"
 : "${MAX_RESTARTS:=10}"
 : "${REQUEUE_EXIT_STATUS:=42}"    # mpistrat.checkpoint.PREEMPTION_EXIT_STATUS: "saved, run me again"
+: "${MIN_RANKS:=}"                # set: elastic (see job_setup)
+: "${ELASTIC_TIMEOUT:=60}"
 
 job_fail() {
     echo "mpistrat-job: $*" >&2
@@ -19,6 +21,14 @@ job_fail() {
 
 # job_setup: activate VENV, set the thread count, and fill the array `launch` with the
 # command that starts one process per Slurm task as one MPI world.
+# With MIN_RANKS (elastic), `mpistrat run -n $SLURM_NTASKS --min-ranks $MIN_RANKS` is the
+# launcher itself (the array `elastic` holds those options; the templates put them after
+# the runner): it starts the ranks through hydra's mpiexec, whose proxies srun starts, and
+# when a node is lost it launches the job again on the nodes left, where the ranks restore
+# their in-RAM snapshot. `launch` is then mpiexec, used for `mpistrat info` only. Submit
+# elastic jobs with --no-kill: without it Slurm ends the whole job (NODE_FAIL, requeued)
+# once it marks the lost node down, about SlurmdTimeout after the loss, ending the
+# relaunched ranks too; with it, Slurm removes the node from the job and the job goes on.
 job_setup() {
     if [ "$VENV" != none ]; then
         [ -f "$VENV/bin/activate" ] || job_fail "no virtual environment at '$VENV' (from $PWD): run 'bash bin/demo' in the checkout first and submit from there, or set VENV=/path/to/venv (VENV=none: use the python and mpistrat on PATH)"
@@ -26,29 +36,41 @@ job_setup() {
     fi
     command -v mpistrat >/dev/null || job_fail "mpistrat is not on PATH (VENV=$VENV): install it (pip install mpistrat) or set VENV"
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
-    # Slurm 22.05-23.02's srun does not take --cpus-per-task from the allocation; this it reads.
-    [ -n "${SLURM_CPUS_PER_TASK:-}" ] && export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
     local extra
-    case "$LAUNCH" in
-        srun)
-            read -r -a extra <<< "$SRUN_OPTIONS"
-            launch=(srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 "${extra[@]}") ;;
-        mpiexec)
-            read -r -a extra <<< "$MPIEXEC_OPTIONS"
-            launch=(mpiexec -n "${SLURM_NTASKS:-1}" "${extra[@]}") ;;
-        *) job_fail "LAUNCH='$LAUNCH'; expected srun or mpiexec" ;;
-    esac
+    elastic=()
+    if [ -n "$MIN_RANKS" ]; then
+        # No SRUN_CPUS_PER_TASK here: hydra's srun starts one proxy per node, which forks
+        # all of the node's ranks, so its step must hold every CPU of the job on the node
+        # (srun's default), not --cpus-per-task of them (that implies --exact).
+        read -r -a extra <<< "$MPIEXEC_OPTIONS"
+        launch=(mpiexec -n "${SLURM_NTASKS:-1}" "${extra[@]}")
+        elastic=(-n "${SLURM_NTASKS:-1}" --min-ranks "$MIN_RANKS" --timeout "$ELASTIC_TIMEOUT")
+    else
+        # Slurm 22.05-23.02's srun does not take --cpus-per-task from the allocation; this it reads.
+        [ -n "${SLURM_CPUS_PER_TASK:-}" ] && export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+        case "$LAUNCH" in
+            srun)
+                read -r -a extra <<< "$SRUN_OPTIONS"
+                launch=(srun --mpi="$MPI_TYPE" --kill-on-bad-exit=1 "${extra[@]}") ;;
+            mpiexec)
+                read -r -a extra <<< "$MPIEXEC_OPTIONS"
+                launch=(mpiexec -n "${SLURM_NTASKS:-1}" "${extra[@]}") ;;
+            *) job_fail "LAUNCH='$LAUNCH'; expected srun or mpiexec" ;;
+        esac
+    fi
+    local how="launch: ${launch[*]}"
+    [ -n "$MIN_RANKS" ] && how="elastic: mpistrat run ${elastic[*]} (the job must be submitted with --no-kill)"
     echo "mpistrat-job: job ${SLURM_JOB_ID:-?} '${SLURM_JOB_NAME:-?}' restart ${SLURM_RESTART_COUNT:-0}," \
-         "nodes ${SLURM_JOB_NODELIST:-?}, ${SLURM_NTASKS:-?} task(s) x ${SLURM_CPUS_PER_TASK:-1} CPU(s)," \
-         "launch: ${launch[*]}"
+         "nodes ${SLURM_JOB_NODELIST:-?}, ${SLURM_NTASKS:-?} task(s) x ${SLURM_CPUS_PER_TASK:-1} CPU(s), $how"
 }
 
 # job_gpus BIND: GPU jobs. srun binds each task to its GPUs (srun --gpu-bind=BIND). mpiexec
-# starts one proxy per node with srun, so that step must hold all the node's GPUs; the
-# ranks then see them all in CUDA_VISIBLE_DEVICES and take theirs by local rank.
+# (also the one an elastic mpistrat run starts) starts one proxy per node with srun, so that
+# step must hold all the node's GPUs; the ranks then see them all in CUDA_VISIBLE_DEVICES
+# and take theirs by local rank.
 job_gpus() {
     export CUDA_DEVICE_ORDER=PCI_BUS_ID    # CUDA numbers the GPUs as nvidia-smi and Slurm do
-    if [ "$LAUNCH" = srun ]; then
+    if [ "$LAUNCH" = srun ] && [ -z "$MIN_RANKS" ]; then
         SRUN_OPTIONS="--gpu-bind=$1 $SRUN_OPTIONS"
     elif [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
         unset SLURM_GPUS_PER_TASK
@@ -68,10 +90,16 @@ job_info() {
 # on to the ranks, which checkpoint and stop; after at most CHECKPOINT_GRACE seconds the job
 # is requeued (at most MAX_RESTARTS times) and resumes from that checkpoint. Ranks that end
 # with REQUEUE_EXIT_STATUS (they saved on a signal of their own) requeue the job too.
+# Elastic (MIN_RANKS): COMMAND is `mpistrat run ...`, run here as the launcher.
 job_run() {
-    local child status=0 waited=0
+    local child status=0 waited=0 prefix=("${launch[@]}")
+    if [ ${#elastic[@]} -gt 0 ]; then
+        [ "$(basename "$1")" = mpistrat ] && [ "${2:-}" = run ] \
+            || job_fail "MIN_RANKS=$MIN_RANKS (elastic) needs RUNNER=mpistrat run ..., not '$1 ${2:-}': only mpistrat run launches the job again on the nodes left"
+        prefix=()
+    fi
     if [ "$preempted" = 0 ]; then
-        "${launch[@]}" "$@" &
+        "${prefix[@]}" "$@" &
         child=$!
         _job_child=$child
         while kill -0 "$child" 2>/dev/null; do
@@ -118,4 +146,5 @@ _job_on_usr1() {
 # From here on SIGUSR1 is caught (its default action would end the batch shell).
 preempted=0
 _job_child=
+elastic=()
 trap '_job_on_usr1' USR1
