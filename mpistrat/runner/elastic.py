@@ -20,6 +20,12 @@ lost and whether to launch again:
 * nothing lost (a rank announced a failure first: a bug in the script would only recur):
   the job ends with that status, as without ``--min-ranks``.
 
+A parameter-server job (``--num-ps P``) is relaunched the same way: the relaunch's ranks
+are numbered afresh, rank 0 the coordinator and ranks 1..P the ps again, so whatever was
+lost (a worker, a ps, the coordinator) the relaunch has fewer workers; it needs at least
+``P + 2`` ranks (reason ``"ps-ranks"`` otherwise). The coordinator's snapshots bring the
+ps variables back (:mod:`mpistrat.ps.elastic`).
+
 A relaunch across hosts gets a hydra host file of its own (``HYDRA_HOST_FILE``, in a
 private temporary directory): the hosts of the previous launch, in their order, with the
 ranks each had, the lost ones left out. :func:`run_elastic` returns every launch's
@@ -83,12 +89,15 @@ class ElasticOptions:
         max_restarts: how many times the job may be launched again.
         snapshot_every: steps between two snapshots (passed to the ranks only).
         timeout: the job's ``--timeout`` (needed: see below).
-        num_ps: the job's ``--num-ps`` (not allowed).
+        num_ps: the job's ``--num-ps`` (a parameter-server job): every launch keeps
+            that many ps ranks and needs at least ``num_ps + 2`` ranks (the
+            coordinator, the ps, a worker); a relaunch has fewer workers.
 
     Raises:
         ValueError: a value out of range, no ``--timeout`` (a partition would leave the
             ranks on this side waiting for ever, and the job never restarted), or
-            ``--num-ps``; the message names the value, what was expected, and the fix.
+            ``--num-ps P`` with ``-n`` below ``P + 2``; the message names the value,
+            what was expected, and the fix.
     """
 
     ranks: int
@@ -113,9 +122,15 @@ class ElasticOptions:
             raise ValueError(f"--snapshot-every must be a number of steps >= 1, or auto, got "
                              f"{self.snapshot_every!r}")
         if self.num_ps is not None:
-            raise ValueError(f"--min-ranks {self.min_ranks} does not go with --num-ps "
-                             f"{self.num_ps}: parameter-server jobs are not elastic yet; "
-                             f"leave out one of them")
+            if not _is_int(self.num_ps) or self.num_ps < 1:
+                raise ValueError(f"--num-ps must be a number of ps ranks >= 1, got "
+                                 f"{self.num_ps!r}")
+            if self.ranks < self.num_ps + 2:
+                raise ValueError(
+                    f"-n {self.ranks} with --num-ps {self.num_ps} leaves no worker: a "
+                    f"parameter-server job needs at least {self.num_ps + 2} ranks (the "
+                    f"coordinator, {self.num_ps} ps, a worker); give -n "
+                    f"{self.num_ps + 2} or more")
         if self.timeout is None:
             raise ValueError(
                 f"--min-ranks {self.min_ranks} needs --timeout SECONDS (or "
@@ -137,7 +152,8 @@ class Decision:
             (passed on by this launcher), ``"failure"`` (nothing lost: a rank announced a
             failure first, or the launcher failed by itself), ``"unknown"`` (ranks that
             never reached the monitor: where they ran is not known), ``"min-ranks"``,
-            ``"max-restarts"``.
+            ``"max-restarts"``, ``"ps-ranks"`` (a parameter-server job would be left
+            without a worker: fewer than ``--num-ps`` + 2 ranks).
         lost_ranks: the ranks (of this launch) that were lost.
         lost_hosts: the hosts lost whole (empty when one rank of one host is lost).
         lost: what was lost, as :attr:`~mpistrat.elastic.env.ElasticEnv.lost` says it
@@ -237,6 +253,12 @@ def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
             f"this launcher's monitor, so where they ran is not known (launch sizes so far: "
             f"{so_far}). {rerun}"))
     left = loss.size
+    if options.num_ps is not None and left < options.num_ps + 2:
+        return replace(loss, reason="ps-ranks", message=(
+            f"mpistrat run: {what}; not launching again: {_ranks(left)} would be left, "
+            f"fewer than the {options.num_ps + 2} a parameter-server job with --num-ps "
+            f"{options.num_ps} needs (the coordinator, {options.num_ps} ps, a worker; "
+            f"launch sizes so far: {so_far}). {rerun}"))
     if left < options.min_ranks:
         return replace(loss, reason="min-ranks", message=(
             f"mpistrat run: {what}; not launching again: {_ranks(left)} would be left, "
@@ -248,9 +270,15 @@ def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
             f"mpistrat run: {what}; not launching again: --max-restarts "
             f"{options.max_restarts} spent ({used} restart{'' if used == 1 else 's'} so "
             f"far; launch sizes so far: {so_far}). {rerun}"))
+    roles = "" if options.num_ps is None else (
+        f": 1 coordinator, {options.num_ps} ps, {_workers(left - 1 - options.num_ps)}")
     return replace(loss, action="restart", message=(
         f"mpistrat run: {what}; restart {used + 1} of {options.max_restarts} on "
-        f"{_ranks(left)} ({_placement(survivors)})"))
+        f"{_ranks(left)} ({_placement(survivors)}){roles}"))
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def _options(**changes):
     ({"min_ranks": 0}, ["--min-ranks", "got 0", "1 <= M <= 4"]),
     ({"timeout": None}, ["--min-ranks 2 needs --timeout", "MPISTRAT_COLLECTIVE_TIMEOUT",
                          "partition"]),
-    ({"num_ps": 1}, ["--num-ps 1", "parameter-server jobs are not elastic yet"]),
+    ({"num_ps": 3}, ["-n 4 with --num-ps 3 leaves no worker", "at least 5 ranks"]),
     ({"max_restarts": -1}, ["--max-restarts", ">= 0", "got -1"]),
     ({"snapshot_every": -1}, ["--snapshot-every", ">= 1, or auto", "got -1"]),
 ])
@@ -56,8 +56,8 @@ def test_good_options_and_their_defaults():
 @pytest.mark.parametrize("argv, words", [
     (["-n", "4", "--min-ranks", "2", "x.py"], ["needs --timeout"]),
     (["-n", "4", "--min-ranks", "9", "--timeout", "5", "x.py"], ["got 9"]),
-    (["-n", "4", "--min-ranks", "2", "--timeout", "5", "--num-ps", "1", "x.py"],
-     ["not elastic yet"]),
+    (["-n", "3", "--min-ranks", "2", "--timeout", "5", "--num-ps", "2", "x.py"],
+     ["leaves no worker"]),
     (["-n", "4", "--min-ranks", "2", "--timeout", "5", "--max-restarts", "-1", "x.py"],
      ["--max-restarts must be an integer >= 0"]),
     (["--min-ranks", "2", "--timeout", "5", "x.py"], ["--min-ranks goes with -n N"]),
