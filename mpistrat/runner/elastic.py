@@ -224,10 +224,20 @@ def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
         return Decision("stop", "signal", hosts=hosts)
     vanished = vanished_records(records)
     silent = sorted(r.rank for r in records.values() if r.status is None and r.closed is None)
+    missing = sorted(set(range(size)) - set(records))
     if not vanished and not silent:
+        if missing and len(sizes) > 1 and not any(r.status for r in records.values()):
+            # a relaunch that ended before every rank had started (a host lost while it
+            # came up, a rank killed at its start): no rank's failure, nothing known to
+            # leave out (a first launch that fails so is hydra's to explain)
+            return Decision("stop", "unknown", hosts=hosts, message=(
+                f"mpistrat run: the launch on {_ranks(size)} ended (status {status}) "
+                f"before rank(s) {missing} reached this launcher's monitor, so what was "
+                f"lost is not known; not launching again (launch sizes so far: "
+                f"{', '.join(str(n) for n in sizes)}). Rerun the job to resume "
+                f"from the newest complete checkpoint on disk."))
         return Decision("stop", "failure", hosts=hosts)
     hostnames = [records[r].host if r in records else "?" for r in range(size)]
-    missing = sorted(set(range(size)) - set(records))
     if len(hosts) == 1 and not missing:
         # one host: hydra ends the others within ms of the first death; only it was lost
         host = hosts[0][0]

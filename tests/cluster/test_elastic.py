@@ -155,3 +155,44 @@ def test_fewer_than_the_minimum_ends_the_job_naming_the_host(cluster, tmp_path):
     assert "node2" in output and "--min-ranks 3" in output, output
     assert len(LAUNCH.findall(output)) == 1, output
     assert (tmp_path / "ckpt" / "ckpt-1.json").exists(), output  # the rerun's start
+
+
+@pytest.mark.timeout(240)
+def test_a_second_failure_during_the_recovery_ends_the_job_within_the_bound(cluster,
+                                                                             tmp_path):
+    """node2 lost, then one of node1's relaunched ranks killed as soon as it starts: one
+    rank would be left, below --min-ranks 2, so the job ends, naming both losses, within
+    the bound of one more launch; nothing is left running."""
+    argv = [VENV_BIN / "mpistrat", "run", "-n", "4", "--min-ranks", "2",
+            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
+            "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "result.npz",
+            "--epochs", str(EPOCHS), "--step-sleep", "0.1"]
+    job = Job(cluster, argv, tmp_path)
+    try:
+        wait_until(lambda: any(s >= FAULT_STEP for s, _ in _steps(job.output))
+                   or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
+        first = set(_training_ranks(cluster, "node1"))
+        kill_host(cluster, "node2")
+        wait_until(lambda: set(_training_ranks(cluster, "node1")) - first
+                   or job.process.poll() is not None, TIMEOUT + 30, "the relaunch on node1")
+        second_at = time.monotonic()
+        relaunched = sorted(set(_training_ranks(cluster, "node1")) - first)
+        assert relaunched, job.output
+        os.kill(relaunched[-1], 9)
+        job.process.wait(TIMEOUT + 30)
+        ended = time.monotonic() - second_at
+    finally:
+        job.stop()
+        for host in cluster.hosts:
+            kill_host(cluster, host)
+    output = job.output
+    assert job.process.returncode != 0, output
+    assert "restart 1 of 3 on 2 ranks (node1:2)" in output, output
+    # (the killed rank may have said its hello to the launcher's monitor or not yet)
+    assert re.search(r"not launching again: 1 rank would be left, below --min-ranks 2 "
+                     r"\(launch sizes so far: 4, 2\)|the launch on 2 ranks ended \(status "
+                     r"\d+\) before rank\(s\) \[[\d, ]+\] reached this launcher's monitor, so what "
+                     r"was lost is not known; not launching again \(launch sizes so far: 4, "
+                     r"2\)", output), output
+    assert ended <= TIMEOUT + 15, (ended, output)
+    assert not _training_ranks(cluster, "node1") and not _training_ranks(cluster, "node2")

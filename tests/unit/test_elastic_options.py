@@ -179,6 +179,18 @@ def test_a_failure_the_script_raised_is_not_restarted():
     assert decision.message is None and decision.lost == ()
 
 
+def test_a_launch_that_ended_before_every_rank_started_stops_saying_so():
+    """A relaunch whose rank died while it started (before its hello): nothing vanished
+    or went silent among the ranks known, none failed; what was lost is not known."""
+    decision = decide({}, 2, 9, sizes=(4, 2), options=_options(min_ranks=1))
+    assert decision.action == "stop" and decision.reason == "unknown"
+    assert decision.message.startswith(
+        "mpistrat run: the launch on 2 ranks ended (status 9) before rank(s) [0, 1] "
+        "reached this launcher's monitor")
+    assert "(launch sizes so far: 4, 2)" in decision.message
+    assert "newest complete checkpoint on disk" in decision.message
+
+
 def test_a_signal_passed_on_is_never_restarted():
     decision = _Job(TWO_HOSTS).vanish(3, 2, 0, 1).decide(status=130,
                                                          signals=[(2, time.time())])
@@ -214,8 +226,10 @@ def test_a_finished_job_is_done_and_an_unknown_placement_stops():
     del partial.records[2]  # never reached the monitor
     decision = partial.vanish(3).decide()
     assert decision.reason == "unknown" and "rank(s) [2] never reached" in decision.message
-    # a launcher that failed by itself (nothing vanished, nobody silent) is not restarted
-    assert decide({}, 4, 1, options=_options()).reason == "failure"
+    # a first launcher that failed by itself (nothing vanished, nobody silent) is not
+    # restarted, and hydra says why
+    failed = decide({}, 4, 1, options=_options())
+    assert failed.reason == "failure" and failed.message is None
 
 
 def test_the_host_file_keeps_the_order():
