@@ -116,8 +116,15 @@ def _restart_slurmd(cluster, node: str) -> None:
     wait_until(lambda: _node_state(cluster, node) == "idle", 90, f"{node} idle again")
 
 
+# The link variant passes as well (first step on node1 11.3 s after the fault with
+# --timeout 8), but node2's stale slurmstepd takes up to a minute to go once the link is
+# back, 110 s of the suite's time in all; the partition itself is tested without Slurm
+# (test_elastic.py). MPISTRAT_ELASTIC_SLURM_FAULTS=kill,link runs both.
+FAULTS = os.environ.get("MPISTRAT_ELASTIC_SLURM_FAULTS", "kill").split(",")
+
+
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("fault", ["kill", "link"])
+@pytest.mark.parametrize("fault", FAULTS)
 def test_slurm_elastic_job_goes_on_on_the_node_left(slurm_cluster, tmp_path, fault):
     cluster = slurm_cluster
     out, result = tmp_path / "job.out", tmp_path / "result.npz"
