@@ -22,6 +22,7 @@ import builtins
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ..elastic import hooks
@@ -31,7 +32,21 @@ from . import _files
 from .checkpoint import Checkpoint, _on_chief
 from .snapshot import SnapshotInfo, SnapshotStore
 
-__all__ = ["CheckpointManager", "latest_checkpoint"]
+__all__ = ["CheckpointManager", "latest_checkpoint", "set_snapshot_hooks"]
+
+# (before, after): called around every snapshot a manager takes, once it is due; a
+# parameter-server coordinator waits for its scheduled functions before, and sends the
+# snapshot to its partner host after (mpistrat.ps.elastic)
+_SNAPSHOT_HOOKS: list[tuple[Callable[[], object] | None,
+                            Callable[[SnapshotStore], object] | None]] = []
+
+
+def set_snapshot_hooks(before: Callable[[], object] | None = None,
+                       after: Callable[[SnapshotStore], object] | None = None) -> None:
+    """Call ``before()`` when a snapshot is due, before it is taken (it may wait until the
+    state is whole, or raise: then none is taken), and ``after(store)`` once it is taken
+    (None, None: no hooks). For :mod:`mpistrat.ps.elastic`."""
+    _SNAPSHOT_HOOKS[:] = [(before, after)] if before is not None or after is not None else []
 
 
 def _chief_says(comm: Comm, chief: int, question: Any) -> Any:
@@ -151,8 +166,14 @@ class CheckpointManager:
                 due = store.comm.bcast(due, root=0)
             if not due:
                 return
-        self._store().take(position, self._boundaries)
+        before, after = _SNAPSHOT_HOOKS[0] if _SNAPSHOT_HOOKS else (None, None)
+        if before is not None:
+            before()
+        store = self._store()
+        store.take(position, self._boundaries)
         self._last_snapshot = time.perf_counter()
+        if after is not None:
+            after(store)
 
     @property
     def _prefix(self) -> str:
