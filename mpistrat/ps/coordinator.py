@@ -20,7 +20,10 @@ script needs no import on the workers); variables, the strategy and per-worker v
 travel as handles (:mod:`mpistrat.ps.worker`).
 
 A worker or ps process that dies ends the MPI job (``mpistrat run`` names it); there is
-no function-level recovery from a lost process: resume from the coordinator's
+no function-level recovery from a lost process. Under ``mpistrat run --min-ranks`` the
+job is launched again on the ranks left and resumes from the coordinator's newest
+snapshot: ``schedule()``, ``join()`` and ``mpistrat.elastic.step()`` are its step
+boundaries (:mod:`mpistrat.ps.elastic`). Otherwise: resume from the coordinator's
 checkpoint.
 """
 
@@ -35,6 +38,7 @@ from typing import Any
 import cloudpickle
 
 from .._nest import flatten, pack_sequence_as
+from ..elastic import hooks
 from ..errors import CancelledError, CollectiveTimeoutError
 from ..runtime import stall
 from . import worker
@@ -227,6 +231,7 @@ class ClusterCoordinator:
         self._error: BaseException | None = None
         self._retries = 0
         self._progress = time.monotonic()  # when a function last finished
+        self._marked = False  # a step boundary marked since the last function was sent
 
     @property
     def strategy(self) -> ParameterServerStrategy:
@@ -245,6 +250,7 @@ class ClusterCoordinator:
         self._raise_error()
         if not callable(fn):
             raise TypeError(f"schedule() takes a function, got {type(fn).__name__}")
+        self._boundary()
         for value in flatten([args, kwargs]):
             if isinstance(value, RemoteValue):
                 raise ValueError("RemoteValue used as an input to scheduled function is not "
@@ -258,6 +264,7 @@ class ClusterCoordinator:
                             f"functions may reference variables, the strategy, per-worker "
                             f"iterators and picklable values") from exc
         self._submit(closure)
+        self._marked = False
         return closure.value
 
     def _submit(self, closure: _Closure) -> None:
@@ -376,9 +383,22 @@ class ClusterCoordinator:
             CollectiveTimeoutError: under ``mpistrat run --timeout``, no function
                 finished for that long.
         """
+        self._drain()
+        self._boundary()
+
+    def _drain(self) -> None:
+        """Wait until every scheduled function has finished; raise the first error."""
         with self._lock:
             self._wait_idle()
         self._raise_error()
+
+    def _boundary(self) -> None:
+        """A step boundary of an elastic job (:mod:`mpistrat.ps.elastic`): a snapshot,
+        when one is due, waits for the functions scheduled so far (:meth:`_drain`). Not
+        marked twice without a function sent in between (the same state)."""
+        if not self._marked:
+            self._marked = True
+            hooks.step_boundary(None)
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises the first error, once)."""

@@ -24,13 +24,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from ..checkpoint.manager import set_snapshot_hooks
+from ..checkpoint.snapshot import SnapshotStore
 from ..cross_device_ops import ReductionToOneDevice
+from ..elastic.env import elastic_env
 from ..runtime import stall
 from ..runtime._mpi import Comm, mpi, set_state_comm, world
 from ..strategy.base import Strategy, StrategyExtended
@@ -43,6 +47,7 @@ from ..strategy.variables import (
 )
 from ..values import default_devices
 from . import worker
+from .elastic import SNAPSHOT_TAG, PartnerReceiver, partner_of, send_snapshot
 from .roles import Roles, resolve_roles
 from .store import ShardedHandle, VariableHandle, VariableStore
 
@@ -224,6 +229,13 @@ class ParameterServerStrategy(Strategy):
         extended = _PSExtended(self, ReductionToOneDevice(comm=local),
                                default_devices(replicas), 1, 0, rank == roles.coordinator)
         super().__init__(extended, local)
+        # an elastic job (mpistrat run --min-ranks): the coordinator's snapshots get a
+        # partner copy on another host (mpistrat.ps.elastic)
+        self._elastic = elastic_env()
+        self._partner: int | None = None
+        if self._elastic is not None:
+            self._partner = partner_of(self._job.allgather(socket.gethostname()),
+                                       roles.coordinator)
         self._colocate: list[PSVariable] = []
         self._lock = threading.Lock()
         self._executor_context: Any = None
@@ -256,6 +268,8 @@ class ParameterServerStrategy(Strategy):
         self._executor_context = MPICommExecutor(self._executor_comm, root=0)
         self._executor = self._executor_context.__enter__()
         set_state_comm(mpi().COMM_SELF)  # checkpoints: the coordinator alone
+        if self._elastic is not None:  # snapshots: whole (no function running), copied
+            set_snapshot_hooks(before=_drain_all, after=self._after_snapshot)
         _EXCEPTHOOK.install()
         # at the interpreter's exit, before mpi4py.futures waits for the executor's
         # pending functions (its exit hook is a threading one, run before atexit's)
@@ -279,6 +293,10 @@ class ParameterServerStrategy(Strategy):
             self._closed = True
         _COORDINATORS.pop(self._store.id, None)
         self._executor_context.__exit__(None, None, None)
+        if self._elastic is not None:
+            set_snapshot_hooks(None, None)
+            if self._partner is not None:  # the job ended well: the copy goes
+                self._job.send(None, dest=self._partner, tag=SNAPSHOT_TAG)
         for ps in self._roles.ps:
             self._job.send(None, dest=ps, tag=_SHUTDOWN_TAG)
         set_state_comm(None)
@@ -297,6 +315,12 @@ class ParameterServerStrategy(Strategy):
                   f"({self.num_workers} worker(s), {self.num_ps} ps)", file=sys.stderr,
                   flush=True)
             self._job.Abort(1)
+
+    def _after_snapshot(self, store: SnapshotStore) -> None:
+        """A snapshot was taken on the coordinator: its partner copy."""
+        if self._partner is not None and store.comm is not None and \
+                store.comm.Get_size() == 1:
+            send_snapshot(store, self._job, self._partner)
 
     def _release(self) -> None:
         _STORES.pop(self._store.id, None)
@@ -325,6 +349,9 @@ class ParameterServerStrategy(Strategy):
             self._serve_until_shutdown()
 
     def _serve_until_shutdown(self) -> None:
+        receiver = None
+        if self._elastic is not None and self._partner == self._job.Get_rank():
+            receiver = PartnerReceiver(self._job, self._roles.coordinator, self._elastic)
         if self.task_type == "ps":
             self._job.recv(source=self._roles.coordinator, tag=_SHUTDOWN_TAG)
         else:
@@ -336,6 +363,8 @@ class ParameterServerStrategy(Strategy):
                     pass  # (a worker serves inside __enter__ until the coordinator leaves)
             finally:
                 worker.serving(None)
+        if receiver is not None:
+            receiver.join()
         self._release()
 
     # -- variables
@@ -441,6 +470,13 @@ class _PSExtended(StrategyExtended):
 
 
 _COORDINATORS: dict[str, Any] = {}  # the ClusterCoordinator of each strategy, by store id
+
+
+def _drain_all() -> None:
+    """A snapshot is due on the coordinator: wait until no scheduled function runs (the
+    first error of one is raised, as by ``join()``), so the variables are whole."""
+    for coordinator in list(_COORDINATORS.values()):
+        coordinator._drain()
 
 
 def shutdown_all(failed: bool = False) -> bool:
