@@ -1,0 +1,67 @@
+"""An elastic parameter-server job for tests/launch/test_run_elastic_ps.py: S scheduled
+functions, function i adding [1, i] to a ps variable, counted from the restored count,
+so the end state says whether every function's update was applied exactly once.
+
+    mpistrat run -n 5 --num-ps 1 --min-ranks 3 --timeout 20 elastic_train.py MODE [S]
+
+MODE: who is killed (SIGKILL) at function S // 2 + 5 of the first launch only:
+``worker`` (the worker running it kills itself), ``ps`` (that worker kills the ps),
+``coordinator`` (rank 0 kills itself before scheduling it), ``none``. The coordinator
+joins every 10 functions (a step boundary where nothing runs) and prints one JSON line.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpistrat as ms
+
+mode = sys.argv[1]
+total_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+restart = int(os.environ["MPISTRAT_ELASTIC_RESTART"])
+kill_at = total_steps // 2 + 5 if restart == 0 else -1
+pids = MPI.COMM_WORLD.allgather(os.getpid())  # (rank 1 is the ps)
+
+strategy = ms.ParameterServerStrategy()  # workers and ps serve inside, then exit 0
+coordinator = ms.ClusterCoordinator(strategy)
+with strategy.scope():
+    progress = ms.Variable(np.zeros(2, np.int64), name="progress")  # [functions, sum of i]
+    weights = ms.Variable(np.zeros(3), name="weights")
+manager = ms.CheckpointManager(ms.Checkpoint(progress=progress, weights=weights),
+                               os.environ.get("CKPT_DIR", "ckpt"))
+restored = manager.restore_or_initialize()
+start = int(progress.numpy()[0])
+print(f"@@ launch {restart}: {strategy.num_workers} workers, resuming at {start} from "
+      f"{restored}", flush=True)
+
+
+def step(i, victim, ps_pid):
+    if i == victim and mode == "worker":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if i == victim and mode == "ps":
+        os.kill(ps_pid, signal.SIGKILL)
+        time.sleep(30)  # (the launcher ends this launch)
+    time.sleep(0.02)
+    weights.assign_add(np.full(3, 0.5))
+    progress.assign_add(np.array([1, i], np.int64))
+    return i
+
+
+for i in range(start, total_steps):
+    if i == kill_at and mode == "coordinator":
+        os.kill(os.getpid(), signal.SIGKILL)
+    coordinator.schedule(step, args=(i, kill_at, pids[1]))
+    if (i + 1) % 10 == 0:
+        coordinator.join()
+coordinator.join()
+snapshot = manager.restored_snapshot
+print(json.dumps({
+    "restart": restart, "start": start, "restored": restored,
+    "sequence": snapshot.sequence if snapshot else None,
+    "workers": strategy.num_workers, "progress": progress.numpy().tolist(),
+    "weights": weights.numpy().tolist(), "steps": total_steps}), flush=True)

@@ -1,0 +1,87 @@
+"""``mpistrat run -n 5 --num-ps 1 --min-ranks 3``: a parameter-server job that loses a
+worker, its ps or its coordinator is launched again on the 4 ranks left (1 coordinator,
+1 ps, 2 workers), the coordinator restores the ps variables from its snapshot in
+``/dev/shm`` (here ``$MPISTRAT_ELASTIC_DIR``), and the script schedules the functions
+after it again: every function's update is applied exactly once in the end state
+(tests/launch/ps_scripts/elastic_train.py). The decision itself:
+tests/unit/test_elastic_ps_options.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.launch
+
+SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "elastic_train.py"
+STEPS = 60
+
+
+def _run(mpistrat_cmd, tmp_path, mode, *options):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {**os.environ, "MPISTRAT_ELASTIC_DIR": str(shm),
+           "CKPT_DIR": str(tmp_path / "ckpt")}
+    result = subprocess.run(
+        [*mpistrat_cmd, "run", "-n", "5", "--num-ps", "1", "--min-ranks", "3",
+         "--timeout", "20", *options, str(SCRIPT), mode, str(STEPS)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    out = result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    return result, out, (json.loads(lines[-1]) if lines else None), shm
+
+
+def _check_exactly_once(final, out):
+    assert final["progress"] == [STEPS, STEPS * (STEPS - 1) // 2], out  # each i once
+    assert final["weights"] == [0.5 * STEPS] * 3, out
+
+
+@pytest.mark.parametrize("mode, lost_rank", [("worker", None), ("ps", 1)])
+def test_a_lost_rank_relaunches_and_restores_from_the_coordinators_snapshot(
+        mpistrat_cmd, tmp_path, mode, lost_rank):
+    result, out, final, shm = _run(mpistrat_cmd, tmp_path, mode)
+    assert result.returncode == 0, out
+    lost = re.search(r"^mpistrat run: lost rank (\d) \(\S+\); restart 1 of 3 on 4 ranks "
+                     r"\(\S+:4\): 1 coordinator, 1 ps, 2 workers after \d+\.\d s$",
+                     result.stderr, re.MULTILINE)
+    assert lost, out
+    if lost_rank is not None:
+        assert int(lost.group(1)) == lost_rank, out
+    else:
+        assert int(lost.group(1)) in (2, 3, 4), out
+    launches = re.findall(r"^@@ launch (\d): (\d) workers, resuming at (\d+) from (\S+)$",
+                          result.stdout, re.MULTILINE)
+    assert [(r, w) for r, w, _, _ in launches] == [("0", "3"), ("1", "2")], out
+    assert launches[0][2:] == ("0", "None"), out
+    assert final is not None and final["restart"] == 1 and final["workers"] == 2, out
+    # restored from the snapshot in RAM, taken at a join after some functions
+    assert final["restored"].startswith(str(shm / "mpistrat-elastic-")), out
+    assert final["restored"].endswith((".data")), out
+    assert 10 <= final["start"] <= STEPS // 2 + 5 and final["start"] % 10 == 0, out
+    assert final["sequence"] is not None and final["sequence"] >= 1, out
+    _check_exactly_once(final, out)
+    assert list(shm.iterdir()) == [], out  # the job ended well: its snapshots went
+
+
+def test_a_lost_coordinator_restores_from_its_hosts_snapshot(mpistrat_cmd, tmp_path):
+    result, out, final, shm = _run(mpistrat_cmd, tmp_path, "coordinator")
+    assert result.returncode == 0, out
+    assert re.search(r"^mpistrat run: lost rank 0 \(\S+\); restart 1 of 3 on 4 ranks",
+                     result.stderr, re.MULTILINE), out
+    assert final is not None and final["restart"] == 1, out
+    assert final["restored"].startswith(str(shm)) and final["start"] >= 10, out
+    _check_exactly_once(final, out)
+
+
+def test_without_a_loss_it_runs_once(mpistrat_cmd, tmp_path):
+    result, out, final, shm = _run(mpistrat_cmd, tmp_path, "none")
+    assert result.returncode == 0, out
+    assert final is not None and final["restart"] == 0 and final["restored"] is None, out
+    _check_exactly_once(final, out)
+    assert "restart" not in result.stderr, out
+    assert list(shm.iterdir()) == [], out
