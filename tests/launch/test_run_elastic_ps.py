@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,38 @@ def test_without_a_loss_it_runs_once(mpistrat_cmd, tmp_path):
     _check_exactly_once(final, out)
     assert "restart" not in result.stderr, out
     assert list(shm.iterdir()) == [], out
+
+
+def test_the_partner_copy_restores_after_the_coordinators_host_is_lost(mpirun, tmp_path):
+    """Two "hosts" on one machine (each rank's host name faked): rank 0's snapshots go to
+    its partner, rank 3 (the lowest on hostB), which writes them into hostB's directory.
+    The coordinator is killed mid-run; hostA's directory is deleted (its host lost); the
+    relaunch, all of it on hostB, restores from the partner copy."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    job, secret = "ab" * 16, "cd" * 32
+    env = {"MPISTRAT_ELASTIC": job, "MPISTRAT_ELASTIC_DIR": str(shm),
+           "MPISTRAT_ELASTIC_SNAPSHOT_EVERY": "0", "TEST_JOB_SECRET": secret,
+           "MPISTRAT_NUM_PS": "1",
+           "CKPT_DIR": str(tmp_path / "ckpt")}
+    first = mpirun(5, [sys.executable, str(SCRIPT), "coordinator", str(STEPS)], env={
+        **env, "MPISTRAT_ELASTIC_RESTART": "0", "MPISTRAT_ELASTIC_SIZES": "5",
+        "FAKE_HOSTS": "hostA,hostA,hostA,hostB,hostB"}, timeout=120)
+    out = first.stdout + first.stderr
+    assert first.returncode != 0, out  # (rank 0 killed itself)
+    job_dir = shm / f"mpistrat-elastic-{os.getuid()}-{job}"
+    assert sorted(p.name for p in job_dir.iterdir()) == ["hostA", "hostB"], out
+    assert {"layout.json"} < {p.name for p in (job_dir / "hostB").iterdir()}, out
+    shutil.rmtree(job_dir / "hostA")  # (hostA is lost, and its RAM with it)
+    second = mpirun(4, [sys.executable, str(SCRIPT), "coordinator", str(STEPS)], env={
+        **env, "MPISTRAT_ELASTIC_RESTART": "1", "MPISTRAT_ELASTIC_SIZES": "5,4",
+        "MPISTRAT_ELASTIC_LOST": "hostA", "FAKE_HOSTS": "hostB,hostB,hostB,hostB"},
+        timeout=120)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out
+    final = json.loads([line for line in second.stdout.splitlines()
+                        if line.startswith("{")][-1])
+    assert final["restored"].startswith(str(job_dir / "hostB" / "slot-")), out
+    assert 10 <= final["start"] <= STEPS // 2 + 5 and final["start"] % 10 == 0, out
+    _check_exactly_once(final, out)
+    assert not job_dir.exists(), out  # (the job ended well: hostB's copy went)

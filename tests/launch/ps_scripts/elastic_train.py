@@ -8,6 +8,8 @@ MODE: who is killed (SIGKILL) at function S // 2 + 5 of the first launch only:
 ``worker`` (the worker running it kills itself), ``ps`` (that worker kills the ps),
 ``coordinator`` (rank 0 kills itself before scheduling it), ``none``. The coordinator
 joins every 10 functions (a step boundary where nothing runs) and prints one JSON line.
+``FAKE_HOSTS=a,a,b,...`` gives each rank a host name (the partner copy's test), and
+``TEST_JOB_SECRET`` the job's secret when a plain ``mpiexec`` launches it.
 """
 
 import json
@@ -20,6 +22,16 @@ import numpy as np
 from mpi4py import MPI
 
 import mpistrat as ms
+
+if "FAKE_HOSTS" in os.environ:  # (tests: the ranks on several "hosts" of one machine)
+    import socket
+
+    _host = os.environ["FAKE_HOSTS"].split(",")[MPI.COMM_WORLD.rank]
+    socket.gethostname = lambda: _host
+if "TEST_JOB_SECRET" in os.environ:  # (a plain mpiexec: no mpistrat run gives it)
+    from mpistrat.elastic.env import set_job_secret
+
+    set_job_secret(bytes.fromhex(os.environ["TEST_JOB_SECRET"]))
 
 mode = sys.argv[1]
 total_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
