@@ -73,7 +73,7 @@ from .checkpoint import (
 )
 
 __all__ = ["SnapshotStore", "SnapshotInfo", "DIR_ENV", "MAX_LAYOUT", "KEEP_ENV",
-           "BACKGROUND_BYTES"]
+           "BACKGROUND_BYTES", "snapshot_root", "job_directory", "remove_job"]
 
 DIR_ENV = "MPISTRAT_ELASTIC_DIR"
 KEEP_ENV = "MPISTRAT_ELASTIC_KEEP"  # hours an abandoned job's snapshots stay (default 24)
@@ -167,10 +167,8 @@ class SnapshotStore:
         self._size = self.comm.Get_size()
         self.writer = hosts.index(host) == self.comm.Get_rank()  # this host's lowest rank
         self._writers = sorted({hosts.index(h) for h in hosts})  # every host's
-        root = self.root or os.environ.get(DIR_ENV) or (
-            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self.job_directory = os.path.join(root, f"mpistrat-elastic-{os.getuid()}-"
-                                                f"{self.launch.job}")
+        root = snapshot_root(self.root)
+        self.job_directory = job_directory(self.launch.job, root)
         self.directory = os.path.join(self.job_directory, _HOST.sub("_", host)[:64] or "host")
         self._slots = [_Slot(os.path.join(self.directory, f"slot-{i}.data")) for i in (0, 1)]
         self._layout: dict[str, Any] | None = None  # written by this process
@@ -787,6 +785,30 @@ def _host_value(obj: Any) -> tuple[np.ndarray, bool]:
     if value.dtype.byteorder not in "=|":
         value, fenced = value.astype(value.dtype.newbyteorder("=")), False
     return value, fenced
+
+
+def snapshot_root(root: str | None = None) -> str:
+    """Where a host keeps elastic jobs' snapshots: ``root``, else
+    ``$MPISTRAT_ELASTIC_DIR``, else ``/dev/shm``, else the temporary directory."""
+    return root or os.environ.get(DIR_ENV) or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+
+def job_directory(job: str, root: str | None = None) -> str:
+    """The directory of job ``job``'s snapshots on this host (under :func:`snapshot_root`)."""
+    return os.path.join(snapshot_root(root), f"mpistrat-elastic-{os.getuid()}-{job}")
+
+
+def remove_job(job: str, root: str | None = None) -> None:
+    """Delete job ``job``'s snapshots on this host, if it is this user's directory (the
+    job is over: ``mpistrat run --min-ranks`` calls it when it ends)."""
+    path = job_directory(job, root)
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _checksum(raw: memoryview) -> int:

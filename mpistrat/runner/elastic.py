@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .._atomic import write_atomically
+from ..checkpoint.snapshot import remove_job
 from ..elastic.env import ElasticEnv
 from ..launch.hugepages import malloc_hugepages_env
 from . import auth
@@ -392,7 +393,7 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                                        elastic.snapshot_every).as_env())
             bind = bind_address(job_hosts(), os.environ.get("HYDRA_IFACE"))
             with JobMonitor(size, timeout=options.timeout, report_dir=options.report_dir,
-                            secret=secret, bind=bind) as monitor:
+                            secret=secret, bind=bind, rerun_hint=False) as monitor:
                 argv = launch_command(options, size, mpiexec, rank_env=rank_env)
                 started = time.time()
                 if launches:  # (the previous launch's relaunch)
@@ -432,6 +433,9 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                 os.environ[name] = value
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+        # the job is over, however it ended: its snapshots on this host go (a rerun is
+        # another job; each host's writer deletes its own when the script ends well)
+        remove_job(job)
 
 
 def _say(text: str) -> None:

@@ -130,6 +130,9 @@ class JobMonitor:
     # messages refused (forged, replayed, malformed, oversized): how many, the first's note
     refused: int = 0
     first_refusal: str | None = None
+    # end a lost host's message with how to resume (False: the caller says what follows,
+    # as mpistrat run --min-ranks does)
+    rerun_hint: bool = True
     listener: InitVar[socket.socket | None] = None
     bind: InitVar[str] = "127.0.0.1"
 
@@ -422,7 +425,7 @@ class JobMonitor:
                          f"ended the job's ranks; mpiexec exited with status {status}.")
             vanished = []  # (ended by the signal, not lost)
         if vanished:
-            lines.append(lost_text(vanished, hostnames, status))
+            lines.append(lost_text(vanished, hostnames, status, rerun=self.rerun_hint))
         if silent:
             files = [report_path(report_dir, r) for r in silent] if report_dir else []
             lines.append(
@@ -457,7 +460,7 @@ def vanished_records(records: Mapping[int, RankRecord]) -> list[RankRecord]:
 
 
 def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
-              status: int | None) -> str:
+              status: int | None, rerun: bool = True) -> str:
     """The message on ranks that vanished (:meth:`JobMonitor.vanished`): who ended first
     without a report and who of its host followed, how soon, and what that can mean,
     after the launcher ended with ``status`` (None: not known, :mod:`.sidecar`).
@@ -492,6 +495,8 @@ def lost_text(vanished: Sequence[RankRecord], hostnames: Sequence[str],
                  f"{head} was killed or crashed, and hydra ended the others")
     else:
         text += f". Rank {head} was killed or crashed, and the launcher ended the others"
+    if not rerun:  # (mpistrat run --min-ranks says next what it does)
+        return text + "."
     return text + ". Rerun the job to resume from its last complete checkpoint."
 
 

@@ -5,6 +5,7 @@ restarted. (tests/unit/test_elastic_options.py: the decision, and the loop acros
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import textwrap
@@ -25,12 +26,18 @@ SCRIPT = textwrap.dedent("""\
     comm = MPI.COMM_WORLD
     restart = int(os.environ["MPISTRAT_ELASTIC_RESTART"])
     mode = sys.argv[1]
+    # snapshots of a step counter (in MPISTRAT_ELASTIC_DIR): the job must leave none
+    steps = mpistrat.checkpoint.Scalar(0)
+    manager = mpistrat.CheckpointManager(mpistrat.Checkpoint(steps=steps), "ckpt")
+    manager.restore_or_initialize()
     if comm.rank == 0:
         print(f"@@ restart={restart} size={comm.size} "
               f"sizes={os.environ['MPISTRAT_ELASTIC_SIZES']} "
               f"lost={os.environ['MPISTRAT_ELASTIC_LOST']} "
               f"job={os.environ['MPISTRAT_ELASTIC']}", flush=True)
     for step in range(4):
+        mpistrat.elastic.step()
+        steps.assign_add(1)
         total = mpistrat.all_reduce(np.ones(3), comm=comm)
         assert total[0] == comm.size
         if step == 2 and comm.rank == comm.size - 1 and (
@@ -50,11 +57,17 @@ def elastic(mpistrat_cmd, tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
 
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+
     def run(mode, *options, n=4, timeout=60):
         started = time.monotonic()
         result = subprocess.run(
             [*mpistrat_cmd, "run", "-n", str(n), *options, str(script), mode],
-            cwd=tmp_path, capture_output=True, text=True, timeout=timeout, check=False)
+            cwd=tmp_path, capture_output=True, text=True, timeout=timeout, check=False,
+            env={**os.environ, "MPISTRAT_ELASTIC_DIR": str(shm)})
+        # however the job ended, its snapshots are gone (mpistrat run's, and the ranks')
+        assert not list(shm.iterdir()), (list(shm.iterdir()), result.stderr)
         launches = [(int(r), int(s), sizes, lost, job)
                     for r, s, sizes, lost, job in LAUNCH.findall(result.stdout)]
         return result, launches, time.monotonic() - started
