@@ -4,7 +4,8 @@
 * :mod:`.store`: the variables, in MPI window arenas on the ps ranks;
 * :mod:`.strategy`: ``ParameterServerStrategy`` and its variables;
 * :mod:`.coordinator`: ``ClusterCoordinator``, ``RemoteValue``, ``PerWorkerValues``;
-* :mod:`.worker`: what a worker runs; :mod:`.server`: ``Server``.
+* :mod:`.worker`: what a worker runs; :mod:`.server`: ``Server``;
+* :mod:`.elastic`: the coordinator's snapshots under ``mpistrat run --min-ranks``.
 
 Importing this package does not start MPI (nor import the strategy); creating a
 :class:`VariableStore` or a strategy does. The public names are on :mod:`mpistrat`.
