@@ -175,6 +175,7 @@ class SnapshotStore:
         self._thread: threading.Thread | None = None
         self._warned = False
         self._next_slot = 0
+        self._background = 0.0  # seconds the last snapshot's background work took
         self.last_cost = 0.0  # seconds the last take() took here
         self.skipped: tuple[str, ...] = ()  # what the last restore() found and skipped
         problem = None
@@ -283,7 +284,9 @@ class SnapshotStore:
             os.utime(self.job_directory)  # (a live job's snapshots are never swept)
         self.taken += 1
         cost = time.perf_counter() - started
-        self.last_cost = 0.0 if fresh else cost
+        # what --snapshot-every auto weighs: this one's time here and the last background
+        # work's (it overlaps a step only where a core is free, so it counts in full)
+        self.last_cost = 0.0 if fresh else cost + (self._background if later else 0.0)
         self.seconds += cost
 
     def _commit(self, slot: _Slot, layout: dict[str, Any], extra: dict[str, Any],
@@ -293,6 +296,7 @@ class SnapshotStore:
         checksum, commit."""
         data = slot.data
         assert data is not None
+        started = time.perf_counter()
         try:
             try:
                 for target, value in deferred:
@@ -319,6 +323,9 @@ class SnapshotStore:
                               f"goes on, a restart falls back to an older snapshot or the "
                               f"checkpoint on disk (free memory in /dev/shm, or give "
                               f"{DIR_ENV} another directory)", RuntimeWarning, stacklevel=1)
+        finally:
+            if copied is not None:  # (in the background: take() weighs it next time)
+                self._background = time.perf_counter() - started
 
     def wait(self) -> None:
         """Until the snapshot being written here (if any) is committed."""
