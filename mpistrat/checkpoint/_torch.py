@@ -28,17 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..backends.torch_dtypes import numpy_dtype as _numpy_dtype
+
 __all__ = ["is_stateful", "numpy_dtype", "describe", "host_value", "assign", "expand",
            "decode", "check_fits", "signature", "gather", "MAX_DEPTH"]
 
 MAX_DEPTH = 64
-
-_NUMPY: dict[torch.dtype, Any] = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
-    torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-    torch.uint8: np.uint8, torch.bool: np.bool_}
-
 
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and \
@@ -47,17 +42,7 @@ def is_stateful(obj: Any) -> bool:
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The NumPy dtype a tensor of ``dtype`` is saved as."""
-    if dtype == torch.bfloat16:
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise TypeError("bfloat16 tensors need the ml_dtypes package for NumPy's "
-                            "bfloat16: pip install ml_dtypes") from None
-        return np.dtype(ml_dtypes.bfloat16)
-    if dtype not in _NUMPY:
-        raise TypeError(f"cannot checkpoint a tensor of dtype {dtype}: expected one of "
-                        f"{sorted(str(d) for d in _NUMPY)} or torch.bfloat16")
-    return np.dtype(_NUMPY[dtype])
+    return _numpy_dtype(dtype, "checkpoint a tensor")
 
 
 def describe(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:

@@ -45,6 +45,7 @@ import torch
 
 from .. import dispatch
 from ..backends import get_backend
+from ..backends.torch_dtypes import NUMPY_DTYPES, numpy_dtype
 from ..ops import ReduceOp
 from ..runtime._mpi import Comm, world
 from ..runtime.agreement import agree
@@ -61,25 +62,13 @@ DEFAULT_BUCKET_BYTES = 25 << 20  # few large buckets: measured on ResNet-50, doc
 FUSED_BYTES = 2 << 20
 _ALIGN = 4096  # bytes: each bucket starts on its own page
 
-_NUMPY_DTYPES: dict[torch.dtype, Any] = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.complex64: np.complex64, torch.complex128: np.complex128,
-}
+_GRADIENT_DTYPES = {d: t for d, t in NUMPY_DTYPES.items()
+                    if d.is_floating_point or d.is_complex}
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The NumPy dtype that holds a torch dtype's gradients."""
-    if dtype == torch.bfloat16:
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise TypeError("bfloat16 parameters need the ml_dtypes package for NumPy's "
-                            "bfloat16: pip install ml_dtypes") from None
-        return np.dtype(ml_dtypes.bfloat16)
-    if dtype not in _NUMPY_DTYPES:
-        raise TypeError(f"cannot all-reduce gradients of dtype {dtype}: expected one of "
-                        f"{sorted(str(d) for d in _NUMPY_DTYPES)} or torch.bfloat16")
-    return np.dtype(_NUMPY_DTYPES[dtype])
+    return numpy_dtype(dtype, "all-reduce gradients", _GRADIENT_DTYPES)
 
 
 def _tensors_of(source: Any) -> list[tuple[str, torch.Tensor]]:

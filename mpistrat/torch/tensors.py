@@ -5,41 +5,19 @@ strided or CUDA tensors that are written back afterwards."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
+from ..backends.torch_dtypes import NUMPY_DTYPES, bfloat16_type
+from ..backends.torch_dtypes import numpy_dtype as _numpy_dtype
+
 __all__ = ["NUMPY_DTYPES", "bfloat16_type", "numpy_dtype", "host_view", "numpy_view",
            "byte_view", "Staged", "apart", "describe_tensors"]
 
-NUMPY_DTYPES: dict[torch.dtype, Any] = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
-    torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-    torch.uint8: np.uint8, torch.bool: np.bool_}
-for _name, _np in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
-    if hasattr(torch, _name):
-        NUMPY_DTYPES[getattr(torch, _name)] = _np
-
-
-def bfloat16_type() -> Any:
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError("bfloat16 tensors need the ml_dtypes package for NumPy's bfloat16: "
-                        "pip install ml_dtypes") from None
-    return ml_dtypes.bfloat16
-
-
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype == torch.bfloat16:
-        return np.dtype(bfloat16_type())
-    found = NUMPY_DTYPES.get(dtype)
-    if found is None:
-        raise TypeError(f"the mpistrat backend cannot reduce tensors of dtype {dtype}: "
-                        f"expected one of {sorted(str(d) for d in NUMPY_DTYPES)} or torch.bfloat16")
-    return np.dtype(found)
+    """The NumPy dtype the backend's MPI calls see a tensor of ``dtype`` as."""
+    return _numpy_dtype(dtype, "reduce tensors with the mpistrat backend")
 
 
 def host_view(tensor: torch.Tensor) -> np.ndarray:
