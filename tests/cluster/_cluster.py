@@ -1,10 +1,12 @@
 """What the tests of this directory share besides the fixtures: whether this process may
-build clusters, and polling with a bound. (Imported as ``_cluster``: a helper module of its
+build clusters, polling with a bound, the processes of a host, a job run under a launcher,
+and Slurm's commands and slurmd on the hosts. (Imported as ``_cluster``: a helper module of its
 own, since ``from conftest import`` could find another directory's conftest.)"""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def unavailable() -> str | None:
@@ -88,3 +92,58 @@ class Job:
     @property
     def output(self) -> str:
         return self.out.read_text() + self.err.read_text()
+
+
+# -- Slurm on the cluster's hosts (the slurm_cluster fixture)
+
+
+def slurm_env(cluster) -> dict[str, str]:
+    """The environment of Slurm commands: inside a Slurm job, mpiexec must start its
+    proxies through Slurm, not hydra's ssh stand-in."""
+    return {k: v for k, v in cluster.env.items() if not k.startswith("HYDRA_")}
+
+
+def slurm(cluster, *argv, timeout=60) -> subprocess.CompletedProcess:
+    """Run a Slurm command (sbatch, scontrol, sinfo, ...) from the checkout."""
+    return subprocess.run([str(a) for a in argv], cwd=ROOT, env=slurm_env(cluster),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def job_fields(cluster, job_id: str) -> dict[str, str]:
+    """``scontrol show job``'s fields."""
+    return dict(re.findall(r"(\w+)=(\S*)", slurm(cluster, "scontrol", "show", "job", "-o",
+                                                  job_id).stdout))
+
+
+def node_state(cluster, node: str) -> str:
+    """``sinfo``'s short state of ``node`` (idle, alloc, down*, ...)."""
+    return slurm(cluster, "sinfo", "-h", "-n", node, "-o", "%t").stdout.strip()
+
+
+def slurmd_running(cluster, node: str) -> bool:
+    return any(cmd.startswith("slurmd ") for cmd in processes(cluster, node).values())
+
+
+def stop_slurmd(cluster, node: str) -> None:
+    """SIGTERM ``node``'s slurmd and wait until it has exited (its jobs' processes stay)."""
+    for pid, cmd in processes(cluster, node).items():
+        if cmd.startswith("slurmd "):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    wait_until(lambda: not slurmd_running(cluster, node), 30, f"{node}'s slurmd stopped")
+
+
+def restart_slurmd(cluster, node: str) -> None:
+    """Start ``node``'s slurmd again as bin/cluster-local does (inside the host, pid in
+    its pid file so that `cluster-local down` stops it), and wait until it is idle."""
+    directory = Path(cluster.control["CLUSTER_LOCAL_DIR"])
+    if not slurmd_running(cluster, node):
+        with open(directory / "log" / f"slurmd-{node}.out", "a") as log:
+            process = subprocess.Popen(
+                ["bash", str(ROOT / "bin" / "cluster-local"), "exec", node, "slurmd", "-D",
+                 "-N", node, "-f", str(directory / "etc" / "slurm.conf")],
+                env=cluster.control, stdout=log, stderr=log, start_new_session=True)
+        (directory / "run" / f"slurmd-{node}.pid").write_text(f"{process.pid}\n")
+    wait_until(lambda: node_state(cluster, node) == "idle", 90, f"{node} idle again")

@@ -16,7 +16,8 @@ restored T1`` (wall-clock times: the script's start, the restore's end) first, t
 after each step (S counted from the start of training, T its wall-clock time), and at the
 end writes FILE (``.npz``): the
 final weights, ``seen``, and the weights one process gets by training on the same global
-batches in the same order with plain NumPy (the reference).
+batches in the same order with plain NumPy (the reference). :func:`check_recovered` is
+what the tests assert of a run that lost a host.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import time
 STARTED = time.time()  # (the script's start: the launch, Python and MPI are up)
 
 import argparse  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -126,6 +130,57 @@ def main() -> int:
         print("finished", flush=True)
     return 0
 
+
+# -- what the tests check of a run that lost node2 (test_elastic.py, test_elastic_slurm.py)
+
+STEP = re.compile(r"^step (\d+) at ([\d.]+)$", re.M)
+TIMES = re.compile(r"^launch times: script ([\d.]+) restored ([\d.]+)$", re.M)
+LAUNCH = re.compile(r"^launch (\d+) on (\d+) ranks: restored (\S+) at step (\d+)$", re.M)
+
+
+def steps(output: str) -> list[tuple[int, float]]:
+    """``(step, wall-clock time)`` of every ``step S at T`` line of rank 0."""
+    return [(int(s), float(t)) for s, t in STEP.findall(output)]
+
+
+@dataclass
+class Recovery:
+    """When a run that lost a host went on (wall-clock times)."""
+
+    before: int  # the last step done before the fault
+    resumed_at: int  # the step the relaunch restored
+    first: float  # when the survivors' first step was done
+    started: float  # when the relaunched script started
+    restored: float  # when its restore returned
+
+
+def check_recovered(output: str, fault_at: float, result: str | os.PathLike[str],
+                    epochs: int, bound: float) -> Recovery:
+    """Assert what a run under ``mpistrat run -n 4 --min-ranks 2`` that lost node2 (2 of
+    its 4 ranks) must show: relaunched once on node1's 2 ranks from a snapshot in
+    /dev/shm, at most one step redone, the first step on the survivors within ``bound``
+    seconds of the fault, the final weights those of one process, every sample applied
+    ``epochs`` times."""
+    assert re.search(r"mpistrat run: lost host node2 \(ranks 2, 3\); restart 1 of \d+ on 2 "
+                     r"ranks \(node1:2\)", output), output
+    launches = LAUNCH.findall(output)
+    assert [(int(n), int(r)) for n, r, _, _ in launches] == [(0, 4), (1, 2)], output
+    restored, resumed_at = launches[1][2], int(launches[1][3])
+    assert "/dev/shm/mpistrat-elastic-" in restored, output  # a snapshot, not the disk
+    done = steps(output)
+    before = max(s for s, t in done if t < fault_at)
+    # at most one step redone: the snapshot is the state after the last step taken or
+    # the one before it (the fault can land between a step's end and the next boundary)
+    assert before - 1 <= resumed_at <= before, (before, resumed_at, output)
+    first = min(t for s, t in done if t > fault_at and s == resumed_at + 1)
+    assert first - fault_at <= bound, (first - fault_at, output)
+    started, restored_at = (float(t) for t in TIMES.findall(output)[1])
+    saved = np.load(result)
+    assert list(saved["sizes"]) == [4, 2]
+    np.testing.assert_allclose(saved["w"], saved["reference"], rtol=1e-9, atol=1e-12)
+    assert np.array_equal(saved["seen"], np.full(len(saved["seen"]), float(epochs))), \
+        f"samples not applied exactly {epochs} times: {np.unique(saved['seen'])}"
+    return Recovery(before, resumed_at, first, started, restored_at)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from _cluster import Job, kill_host, processes, wait_until
+from _elastic_train import LAUNCH, check_recovered, steps
 
 pytestmark = pytest.mark.cluster
 
@@ -39,18 +39,11 @@ TRAIN = Path(__file__).resolve().parent / "_elastic_train.py"
 TIMEOUT = 8
 FAULT_STEP = 20
 EPOCHS = 3  # 16 steps an epoch: the fault falls in the second
-STEP = re.compile(r"^step (\d+) at ([\d.]+)$", re.M)
-TIMES = re.compile(r"^launch times: script ([\d.]+) restored ([\d.]+)$", re.M)
-LAUNCH = re.compile(r"^launch (\d+) on (\d+) ranks: restored (\S+) at step (\d+)$", re.M)
 
 
 def _training_ranks(cluster, host: str) -> list[int]:
     return [pid for pid, cmd in processes(cluster, host).items()
             if TRAIN.name in cmd and cmd.split()[0].rsplit("/", 1)[-1].startswith("python")]
-
-
-def _steps(output: str) -> list[tuple[int, float]]:
-    return [(int(s), float(t)) for s, t in STEP.findall(output)]
 
 
 def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):
@@ -63,7 +56,7 @@ def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):
             "--step-sleep", "0.1"]
     job = Job(cluster, argv, tmp_path)
     try:
-        wait_until(lambda: any(s >= FAULT_STEP for s, _ in _steps(job.output))
+        wait_until(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output))
                    or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
         assert job.process.poll() is None, job.output
         first = _training_ranks(cluster, "node1")
@@ -97,33 +90,15 @@ def _check_recovered(job: Job, fault_at: float, ended_at: float, out: Path,
                      scenario: str) -> None:
     output = job.output
     assert job.process.returncode == 0, output
-    assert re.search(r"mpistrat run: lost host node2 \(ranks 2, 3\); restart 1 of \d+ on 2 "
-                     r"ranks \(node1:2\)", output), output
-    launches = LAUNCH.findall(output)
-    assert [(int(n), int(r)) for n, r, _, _ in launches] == [(0, 4), (1, 2)], output
-    restored, resumed_at = launches[1][2], int(launches[1][3])
-    assert "/dev/shm/mpistrat-elastic-" in restored, output  # a snapshot, not the disk
-    steps = _steps(output)
-    before = max(s for s, t in steps if t < fault_at)
-    # at most one step redone: the snapshot is the state after the last step taken or
-    # the one before it (the fault can land between a step's end and the next boundary)
-    assert before - 1 <= resumed_at <= before, (before, resumed_at, output)
-    first = min(t for s, t in steps if t > fault_at and s == resumed_at + 1)
     # bounded, with room for a loaded machine (the target, --timeout + 5 s, is measured in
     # docs/elastic.md, not asserted)
-    assert first - fault_at <= TIMEOUT + 15, (first - fault_at, output)
-    started, restored_at = (float(t) for t in TIMES.findall(output)[1])
-    phases = {"detection and tear-down": ended_at - fault_at, "relaunch": started - ended_at,
-              "restore": restored_at - started, "first step": first - restored_at,
-              "total": first - fault_at}
-    _record(scenario, phases, before - resumed_at)
-    result = np.load(out)
-    assert list(result["sizes"]) == [4, 2]
-    np.testing.assert_allclose(result["w"], result["reference"], rtol=1e-9, atol=1e-12)
-    assert np.array_equal(result["seen"], np.full(len(result["seen"]), float(EPOCHS))), \
-        f"samples not applied exactly {EPOCHS} times: {np.unique(result['seen'])}"
+    got = check_recovered(output, fault_at, out, EPOCHS, TIMEOUT + 15)
+    phases = {"detection and tear-down": ended_at - fault_at,
+              "relaunch": got.started - ended_at, "restore": got.restored - got.started,
+              "first step": got.first - got.restored, "total": got.first - fault_at}
+    _record(scenario, phases, got.before - got.resumed_at)
     print(f"recovered ({scenario}): " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
-          + f"; resumed at step {resumed_at} (last step before the fault: {before})")
+          + f"; resumed at step {got.resumed_at} (last step before the fault: {got.before})")
 
 
 def _record(scenario: str, phases: dict[str, float], redone: int) -> None:
@@ -169,7 +144,7 @@ def test_a_second_failure_during_the_recovery_ends_the_job_within_the_bound(clus
             "--epochs", str(EPOCHS), "--step-sleep", "0.1"]
     job = Job(cluster, argv, tmp_path)
     try:
-        wait_until(lambda: any(s >= FAULT_STEP for s, _ in _steps(job.output))
+        wait_until(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output))
                    or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
         first = set(_training_ranks(cluster, "node1"))
         kill_host(cluster, "node2")

@@ -36,8 +36,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _cluster import Job as _Job
+from _cluster import job_fields as _job_fields
 from _cluster import kill_host as _kill_host
 from _cluster import processes as _processes
+from _cluster import restart_slurmd as _restart_slurmd
+from _cluster import slurm as _slurm
+from _cluster import slurm_env as _slurm_env
+from _cluster import stop_slurmd as _stop_slurmd
 from _cluster import wait_until as _wait_for
 
 from mpistrat.checkpoint import _files
@@ -298,57 +303,6 @@ def test_partition_ends_both_sides_and_names_the_other_host(cluster, tmp_path, l
 
 
 # -- Slurm
-
-
-def _slurm_env(cluster) -> dict[str, str]:
-    """Inside a Slurm job, mpiexec must not use hydra's ssh stand-in (tests/cluster/
-    test_slurm.py does the same)."""
-    return {k: v for k, v in cluster.env.items() if not k.startswith("HYDRA_")}
-
-
-def _slurm(cluster, *argv, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in argv], cwd=ROOT, env=_slurm_env(cluster),
-                          capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _job_fields(cluster, job_id: str) -> dict[str, str]:
-    return dict(re.findall(r"(\w+)=(\S*)", _slurm(cluster, "scontrol", "show", "job", "-o",
-                                                  job_id).stdout))
-
-
-def _node_state(cluster, node: str) -> str:
-    return _slurm(cluster, "sinfo", "-h", "-n", node, "-o", "%t").stdout.strip()
-
-
-def _slurmd_pid_file(cluster, node: str) -> Path:
-    return Path(cluster.control["CLUSTER_LOCAL_DIR"]) / "run" / f"slurmd-{node}.pid"
-
-
-def _stop_slurmd(cluster, node: str) -> None:
-    """SIGTERM ``node``'s slurmd and wait until it has exited (its jobs' processes stay)."""
-    for pid, cmd in _processes(cluster, node).items():
-        if cmd.startswith("slurmd "):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    _wait_for(lambda: not any(cmd.startswith("slurmd ")
-                              for cmd in _processes(cluster, node).values()),
-              30, f"{node}'s slurmd stopped")
-
-
-def _restart_slurmd(cluster, node: str) -> None:
-    """Start ``node``'s slurmd again as bin/cluster-local does (inside the host, pid in
-    its pid file so that `cluster-local down` stops it), and wait until it is idle."""
-    directory = Path(cluster.control["CLUSTER_LOCAL_DIR"])
-    if not any(cmd.startswith("slurmd ") for cmd in _processes(cluster, node).values()):
-        with open(directory / "log" / f"slurmd-{node}.out", "a") as log:
-            process = subprocess.Popen(
-                ["bash", str(ROOT / "bin" / "cluster-local"), "exec", node, "slurmd", "-D",
-                 "-N", node, "-f", str(directory / "etc" / "slurm.conf")],
-                env=cluster.control, stdout=log, stderr=log, start_new_session=True)
-        _slurmd_pid_file(cluster, node).write_text(f"{process.pid}\n")
-    _wait_for(lambda: _node_state(cluster, node) == "idle", 90, f"{node} idle again")
 
 
 def _wait_job_stopped(cluster, job_id: str, timeout: float) -> dict[str, str]:
