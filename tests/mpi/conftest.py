@@ -164,6 +164,34 @@ def world():
 
 
 @pytest.fixture
+def root(world):
+    """A temporary directory every rank names the same (rank 0 makes it and broadcasts
+    its name), removed after the test."""
+    import shutil
+    import tempfile
+
+    path = world.bcast(tempfile.mkdtemp(prefix="mpistrat-test-") if world.rank == 0 else None)
+    yield path
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_elastic_leaks():
+    """No step-boundary taker, resume position, snapshot fence or job secret of an
+    elastic job (mpistrat.elastic) leaks into or out of a test."""
+    from mpistrat.elastic import hooks
+    from mpistrat.elastic.env import set_job_secret
+
+    hooks.reset()
+    set_job_secret(None)
+    yield
+    hooks.reset()
+    set_job_secret(None)
+
+
+@pytest.fixture
 def reports():
     """Watch agreements (stall check 0.3 s, no timeout); yields this rank's reports."""
     from mpistrat.runtime import stall

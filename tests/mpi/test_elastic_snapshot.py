@@ -49,26 +49,6 @@ KIND = "DistributedDataset/6"
 # --- fixtures and helpers -----------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _no_leaks():
-    """No taker, resume position or job secret leaks into or out of a test."""
-    hooks.reset()
-    set_job_secret(None)
-    yield
-    hooks.reset()
-    set_job_secret(None)
-
-
-@pytest.fixture
-def root(world):
-    """A directory every rank names the same (rank 0 makes it, then broadcasts it)."""
-    path = world.bcast(tempfile.mkdtemp(prefix="mpistrat-snap-") if world.rank == 0 else None)
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def new_job(comm) -> str:
     return comm.bcast(uuid.uuid4().hex if comm.rank == 0 else None)
 

@@ -11,8 +11,6 @@ gradient at any number of ranks equal to one process's.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import uuid
 
 import pytest
@@ -32,24 +30,6 @@ MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
 SECRET = b"the job's secret, 32 bytes long!"
-
-
-@pytest.fixture(autouse=True)
-def _no_leaks():
-    hooks.reset()
-    set_job_secret(None)
-    yield
-    hooks.reset()
-    set_job_secret(None)
-
-
-@pytest.fixture
-def root(world):
-    path = world.bcast(tempfile.mkdtemp(prefix="mpistrat-torch-") if world.rank == 0 else None)
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def same_everywhere(comm, value) -> bool:
