@@ -121,6 +121,18 @@ def make_store(state, job, root, comm, secret=SECRET, restart=0):
                          comm=comm, root=root)
 
 
+def two_snapshots(world, root):
+    """A fresh job's state and store, with snapshot 1 (the state all 1) and snapshot 2
+    (all 2) taken."""
+    state = State(world)
+    store = make_store(state, new_job(world), root, world)
+    state.set(1)
+    store.take((KIND, 1))
+    state.set(2)
+    store.take((KIND, 2))
+    return state, store
+
+
 def same_everywhere(comm, value) -> bool:
     return len({repr(v) for v in comm.allgather(value)}) == 1
 
@@ -384,12 +396,7 @@ def test_a_lost_hosts_directory_leaves_the_others_copy(world, root, hosts):
 def test_the_newest_snapshot_any_host_holds_wins(world, root, hosts):
     if len(set(hosts)) < 2:
         pytest.skip("one simulated host at 1 rank")
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     world.Barrier()
     host0, host1 = (os.path.join(store.job_directory, h) for h in ("host0", "host1"))
     if world.rank == 0:  # host0's newest is lost: it holds snapshot 1, host1 snapshot 2
@@ -622,12 +629,7 @@ def test_an_attacked_layout_is_skipped_with_its_reason(world, root, hosts, attac
     reason reported; on one host there is nothing to restore. And check_layout() names
     the failed check."""
     change, reason = LAYOUT_ATTACKS[attack]
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     world.Barrier()
     host0 = os.path.join(store.job_directory, "host0", "layout.json")
     if world.rank == 0:
@@ -695,12 +697,7 @@ def test_an_attacked_snapshot_is_skipped_and_the_older_one_restored(world, root,
     """Snapshot 2 is attacked on every host: every rank skips it with its reason and
     restores snapshot 1."""
     change, reason = SLOT_ATTACKS[attack]
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     world.Barrier()
     attacked = world.bcast([slot_holding(d, 2) for d in host_dirs(store)]
                            if world.rank == 0 else None)  # (before rank 0 changes them)
@@ -722,12 +719,7 @@ def test_an_attacked_snapshot_is_skipped_and_the_older_one_restored(world, root,
 
 
 def test_a_deleted_newest_slot_restores_the_previous_snapshot(world, root, hosts):
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     world.Barrier()
     if world.rank == 0:
         for d in host_dirs(store):
@@ -742,12 +734,7 @@ def test_a_deleted_newest_slot_restores_the_previous_snapshot(world, root, hosts
 def test_records_are_bound_to_their_layout(world, root, hosts):
     """A layout re-authenticated with the job's secret but not the one the records were
     committed under (a field added): no record passes."""
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     world.Barrier()
     if world.rank == 0:
         for d in host_dirs(store):
@@ -805,12 +792,7 @@ def test_a_record_without_a_position_is_skipped_or_restored_whole(world, root):
 
 
 def test_both_slots_attacked_is_none_and_changes_nothing(world, root, hosts):
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     world.Barrier()
     if world.rank == 0:
         for d in host_dirs(store):
@@ -1011,12 +993,7 @@ class _NoChecksum:
 
 
 def test_a_take_cut_short_leaves_the_previous_snapshot(world, root, hosts, monkeypatch):
-    state = State(world)
-    store = make_store(state, new_job(world), root, world)
-    state.set(1)
-    store.take((KIND, 1))
-    state.set(2)
-    store.take((KIND, 2))
+    state, store = two_snapshots(world, root)
     state.set(3)
     monkeypatch.setattr(snapshot_module, "zlib", _NoChecksum)
     if store.writer:
