@@ -61,6 +61,27 @@ def processes(cluster, host: str) -> dict[int, str]:
     return found
 
 
+def script_ranks(cluster, host: str, script: str) -> list[int]:
+    """The ranks running ``script`` (a file name) on ``host``: Python processes whose
+    command line names it (not the batch script or srun, whose command lines name it
+    too)."""
+    return [pid for pid, cmd in processes(cluster, host).items()
+            if script in cmd and os.path.basename(cmd.split()[0]).startswith("python")]
+
+
+def leftovers(cluster, script: str, also: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """A job's processes still on each host: those naming ``script``, hydra's proxies,
+    slurmstepd, and those naming any of ``also``."""
+    left = {}
+    for host in cluster.hosts:
+        cmds = [cmd for cmd in processes(cluster, host).values()
+                if any(word in cmd for word in (script, "hydra_pmi_proxy", "slurmstepd",
+                                                *also))]
+        if cmds:
+            left[host] = cmds
+    return left
+
+
 def kill_host(cluster, host: str, keep_slurmd: bool = True) -> None:
     """SIGKILL every process of ``host`` (but its slurmd, which the Slurm tests need,
     unless ``keep_slurmd`` is False)."""

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster import Job, kill_host, processes, wait_until
+from _cluster import Job, kill_host, script_ranks, wait_until
 from _elastic_train import LAUNCH, check_recovered, steps
 
 pytestmark = pytest.mark.cluster
@@ -42,8 +42,7 @@ EPOCHS = 3  # 16 steps an epoch: the fault falls in the second
 
 
 def _training_ranks(cluster, host: str) -> list[int]:
-    return [pid for pid, cmd in processes(cluster, host).items()
-            if TRAIN.name in cmd and cmd.split()[0].rsplit("/", 1)[-1].startswith("python")]
+    return script_ranks(cluster, host, TRAIN.name)
 
 
 def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):

@@ -31,9 +31,10 @@ import pytest
 from _cluster import (
     job_fields,
     kill_host,
+    leftovers,
     node_state,
-    processes,
     restart_slurmd,
+    script_ranks,
     slurm,
     slurm_env,
     stop_slurmd,
@@ -53,20 +54,12 @@ EPOCHS, STEP_SLEEP = 10, 0.3
 
 
 def _training_ranks(cluster, host: str) -> list[int]:
-    return [pid for pid, cmd in processes(cluster, host).items()
-            if TRAIN.name in cmd and os.path.basename(cmd.split()[0]).startswith("python")]
+    return script_ranks(cluster, host, TRAIN.name)
 
 
 def _leftovers(cluster) -> dict[str, list[str]]:
     """The job's processes still on each host: ranks, the launcher, hydra, slurmstepd."""
-    left = {}
-    for host in cluster.hosts:
-        cmds = [cmd for cmd in processes(cluster, host).values()
-                if TRAIN.name in cmd or "hydra_pmi_proxy" in cmd or "slurmstepd" in cmd
-                or "mpiexec" in cmd]
-        if cmds:
-            left[host] = cmds
-    return left
+    return leftovers(cluster, TRAIN.name, also=("mpiexec",))
 
 
 # The link variant passes as well (first step on node1 11.3 s after the fault with

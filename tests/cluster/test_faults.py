@@ -38,6 +38,7 @@ import pytest
 from _cluster import Job as _Job
 from _cluster import job_fields as _job_fields
 from _cluster import kill_host as _kill_host
+from _cluster import leftovers, script_ranks
 from _cluster import processes as _processes
 from _cluster import restart_slurmd as _restart_slurmd
 from _cluster import slurm as _slurm
@@ -73,20 +74,11 @@ class Ended:
 
 
 def _ranks(cluster, host: str) -> list[int]:
-    """The training ranks still running on ``host``: Python processes running the script
-    (not the batch script or srun, whose command lines name it too)."""
-    return [pid for pid, cmd in _processes(cluster, host).items()
-            if TRAIN.name in cmd and os.path.basename(cmd.split()[0]).startswith("python")]
+    return script_ranks(cluster, host, TRAIN.name)
 
 
 def _job_leftovers(cluster) -> dict[str, list[str]]:
-    left = {}
-    for host in cluster.hosts:
-        cmds = [cmd for cmd in _processes(cluster, host).values()
-                if TRAIN.name in cmd or "hydra_pmi_proxy" in cmd or "slurmstepd" in cmd]
-        if cmds:
-            left[host] = cmds
-    return left
+    return leftovers(cluster, TRAIN.name)
 
 
 def _sidecars(cluster) -> list[str]:
