@@ -169,8 +169,8 @@ def _elastic_options(np_: int | None, min_ranks: int | None, max_restarts: int |
                    "[default: 3].")
 @click.option("--snapshot-every", metavar="K|auto",
               help="With --min-ranks: snapshot the state into each host's RAM every K "
-                   "steps; auto: every step unless that costs more than 3%% of the "
-                   "training time (then as often as 3%% allows) [default: auto].")
+                   "steps; auto: every step unless that costs more than 3% of the "
+                   "training time (then as often as 3% allows) [default: auto].")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
