@@ -96,14 +96,15 @@ def kill_host(cluster, host: str, keep_slurmd: bool = True) -> None:
 
 class Job:
     """A job under a launcher, its output to files (no pipe can fill up), run from
-    ``cwd`` with the cluster's environment."""
+    ``cwd`` with the cluster's environment and ``env``."""
 
-    def __init__(self, cluster, argv, tmp_path: Path, cwd: Path | None = None) -> None:
+    def __init__(self, cluster, argv, tmp_path: Path, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.out, self.err = tmp_path / "job.out", tmp_path / "job.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen(
-                [str(a) for a in argv], cwd=cwd or Path(__file__).resolve().parents[2],
-                env=cluster.env, stdout=out, stderr=err, start_new_session=True)
+                [str(a) for a in argv], cwd=cwd or ROOT, env={**cluster.env, **(env or {})},
+                stdout=out, stderr=err, start_new_session=True)
 
     def stop(self) -> None:
         if self.process.poll() is None:

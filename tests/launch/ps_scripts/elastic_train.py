@@ -6,8 +6,10 @@ so the end state says whether every function's update was applied exactly once.
 
 MODE: who is killed (SIGKILL) at function S // 2 + 5 of the first launch only:
 ``worker`` (the worker running it kills itself), ``ps`` (that worker kills the ps),
-``coordinator`` (rank 0 kills itself before scheduling it), ``none``. The coordinator
-joins every 10 functions (a step boundary where nothing runs) and prints one JSON line.
+``coordinator`` (rank 0 kills itself before scheduling it), ``none`` (the fault comes
+from outside: tests/cluster/test_elastic_ps.py). The coordinator joins every 10 functions
+(a step boundary where nothing runs; it prints ``@@ joined N``) and prints one JSON line
+at the end. ``STEP_SLEEP`` (default 0.02): seconds each function sleeps.
 ``FAKE_HOSTS=a,a,b,...`` gives each rank a host name (the partner copy's test), and
 ``TEST_JOB_SECRET`` the job's secret when a plain ``mpiexec`` launches it.
 """
@@ -37,6 +39,7 @@ mode = sys.argv[1]
 total_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
 restart = int(os.environ["MPISTRAT_ELASTIC_RESTART"])
 kill_at = total_steps // 2 + 5 if restart == 0 else -1
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.02"))  # seconds each function sleeps
 pids = MPI.COMM_WORLD.allgather(os.getpid())  # (rank 1 is the ps)
 
 strategy = ms.ParameterServerStrategy()  # workers and ps serve inside, then exit 0
@@ -58,7 +61,7 @@ def step(i, victim, ps_pid):
     if i == victim and mode == "ps":
         os.kill(ps_pid, signal.SIGKILL)
         time.sleep(30)  # (the launcher ends this launch)
-    time.sleep(0.02)
+    time.sleep(STEP_SLEEP)
     weights.assign_add(np.full(3, 0.5))
     progress.assign_add(np.array([1, i], np.int64))
     return i
@@ -70,6 +73,7 @@ for i in range(start, total_steps):
     coordinator.schedule(step, args=(i, kill_at, pids[1]))
     if (i + 1) % 10 == 0:
         coordinator.join()
+        print(f"@@ joined {i + 1}", flush=True)
 coordinator.join()
 snapshot = manager.restored_snapshot
 print(json.dumps({
