@@ -67,7 +67,8 @@ from .monitor import JobMonitor, RankRecord, bind_address, vanished_records
 from .options import RunOptions
 
 __all__ = ["ElasticOptions", "Decision", "LaunchRecord", "ElasticResult", "decide",
-           "run_elastic", "host_file_text", "DEFAULT_MAX_RESTARTS", "DEFAULT_SNAPSHOT_EVERY"]
+           "run_elastic", "host_file_text", "host_file_capacity", "DEFAULT_MAX_RESTARTS",
+           "DEFAULT_SNAPSHOT_EVERY"]
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_SNAPSHOT_EVERY = 0  # auto (mpistrat.elastic.env.AUTO_SHARE)
@@ -204,7 +205,9 @@ def _ranks(n: int) -> str:
 
 def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
            signals: Sequence[object] = (), sizes: Sequence[int] = (),
-           options: ElasticOptions) -> Decision:
+           options: ElasticOptions,
+           capacity: Sequence[tuple[str, int]] | None = None,
+           excluded: Sequence[str] = ()) -> Decision:
     """What the end of one launch means: a pure function of what its monitor recorded.
 
     Args:
@@ -215,6 +218,10 @@ def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
         signals: the signals this launcher passed on to it (``JobMonitor.signals``).
         sizes: the size of every launch so far, this one last (its length - 1 is the
             number of restarts used).
+        capacity: the hosts of the job's host file with their slots (None: not known):
+            a relaunch grows back towards the first launch's size into their free
+            slots — the survivors' first, then hosts the job has not used — but never
+            onto a host lost in this launch or ``excluded`` (lost before).
         options: the job's :class:`ElasticOptions`.
     """
     sizes = tuple(sizes) or (size,)
@@ -263,6 +270,9 @@ def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
             f"mpistrat run: {what}; not launching again: rank(s) {missing} never reached "
             f"this launcher's monitor, so where they ran is not known (launch sizes so far: "
             f"{so_far}). {rerun}"))
+    if capacity:
+        survivors = _grow(survivors, capacity, {*lost_hosts, *excluded}, sizes[0])
+        loss = replace(loss, survivors=survivors)
     left = loss.size
     if options.num_ps is not None and left < options.num_ps + 2:
         return replace(loss, reason="ps-ranks", message=(
@@ -286,6 +296,50 @@ def decide(records: Mapping[int, RankRecord], size: int, status: int, *,
     return replace(loss, action="restart", message=(
         f"mpistrat run: {what}; restart {used + 1} of {options.max_restarts} on "
         f"{_ranks(left)} ({_placement(survivors)}){roles}"))
+
+
+def _grow(survivors: Sequence[tuple[str, int]], capacity: Sequence[tuple[str, int]],
+          lost: set[str], target: int) -> tuple[tuple[str, int], ...]:
+    """``survivors`` with more ranks, up to ``target`` in all: first into the free slots
+    of their own hosts, then onto the hosts of ``capacity`` not used and not ``lost``,
+    in the host file's order."""
+    slots = dict(capacity)
+    grown = dict(survivors)
+    total = sum(grown.values())
+    for host in list(grown):
+        more = min(max(slots.get(host, 0) - grown[host], 0), target - total)
+        grown[host] += more
+        total += more
+    for host, free in capacity:
+        if total >= target:
+            break
+        if host not in grown and host not in lost and free > 0:
+            grown[host] = min(free, target - total)
+            total += grown[host]
+    return tuple(grown.items())
+
+
+def host_file_capacity(path: str | None) -> list[tuple[str, int]] | None:
+    """The ``host:slots`` lines of a hydra host file (slots 1 when not given); None when
+    there is none or it cannot be read as one."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as file:
+            text = file.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return None
+    found: list[tuple[str, int]] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        slots = slots.split()[0] if slots.split() else "1"
+        if not host or not slots.isdigit() or int(slots) < 1:
+            return None
+        found.append((host.split()[0], int(slots)))
+    return found or None
 
 
 def _workers(n: int) -> str:
@@ -384,6 +438,8 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
     lost: list[str] = []
     launches: list[LaunchRecord] = []
     saved = {name: os.environ.get(name) for name in (_HOST_FILE, _OVERLAP)}
+    # the host file's slots: a relaunch may grow back into the free ones
+    capacity = host_file_capacity(saved[_HOST_FILE])
     directory: str | None = None
     try:
         while True:
@@ -404,7 +460,8 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
             with monitor.lock:
                 records = dict(monitor.records)
             decision = decide(records, size, status, signals=tuple(monitor.signals),
-                              sizes=sizes, options=elastic)
+                              sizes=sizes, options=elastic, capacity=capacity,
+                              excluded=[item for item in lost if "/" not in item])
             vanished = vanished_records(records)
             lost_at = vanished[0].closed if vanished else None
             record = LaunchRecord(len(sizes) - 1, size, decision.hosts, status, decision,
@@ -414,7 +471,8 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                 if decision.message:
                     _say(decision.message)
                 return ElasticResult(status, job, tuple(launches))
-            if len(decision.hosts) > 1:  # across hosts: the survivors' own host file
+            if len(decision.hosts) > 1 or len(decision.survivors) > 1:
+                # across hosts: the survivors' own host file
                 if directory is None:
                     directory = tempfile.mkdtemp(prefix="mpistrat-elastic-")  # (0700)
                 path = os.path.join(directory, "hosts")

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _cluster import Job, kill_host, script_ranks, wait_until
 from _elastic_train import LAUNCH, check_recovered, steps
@@ -170,3 +171,36 @@ def test_a_second_failure_during_the_recovery_ends_the_job_within_the_bound(clus
                      r"2\)", output), output
     assert ended <= TIMEOUT + 15, (ended, output)
     assert not _training_ranks(cluster, "node1") and not _training_ranks(cluster, "node2")
+
+
+@pytest.mark.timeout(240)
+def test_a_relaunch_grows_into_the_free_slots_of_the_host_left(cluster, tmp_path):
+    """-n 3 over the host file's node1:2 and node2:2 (ranks 0, 1 on node1, rank 2 on
+    node2); node1 lost: one rank would be left, below --min-ranks 2, but node2 has a free
+    slot, so the job goes on with 2 ranks there, from node2's snapshot."""
+    out = tmp_path / "result.npz"
+    argv = [VENV_BIN / "mpistrat", "run", "-n", "3", "--min-ranks", "2",
+            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
+            "--checkpoint-dir", tmp_path / "ckpt", "--out", out, "--epochs", str(EPOCHS),
+            "--step-sleep", "0.1"]
+    job = Job(cluster, argv, tmp_path)
+    try:
+        wait_until(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output))
+                   or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
+        assert job.process.poll() is None, job.output
+        kill_host(cluster, "node1")
+        job.process.wait(120)
+    finally:
+        job.stop()
+        for host in cluster.hosts:
+            kill_host(cluster, host)
+    output = job.output
+    assert job.process.returncode == 0, output
+    assert re.search(r"mpistrat run: lost host node1 \(ranks 0, 1\); restart 1 of 3 on 2 "
+                     r"ranks \(node2:2\)", output), output
+    launches = LAUNCH.findall(output)
+    assert [(int(n), int(r)) for n, r, _, _ in launches] == [(0, 3), (1, 2)], output
+    assert "/node2/slot-" in launches[1][2], output  # node2's own snapshot
+    result = np.load(out)
+    np.testing.assert_allclose(result["w"], result["reference"], rtol=1e-9, atol=1e-12)
+    assert np.array_equal(result["seen"], np.full(len(result["seen"]), float(EPOCHS)))

@@ -364,3 +364,45 @@ def test_the_monitor_secret_is_the_jobs_for_every_launch(monkeypatch):
     assert len(set(secrets_seen)) == 1 and len(secrets_seen) == 2
     assert result.launches[0].lost == ("node1/0",)
     assert elastic.DEFAULT_MAX_RESTARTS == 3
+
+
+# -- growing back into a host file's free slots
+
+
+def test_a_relaunch_grows_into_the_free_slots_of_the_hosts_left():
+    """-n 3 over node1:2, node2:2 (hydra: ranks 0, 1 on node1, rank 2 on node2): node1
+    lost, node2 has a free slot, so the relaunch has 2 ranks, not 1, and --min-ranks 2
+    holds."""
+    job = _Job(("node1", "node1", "node2"))
+    decision = job.vanish(0, 1, 2).decide(options=_options(ranks=3, min_ranks=2),
+                                          capacity=[("node1", 2), ("node2", 2)])
+    assert decision.restart and decision.lost_hosts == ("node1",)
+    assert decision.survivors == (("node2", 2),) and decision.size == 2
+    assert "restart 1 of 3 on 2 ranks (node2:2)" in decision.message
+    # without the host file's slots, one rank would be left: below the minimum
+    assert _Job(("node1", "node1", "node2")).vanish(0, 1, 2).decide(
+        options=_options(ranks=3, min_ranks=2)).reason == "min-ranks"
+
+
+def test_a_relaunch_grows_onto_spare_hosts_never_onto_lost_ones():
+    """-n 4 over node1:2, node2:2, node3:2, node4:2 (node3 and node4 spare): node2 lost;
+    the relaunch takes node1's 2 and node3's 2 (the first spare), back to 4 ranks; a host
+    lost earlier (node3, say) is never taken again."""
+    capacity = [("node1", 2), ("node2", 2), ("node3", 2), ("node4", 2)]
+    job = _Job(TWO_HOSTS).vanish(2, 3, 0, 1)
+    decision = job.decide(capacity=capacity)
+    assert decision.survivors == (("node1", 2), ("node3", 2)) and decision.size == 4
+    again = _Job(TWO_HOSTS).vanish(2, 3, 0, 1).decide(capacity=capacity,
+                                                     excluded=["node3"])
+    assert again.survivors == (("node1", 2), ("node4", 2))
+
+
+def test_the_host_file_capacity_is_read_as_hydra_reads_it(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("node1:2\n# a comment\nnode2\n\nnode3:4  # more\n")
+    assert elastic.host_file_capacity(str(path)) == [("node1", 2), ("node2", 1),
+                                                     ("node3", 4)]
+    path.write_text("node1:x\n")
+    assert elastic.host_file_capacity(str(path)) is None
+    assert elastic.host_file_capacity(str(tmp_path / "none")) is None
+    assert elastic.host_file_capacity(None) is None
