@@ -61,8 +61,8 @@ from ..elastic.env import ElasticEnv
 from ..launch.hugepages import malloc_hugepages_env
 from . import auth
 from .hosts import name_ranks
+from .launch import host_file, launch_command, self_launch
 from .launch import job_hosts as _job_hosts
-from .launch import launch_command, self_launch
 from .monitor import JobMonitor, RankRecord, bind_address, vanished_records
 from .options import RunOptions
 
@@ -320,26 +320,14 @@ def _grow(survivors: Sequence[tuple[str, int]], capacity: Sequence[tuple[str, in
 
 
 def host_file_capacity(path: str | None) -> list[tuple[str, int]] | None:
-    """The ``host:slots`` lines of a hydra host file (slots 1 when not given); None when
-    there is none or it cannot be read as one."""
-    if not path:
+    """The hosts of a hydra host file (:func:`~mpistrat.runner.launch.host_file`) with
+    their slots (1 where a line gives none); None when there is none, or a line's slots
+    are not a number >= 1."""
+    entries = host_file(path) if path else None
+    if entries is None or not all(slots == "" or (slots.isdigit() and int(slots) >= 1)
+                                  for _, slots in entries):
         return None
-    try:
-        with open(path, "rb") as file:
-            text = file.read(1 << 20).decode(errors="replace")
-    except OSError:
-        return None
-    found: list[tuple[str, int]] = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        host, _, slots = line.partition(":")
-        slots = slots.split()[0] if slots.split() else "1"
-        if not host or not slots.isdigit() or int(slots) < 1:
-            return None
-        found.append((host.split()[0], int(slots)))
-    return found or None
+    return [(host, int(slots) if slots else 1) for host, slots in entries]
 
 
 def _workers(n: int) -> str:

@@ -20,7 +20,7 @@ from .auth import SECRET_ENV
 from .monitor import MONITOR_ENV, active
 from .options import RunOptions
 
-__all__ = ["launch_command", "self_launch", "job_hosts", "FORWARDED_SIGNALS"]
+__all__ = ["launch_command", "self_launch", "job_hosts", "host_file", "FORWARDED_SIGNALS"]
 
 # where other resource managers hand the launcher its hosts (not read here: the monitor
 # then listens on every address, still authenticated)
@@ -57,6 +57,24 @@ def launch_command(options: RunOptions, nprocs: int, mpiexec: str | None = None,
                                   env=env, python=python, rank_env=rank_env, inherit=inherit)
 
 
+def host_file(path: str) -> list[tuple[str, str]] | None:
+    """A hydra host file's entries, ``host[:slots]`` per line (comments and blank lines
+    skipped): ``(host, slots as written, "" when not)``; None when the file cannot be read
+    or names no host."""
+    try:
+        with open(path, "rb") as file:
+            text = file.read(_MAX_HOST_FILE).decode(errors="replace")
+    except OSError:
+        return None
+    entries = []
+    for line in text.splitlines():
+        host, _, rest = line.split("#", 1)[0].strip().partition(":")
+        host = re.split(r"\s", host, maxsplit=1)[0]
+        if host:
+            entries.append((host, rest.split()[0] if rest.split() else ""))
+    return entries or None
+
+
 def job_hosts(env: Mapping[str, str] | None = None) -> list[str] | None:
     """The hosts ``mpiexec`` will start ranks on, as far as its environment tells (what
     hydra reads: ``HYDRA_HOST_FILE``, else a Slurm allocation's node list); this host
@@ -65,14 +83,8 @@ def job_hosts(env: Mapping[str, str] | None = None) -> list[str] | None:
     environ = os.environ if env is None else env
     path = environ.get("HYDRA_HOST_FILE")
     if path:
-        try:
-            with open(path, "rb") as file:
-                text = file.read(_MAX_HOST_FILE).decode(errors="replace")
-        except OSError:
-            return None  # (hydra says so itself)
-        hosts = [re.split(r"[:\s]", line.split("#", 1)[0].strip(), maxsplit=1)[0]
-                 for line in text.splitlines()]
-        return [h for h in hosts if h] or None
+        entries = host_file(path)  # (unreadable: hydra says so itself)
+        return [host for host, _ in entries] if entries else None
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if nodelist:
         from ..cluster.hostlist import expand_hostlist
