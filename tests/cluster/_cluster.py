@@ -96,10 +96,12 @@ def kill_host(cluster, host: str, keep_slurmd: bool = True) -> None:
 
 class Job:
     """A job under a launcher, its output to files (no pipe can fill up), run from
-    ``cwd`` with the cluster's environment and ``env``."""
+    ``cwd`` with the cluster's environment and ``env``. As a context manager it ends,
+    when the block does, the launcher and whatever it left on the cluster's hosts."""
 
     def __init__(self, cluster, argv, tmp_path: Path, cwd: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
+        self.cluster = cluster
         self.out, self.err = tmp_path / "job.out", tmp_path / "job.err"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen(
@@ -110,6 +112,20 @@ class Job:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        for host in self.cluster.hosts:
+            kill_host(self.cluster, host)
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        """Poll ``predicate`` until it holds; fail naming ``what`` if the job ends first
+        or after ``timeout`` seconds."""
+        wait_until(lambda: predicate() or self.process.poll() is not None, timeout, what)
+        assert self.process.poll() is None, f"the job ended before {what}:\n{self.output}"
 
     @property
     def output(self) -> str:

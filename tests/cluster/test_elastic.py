@@ -42,6 +42,23 @@ FAULT_STEP = 20
 EPOCHS = 3  # 16 steps an epoch: the fault falls in the second
 
 
+def _training(cluster, tmp_path: Path, ranks: int, min_ranks: int) -> Job:
+    """``mpistrat run -n RANKS --min-ranks MIN_RANKS`` of the training, once it has done
+    step FAULT_STEP (a context manager: everything of it ends with the block)."""
+    argv = [VENV_BIN / "mpistrat", "run", "-n", str(ranks), "--min-ranks", str(min_ranks),
+            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
+            "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "result.npz",
+            "--epochs", str(EPOCHS), "--step-sleep", "0.1"]
+    job = Job(cluster, argv, tmp_path)
+    try:
+        job.wait_for(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output)), 120,
+                     f"step {FAULT_STEP}")
+    except BaseException:
+        job.__exit__()
+        raise
+    return job
+
+
 def _training_ranks(cluster, host: str) -> list[int]:
     return script_ranks(cluster, host, TRAIN.name)
 
@@ -50,15 +67,7 @@ def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):
     """Run the training, make ``fault`` ('kill' or 'link') on node2 once step
     FAULT_STEP is done; return (job, the fault's time.time(), the result file)."""
     out = tmp_path / "result.npz"
-    argv = [VENV_BIN / "mpistrat", "run", "-n", "4", "--min-ranks", str(min_ranks),
-            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
-            "--checkpoint-dir", tmp_path / "ckpt", "--out", out, "--epochs", str(EPOCHS),
-            "--step-sleep", "0.1"]
-    job = Job(cluster, argv, tmp_path)
-    try:
-        wait_until(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output))
-                   or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
-        assert job.process.poll() is None, job.output
+    with _training(cluster, tmp_path, 4, min_ranks) as job:
         first = _training_ranks(cluster, "node1")
         assert first and _training_ranks(cluster, "node2")
         fault_at = time.time()
@@ -79,10 +88,6 @@ def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):
         finally:
             if fault == "link":
                 cluster.local("link", "node2", "up")
-    finally:
-        job.stop()
-    for host in cluster.hosts:
-        kill_host(cluster, host)
     return job, fault_at, ended_at, out
 
 
@@ -138,14 +143,7 @@ def test_a_second_failure_during_the_recovery_ends_the_job_within_the_bound(clus
     """node2 lost, then one of node1's relaunched ranks killed as soon as it starts: one
     rank would be left, below --min-ranks 2, so the job ends, naming both losses, within
     the bound of one more launch; nothing is left running."""
-    argv = [VENV_BIN / "mpistrat", "run", "-n", "4", "--min-ranks", "2",
-            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
-            "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "result.npz",
-            "--epochs", str(EPOCHS), "--step-sleep", "0.1"]
-    job = Job(cluster, argv, tmp_path)
-    try:
-        wait_until(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output))
-                   or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
+    with _training(cluster, tmp_path, 4, 2) as job:
         first = set(_training_ranks(cluster, "node1"))
         kill_host(cluster, "node2")
         wait_until(lambda: set(_training_ranks(cluster, "node1")) - first
@@ -156,10 +154,6 @@ def test_a_second_failure_during_the_recovery_ends_the_job_within_the_bound(clus
         os.kill(relaunched[-1], 9)
         job.process.wait(TIMEOUT + 30)
         ended = time.monotonic() - second_at
-    finally:
-        job.stop()
-        for host in cluster.hosts:
-            kill_host(cluster, host)
     output = job.output
     assert job.process.returncode != 0, output
     assert "restart 1 of 3 on 2 ranks (node1:2)" in output, output
@@ -178,22 +172,9 @@ def test_a_relaunch_grows_into_the_free_slots_of_the_host_left(cluster, tmp_path
     """-n 3 over the host file's node1:2 and node2:2 (ranks 0, 1 on node1, rank 2 on
     node2); node1 lost: one rank would be left, below --min-ranks 2, but node2 has a free
     slot, so the job goes on with 2 ranks there, from node2's snapshot."""
-    out = tmp_path / "result.npz"
-    argv = [VENV_BIN / "mpistrat", "run", "-n", "3", "--min-ranks", "2",
-            "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
-            "--checkpoint-dir", tmp_path / "ckpt", "--out", out, "--epochs", str(EPOCHS),
-            "--step-sleep", "0.1"]
-    job = Job(cluster, argv, tmp_path)
-    try:
-        wait_until(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output))
-                   or job.process.poll() is not None, 120, f"step {FAULT_STEP}")
-        assert job.process.poll() is None, job.output
+    with _training(cluster, tmp_path, 3, 2) as job:
         kill_host(cluster, "node1")
         job.process.wait(120)
-    finally:
-        job.stop()
-        for host in cluster.hosts:
-            kill_host(cluster, host)
     output = job.output
     assert job.process.returncode == 0, output
     assert re.search(r"mpistrat run: lost host node1 \(ranks 0, 1\); restart 1 of 3 on 2 "
@@ -201,6 +182,6 @@ def test_a_relaunch_grows_into_the_free_slots_of_the_host_left(cluster, tmp_path
     launches = LAUNCH.findall(output)
     assert [(int(n), int(r)) for n, r, _, _ in launches] == [(0, 3), (1, 2)], output
     assert "/node2/slot-" in launches[1][2], output  # node2's own snapshot
-    result = np.load(out)
+    result = np.load(tmp_path / "result.npz")
     np.testing.assert_allclose(result["w"], result["reference"], rtol=1e-9, atol=1e-12)
     assert np.array_equal(result["seen"], np.full(len(result["seen"]), float(EPOCHS)))

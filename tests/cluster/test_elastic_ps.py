@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cluster import Job, kill_host, script_ranks, wait_until
+from _cluster import Job, kill_host, script_ranks
 
 pytestmark = pytest.mark.cluster
 
@@ -32,20 +32,13 @@ def test_a_lost_coordinator_host_restores_from_the_partner_copy(cluster, tmp_pat
     hosts.write_text("node1:2\nnode2:4\n")
     argv = [VENV_BIN / "mpistrat", "run", "-n", "6", "--num-ps", "1", "--min-ranks", "3",
             "--timeout", "8", "--stall-check", "4", SCRIPT, "none", str(STEPS)]
-    job = Job(cluster, argv, tmp_path, env={"HYDRA_HOST_FILE": str(hosts),
-                                            "CKPT_DIR": str(tmp_path / "ckpt"),
-                                            "STEP_SLEEP": "0.15"})
-    try:
-        wait_until(lambda: "@@ joined 20" in job.out.read_text()
-                   or job.process.poll() is not None, 120, "20 functions done")
-        assert job.process.poll() is None, job.output
+    with Job(cluster, argv, tmp_path, env={"HYDRA_HOST_FILE": str(hosts),
+                                           "CKPT_DIR": str(tmp_path / "ckpt"),
+                                           "STEP_SLEEP": "0.15"}) as job:
+        job.wait_for(lambda: "@@ joined 20" in job.out.read_text(), 120, "20 functions done")
         assert script_ranks(cluster, "node1", SCRIPT.name), job.output
         kill_host(cluster, "node1")
         job.process.wait(120)
-    finally:
-        job.stop()
-        for host in cluster.hosts:
-            kill_host(cluster, host)
     output = job.output
     assert job.process.returncode == 0, output
     assert re.search(r"mpistrat run: lost host node1 \(ranks 0, 1\); restart 1 of 3 on 4 "
