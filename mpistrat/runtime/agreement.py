@@ -65,7 +65,6 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
         # that never match
         _agree_through(found, comm, signature, error, what, hint, timeout)
         return
-    MPI = mpi()
     code = 0
     if signature is not None:
         text = f"{signature} timeout={timeout}"
@@ -76,11 +75,7 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
     if timeout is None:
         # Non-blocking even without a timeout: blocking and non-blocking collectives do
         # not match each other in MPI, and ranks may disagree on the timeout.
-        watch = stall.current()
-        if watch is None:
-            comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
-        else:
-            watch.allreduce(comm, flags, what)
+        stall.allreduce_max(comm, flags, what)
     else:
         notes = _allreduce_within(comm, flags, timeout, what)
     failed, high, negated_low = (int(x) for x in flags)

@@ -39,7 +39,7 @@ from typing import Any, cast
 from ..errors import CollectiveTimeoutError
 from ._mpi import Comm, mpi
 
-__all__ = ["watch", "unwatch", "current", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",
+__all__ = ["watch", "unwatch", "current", "allreduce_max", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",
            "CHANNEL", "SEQ", "STARTED", "AGREED", "FRAME", "REPORTED", "POLLED"]
 
 _TAG = 0x5A8  # point-to-point tag of notes and verdicts, on the private communicator
@@ -409,6 +409,18 @@ _CURRENT: list[Watch] = []
 def current() -> Watch | None:
     """The process-wide watch, or None when agreements are not watched."""
     return _CURRENT[0] if _CURRENT else None
+
+
+def allreduce_max(comm: Comm, flags: Any, what: str) -> None:
+    """``comm.Iallreduce(IN_PLACE, flags, MAX)`` and its wait: watched (:meth:`Watch.
+    allreduce`) when agreements are, else a plain wait. Non-blocking either way, so that
+    it matches the other ranks' whether they are watched or not."""
+    found = current()
+    if found is None:
+        MPI = mpi()
+        comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
+    else:
+        found.allreduce(comm, flags, what)
 
 
 def watch(stall_check: float | None = 60.0, timeout: float | None = None,

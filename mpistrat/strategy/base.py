@@ -538,12 +538,7 @@ class Strategy:
         Watched like every collective: ``mpistrat run``'s stall check and ``--timeout``
         bound it, so a lost peer ends the wait here too."""
         flags = np.array([1 if flag else 0], dtype=np.int64)
-        watch = stall.current()
-        if watch is None:
-            MPI = mpi()
-            self._comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX).Wait()
-        else:
-            watch.allreduce(self._comm, flags, "the distributed dataset's next batch")
+        stall.allreduce_max(self._comm, flags, "the distributed dataset's next batch")
         return bool(flags[0])
 
     def _shuffle_seed(self) -> int | None:
