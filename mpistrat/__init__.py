@@ -138,8 +138,9 @@ __all__ += ["Checkpoint", "CheckpointManager", "latest_checkpoint", "Scalar",
             "PreemptionCheckpointHandler", "CheckpointNotFoundError", "CheckpointCorruptError"]
 
 from . import elastic  # noqa: E402  (mpistrat run --min-ranks: info(), step())
+from . import trace  # noqa: E402  (mpistrat run --trace; start(), step(), span())
 
-__all__ += ["elastic"]
+__all__ += ["elastic", "trace"]
 
 # tf.distribute.experimental.partitioners: the classes here, the whole set (with the
 # shard-size helpers) in mpistrat.partitioners

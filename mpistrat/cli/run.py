@@ -41,7 +41,7 @@ def _end_options_at_module(args: list[str]) -> list[str]:
     takes_value = {"-n", "--np", "--mpiexec", "--spec", "--num-packs", "--communication",
                    "--local-replicas", "--gpus-per-rank", "--timeout", "--stall-check",
                    "--report-dir", "--num-ps", "--torch-backend", "--min-ranks",
-                   "--max-restarts", "--snapshot-every"}
+                   "--max-restarts", "--snapshot-every", "--trace", "--trace-steps"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -171,11 +171,19 @@ def _elastic_options(np_: int | None, min_ranks: int | None, max_restarts: int |
               help="With --min-ranks: snapshot the state into each host's RAM every K "
                    "steps; auto: every step unless that costs more than 3% of the "
                    "training time (then as often as 3% allows) [default: auto].")
+@click.option("--trace", "trace_dir", metavar="DIR",
+              help="Every rank writes its trace to DIR/rank-R.json (Perfetto, "
+                   "chrome://tracing and HTA open it; mpistrat trace merge/summary DIR). "
+                   "Use a directory every host shares [default: MPISTRAT_TRACE, else off].")
+@click.option("--trace-steps", metavar="A:B",
+              help="With --trace: record steps A to B-1 (A: from A on; N: the first N) "
+                   "[default: MPISTRAT_TRACE_STEPS, else 0:100].")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replicas,
         gpus_per_rank, tag_output, quiet_ranks, timeout, stall_check, report_dir, num_ps,
-        torch_backend, min_ranks, max_restarts, snapshot_every, script_and_args):
+        torch_backend, min_ranks, max_restarts, snapshot_every, trace_dir, trace_steps,
+        script_and_args):
     """Run a training script on every rank in a default MultiWorkerMirroredStrategy.
 
     The script runs as __main__ with its arguments; mpistrat.get_strategy() returns the
@@ -217,6 +225,14 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
         report_dir = os.path.abspath(report_dir)  # the ranks may start elsewhere
     if torch_backend is None:
         torch_backend = os.environ.get(TORCH_BACKEND_ENV) or None
+    if trace_dir is None:
+        trace_dir = os.environ.get("MPISTRAT_TRACE") or None
+    if trace_steps is None:
+        trace_steps = os.environ.get("MPISTRAT_TRACE_STEPS") or None
+    if trace_steps is not None and trace_dir is None:
+        raise click.UsageError("--trace-steps goes with --trace DIR")
+    if trace_dir is not None:
+        trace_dir = os.path.abspath(trace_dir)  # the ranks may start elsewhere
     try:
         options = RunOptions(
             target=target, args=tuple(args), module=module is not None, spec=spec,
@@ -224,7 +240,8 @@ def run(ctx, np_, mpiexec, module, spec, num_packs, communication, local_replica
             local_replicas=local_replicas, gpus_per_rank=gpus_per_rank,
             tag_output=tag_output, quiet_ranks=quiet_ranks, timeout=timeout,
             stall_check=stall_check, report_dir=report_dir, num_ps=num_ps,
-            torch_backend=None if torch_backend is None else torch_backend.lower())
+            torch_backend=None if torch_backend is None else torch_backend.lower(),
+            trace_dir=trace_dir, trace_steps=trace_steps)
     except MpistratError as exc:  # the spec
         raise click.UsageError(f"--spec {spec}: {exc}") from None
     except ValueError as exc:

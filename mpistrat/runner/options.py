@@ -44,6 +44,8 @@ class RunOptions:
             that ask for gloo, or for no backend, get the ``"mpistrat"`` backend
             (:func:`mpistrat.torch.use_instead_of_gloo`, before the script);
             ``"gloo"`` or None: torch's own choice, untouched.
+        trace_dir: every rank writes its trace there (:mod:`mpistrat.trace`); None: off.
+        trace_steps: the traced steps, ``"A:B"`` (None: the default window).
     """
 
     target: str
@@ -61,6 +63,8 @@ class RunOptions:
     report_dir: str | None = None
     num_ps: int | None = None
     torch_backend: str | None = None
+    trace_dir: str | None = None
+    trace_steps: str | None = None
     parsed_spec: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +97,17 @@ class RunOptions:
         if self.torch_backend is not None and self.torch_backend not in TORCH_BACKENDS:
             raise ValueError(f"--torch-backend must be one of {', '.join(TORCH_BACKENDS)}, "
                              f"got {self.torch_backend!r}")
+        if self.trace_steps is not None:
+            if self.trace_dir is None:
+                raise ValueError("--trace-steps goes with --trace DIR")
+            from ..trace import TraceError, parse_steps
+            try:
+                parse_steps(self.trace_steps)
+            except TraceError as exc:
+                raise ValueError(str(exc)) from None
+        if self.trace_dir is not None and (not isinstance(self.trace_dir, str)
+                                           or not self.trace_dir.strip()):
+            raise ValueError(f"--trace must be a directory path, got {self.trace_dir!r}")
         if self.spec is not None and self.parsed_spec is None:
             object.__setattr__(self, "parsed_spec", resolve_spec(self.spec))
 
@@ -122,5 +137,9 @@ class RunOptions:
             argv += ["--num-ps", str(self.num_ps)]
         if self.torch_backend is not None:
             argv += ["--torch-backend", self.torch_backend]
+        if self.trace_dir is not None:
+            argv += ["--trace", self.trace_dir]
+        if self.trace_steps is not None:
+            argv += ["--trace-steps", self.trace_steps]
         argv += ["-m", self.target] if self.module else [self.target]
         return argv + list(self.args)

@@ -15,6 +15,7 @@ from ..ps.roles import NUM_PS_ENV
 from ..runtime import stall
 from ..runtime._mpi import mpi
 from ..strategy.mirrored import LOCAL_REPLICAS
+from .. import trace
 from . import auth, sidecar, torchenv
 from .execute import check_target, default_strategy, run_target, set_default_strategy
 from .failure import Outcome, finish, outcome_of
@@ -104,7 +105,10 @@ def _run_job(options: RunOptions, world: Any,
                                          (lambda status, text: notify(status))
                                          if notify is not None else None, secret=secret)
                     dog.phase = "running the script"
+                if options.trace_dir is not None:
+                    start_trace(world, options.trace_dir, options.trace_steps)
                 outcome = _run_script(options, strategy_factory, set_strategy)
+                trace.flush()  # (a failed rank may abort the job in finish)
                 if dog is not None:
                     dog.phase = ("finished the script" if outcome.status == 0 else
                                  f"ending after a failure (status {outcome.status})")
@@ -112,6 +116,7 @@ def _run_job(options: RunOptions, world: Any,
                 if watch is not None and outcome.status == 0:
                     watch.announce("finished the script")
                 status = finish(done, outcome, output, watchdog=dog, notify=notify)
+                trace.stop(collective=status == 0)  # (every rank got here)
                 if notify is not None:
                     notify(status)
                 return status
@@ -121,6 +126,18 @@ def _run_job(options: RunOptions, world: Any,
                 stall.unwatch()
     finally:
         done.Free()
+
+
+def start_trace(world: Any, directory: str, steps: str | None) -> None:
+    """``--trace``: every rank's trace into ``directory`` (a relaunch of an elastic job
+    into ``directory/restart-K``, so the launches' files stay apart)."""
+    restart = os.environ.get("MPISTRAT_ELASTIC_RESTART", "0")
+    if restart.isdigit() and int(restart) > 0:
+        directory = os.path.join(directory, f"restart-{int(restart)}")
+    try:
+        trace.start(directory, steps, comm=world)
+    except trace.TraceError as exc:
+        raise RunSetupError(f"mpistrat run --trace: {exc}") from None
 
 
 def _end_parameter_servers(failed: bool) -> None:

@@ -1,0 +1,157 @@
+"""The trace's hot path: one branch when tracing is off, a tuple appended when it is on.
+
+Instrumented code writes::
+
+    t = recorder.begin()              # 0 when off (no clock read, no allocation)
+    ...
+    if t:
+        recorder.end(t, "all_reduce", recorder.COLLECTIVE, {...})
+
+Events are kept as tuples in a list and formatted by the writer thread
+(:mod:`mpistrat.trace.writer`), never here. Step boundaries (:func:`boundary`) end one
+``ProfilerStep#N`` span and start the next, turn recording on and off for the step window,
+and hand the buffer to the writer. This module imports only the standard library, so that
+every layer of mpistrat (the MPI runtime included) can record without an import cycle.
+"""
+
+from __future__ import annotations
+
+import threading
+from time import monotonic_ns
+from typing import Any
+
+__all__ = ["on", "begin", "end", "instant", "boundary", "Recorder", "current",
+           "STEP", "USER", "COLLECTIVE", "PHASE", "INPUT", "CHECKPOINT", "PS", "FAILURE",
+           "FROM_STRATEGY", "FROM_INPUT", "FROM_SCRIPT"]
+
+# categories (Kineto's where one exists: steps and user spans are user_annotation, ops
+# cpu_op; the classification's intervals, written by the writer, are kernel)
+STEP = "user_annotation"
+USER = "user_annotation"
+COLLECTIVE = "cpu_op"
+PHASE = "mpistrat_phase"
+INPUT = "input"
+CHECKPOINT = "checkpoint"
+PS = "ps"
+FAILURE = "failure"
+
+# where a step boundary comes from; a boundary from a lower source is ignored once one
+# from a higher source has been seen (a loop over a distributed dataset marks its steps
+# at every batch, and its strategy.run calls then count no more)
+FROM_STRATEGY = 1
+FROM_INPUT = 2
+FROM_SCRIPT = 3
+
+on = False
+"""True while events are recorded (a recorder exists and the step is in its window)."""
+
+_active: list[Recorder] = []
+
+
+def current() -> Recorder | None:
+    """The recorder of this process, or None when tracing is off."""
+    return _active[0] if _active else None
+
+
+def begin() -> int:
+    """The start of a span: the clock (ns) while recording, else 0."""
+    return monotonic_ns() if on else 0
+
+
+def end(start: int, name: str, cat: str, args: dict[str, Any] | None = None) -> None:
+    """Record the span ``[start, now]`` (``start`` from :func:`begin`, non-zero)."""
+    if _active:
+        _active[0].add(start, monotonic_ns() - start, name, cat, args)
+
+
+def instant(name: str, cat: str, args: dict[str, Any] | None = None) -> None:
+    """Record a moment (a stall report, a closure scheduled, a failure)."""
+    if on and _active:
+        _active[0].add(monotonic_ns(), -1, name, cat, args)
+
+
+def boundary(source: int) -> None:
+    """A step boundary from ``source`` (:data:`FROM_STRATEGY`, ...)."""
+    if _active:
+        _active[0].boundary(source)
+
+
+def _set_on(value: bool) -> None:
+    global on
+    on = value
+
+
+class Recorder:
+    """The events of one rank: a buffer of tuples ``(start_ns, dur_ns, name, cat, args,
+    thread)`` (``dur_ns`` -1 for an instant), the step counter and the window.
+
+    Args:
+        steps: the window ``(first, stop)``: steps ``first <= step < stop`` are recorded
+            (``stop`` None: no end). The time before the first boundary belongs to step 0.
+        max_events: events kept per step; more are counted as dropped.
+        sink: called with each full buffer (a list it then owns) and the step it ends
+            at, from the thread that ends the step; the writer queues it.
+        flush_events: hand the buffer over at a boundary once it holds this many.
+    """
+
+    def __init__(self, steps: tuple[int, int | None], max_events: int,
+                 sink: Any, flush_events: int = 2048) -> None:
+        self.first, self.stop = steps
+        self.max_events = max_events
+        self.sink = sink
+        self.flush_events = flush_events
+        self.buffer: list[tuple] = []
+        self.step = 0
+        self.source = 0
+        self.step_start = monotonic_ns()
+        self.in_step = 0          # events recorded in this step
+        self.dropped = 0          # events dropped over the whole run
+        self.lock = threading.Lock()  # (only around handing the buffer over)
+
+    def in_window(self, step: int) -> bool:
+        return self.first <= step and (self.stop is None or step < self.stop)
+
+    def add(self, start: int, dur: int, name: str, cat: str, args: Any) -> None:
+        if self.in_step >= self.max_events:
+            self.dropped += 1
+            return
+        self.in_step += 1
+        self.buffer.append((start, dur, name, cat, args, threading.get_native_id()))
+
+    def boundary(self, source: int) -> None:
+        if source < self.source:
+            return
+        self.source = source
+        now = monotonic_ns()
+        if on:
+            self.buffer.append((self.step_start, now - self.step_start,
+                                f"ProfilerStep#{self.step}", STEP, {"step": self.step},
+                                threading.get_native_id()))
+        self.step += 1
+        self.step_start = now
+        self.in_step = 0
+        _set_on(self.in_window(self.step))
+        if len(self.buffer) >= self.flush_events:
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """Give the buffer to the sink (a new list takes its place)."""
+        with self.lock:
+            events, self.buffer = self.buffer, []
+        if events:
+            self.sink(events, self.step)
+
+    def close_step(self) -> None:
+        """End the current step's span where tracing stops (a last, partial step)."""
+        if on:
+            now = monotonic_ns()
+            self.buffer.append((self.step_start, now - self.step_start,
+                                f"ProfilerStep#{self.step}", STEP,
+                                {"step": self.step, "partial": True}, threading.get_native_id()))
+            self.step_start = now
+
+
+def install(recorder: Recorder | None) -> None:
+    """Make ``recorder`` this process's (None: tracing off)."""
+    _active[:] = [recorder] if recorder is not None else []
+    _set_on(recorder is not None and recorder.in_window(recorder.step))
