@@ -45,8 +45,9 @@ __all__ = ["start", "stop", "step", "span", "tracing", "flush", "active", "parse
            "TraceError", "MAX_EVENTS", "DEFAULT_STEPS", "TRACE_ENV", "TRACE_STEPS_ENV",
            "rank_file"]
 
-MAX_EVENTS = 3000
-"""Events kept per step and rank (the file grows by about a megabyte per step at most)."""
+MAX_EVENTS = 2000
+"""Events kept per step and rank: with their classification (at most two kernel events
+each) the file grows by about a megabyte per step at most."""
 DEFAULT_STEPS = "0:100"
 TRACE_ENV = "MPISTRAT_TRACE"          # mpistrat run --trace's directory, for every rank
 TRACE_STEPS_ENV = "MPISTRAT_TRACE_STEPS"

@@ -1,0 +1,199 @@
+"""The trace's recorder, writer and classification, without MPI: one rank's file is
+valid JSON after every chunk and after the process is killed, the window and the per-step
+cap bound what is kept, and the classification's interval arithmetic is exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpistrat import trace
+from mpistrat.trace import classify, recorder
+from mpistrat.trace.writer import TraceWriter
+
+
+@pytest.fixture
+def rank_file(tmp_path):
+    """A recorder writing ``rank-0.json`` as trace.start would, without MPI."""
+    made = []
+
+    def make(steps=(0, None), max_events=trace.MAX_EVENTS, flush_events=1):
+        path = str(tmp_path / "rank-0.json")
+        header = {"distributedInfo": {"rank": 0, "world_size": 1, "backend": "mpistrat"},
+                  "mpistrat": {"format": 1, "run": "ab", "rank": 0, "size": 1}}
+        writer = TraceWriter(path, header, 0, 0, 0)
+        rec = recorder.Recorder(steps, max_events, writer.put, flush_events=flush_events)
+        recorder.install(rec)
+        made.append(writer)
+        return path, rec, writer
+
+    yield make
+    recorder.install(None)
+    for writer in made:
+        writer.close()
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _spans(doc, name=None):
+    return [e for e in doc["traceEvents"] if e.get("ph") == "X"
+            and (name is None or e["name"] == name)]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2:12", (2, 12)), ("0:1", (0, 1)), ("5:", (5, None)), ("30", (0, 30)),
+    (None, (0, 100)), (" 3 : 4 ", (3, 4)),
+])
+def test_parse_steps(text, expected):
+    assert trace.parse_steps(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a:b", "4:2", "3:3", "-1:4", "1:2:3", "1.5"])
+def test_parse_steps_rejects_with_the_forms_it_takes(text):
+    with pytest.raises(trace.TraceError, match="A:B"if text not in ("4:2", "3:3") else "empty"):
+        trace.parse_steps(text)
+
+
+def test_off_records_nothing_and_begin_is_zero():
+    recorder.install(None)
+    assert recorder.begin() == 0
+    recorder.end(123, "x", recorder.USER)  # no recorder: nothing, no error
+    recorder.instant("x", recorder.FAILURE)
+    recorder.boundary(recorder.FROM_SCRIPT)
+    assert recorder.current() is None and not recorder.on
+
+
+def test_file_is_valid_json_after_every_chunk(rank_file):
+    path, rec, writer = rank_file()
+    doc = _load(path)
+    assert doc["distributedInfo"]["rank"] == 0 and _spans(doc) == []
+    with open(path) as f:  # HTA finds the rank on the first line, with a space
+        assert '"rank": 0' in f.readline()
+    for i in range(3):
+        t = recorder.begin()
+        recorder.end(t, f"work {i}", recorder.USER, {"i": i})
+        recorder.boundary(recorder.FROM_SCRIPT)
+        writer.flush()
+        doc = _load(path)
+        assert [e["name"] for e in _spans(doc) if e["cat"] == "user_annotation"] == \
+            [n for j in range(i + 1) for n in (f"work {j}", f"ProfilerStep#{j}")]
+
+
+def test_window_keeps_only_its_steps(rank_file):
+    path, rec, writer = rank_file(steps=(2, 4))
+    for i in range(6):
+        t = recorder.begin()
+        assert bool(t) == (2 <= i < 4)
+        recorder.end(t or 1, f"work {i}", recorder.USER) if t else None
+        recorder.boundary(recorder.FROM_SCRIPT)
+    rec.hand_over()
+    writer.flush()
+    names = {e["name"] for e in _spans(_load(path))}
+    assert {"work 2", "work 3", "ProfilerStep#2", "ProfilerStep#3"} <= names
+    assert not names & {"work 1", "work 4", "ProfilerStep#1", "ProfilerStep#4"}
+
+
+def test_per_step_cap_bounds_a_long_run(rank_file):
+    path, rec, writer = rank_file(max_events=50, flush_events=500)
+    for step in range(200):
+        for i in range(80):  # more than the cap in every step
+            t = recorder.begin()
+            recorder.end(t, "op", recorder.COLLECTIVE, {"bytes": 4096, "seq": i})
+        recorder.boundary(recorder.FROM_SCRIPT)
+    rec.hand_over()
+    writer.flush()
+    doc = _load(path)
+    ops = [e for e in _spans(doc, "op")]
+    assert len(ops) == 200 * 50 and rec.dropped == 200 * 30
+    # per step: the events kept, their classification (a compute interval between two
+    # collectives, the communication itself) and the step mark, a few hundred bytes each
+    assert os.path.getsize(path) < 200 * (3 * 50 + 10) * 250
+
+
+def test_lower_sources_count_no_more_once_a_higher_one_marks_steps(rank_file):
+    path, rec, writer = rank_file()
+    recorder.boundary(recorder.FROM_STRATEGY)
+    recorder.boundary(recorder.FROM_STRATEGY)
+    assert rec.step == 2
+    recorder.boundary(recorder.FROM_INPUT)
+    recorder.boundary(recorder.FROM_STRATEGY)  # a strategy.run inside the input's step
+    assert rec.step == 3
+    recorder.boundary(recorder.FROM_SCRIPT)
+    recorder.boundary(recorder.FROM_INPUT)
+    assert rec.step == 4
+
+
+def test_killed_process_leaves_a_file_that_parses(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from mpistrat.trace import recorder
+        from mpistrat.trace.writer import TraceWriter
+        w = TraceWriter({str(tmp_path / 'rank-0.json')!r}, {{"distributedInfo": {{"rank": 0}}}},
+                        0, 0, 0)
+        rec = recorder.Recorder((0, None), 3000, w.put, flush_events=10)
+        recorder.install(rec)
+        for step in range(100000):
+            for i in range(20):
+                t = recorder.begin()
+                recorder.end(t, "op", recorder.COLLECTIVE, {{"seq": i}})
+            recorder.boundary(recorder.FROM_SCRIPT)
+            if step == 50:
+                print("ready", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # the writer in the middle of its chunks
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    doc = _load(tmp_path / "rank-0.json")
+    steps = [e for e in _spans(doc) if e["name"].startswith("ProfilerStep#")]
+    assert len(steps) >= 50
+
+
+def test_classification_of_a_step():
+    # a step 0..100 on thread 1: a collective 20..50 whose agreement 20..35, an input wait
+    # 0..10, a collective on thread 2 (hidden behind compute) 60..80
+    ev = [
+        (0, 100, "ProfilerStep#0", "user_annotation", {"step": 0}, 1),
+        (0, 10, "input wait", "input", None, 1),
+        (20, 30, "all_reduce", "cpu_op", None, 1),
+        (20, 15, "agreement", "mpistrat_phase", None, 1),
+        (60, 20, "bucket all_reduce", "cpu_op", None, 2),
+    ]
+    (step,) = classify.steps(ev)
+    assert step["input"] == [(0, 10)]
+    assert step["waiting"] == [(20, 35)]
+    assert step["communication"] == [(35, 50), (60, 80)]
+    assert step["compute"] == [(10, 20), (50, 100)]
+    assert step["hidden"] == [(60, 80)]
+    kernels = classify.kernels(ev)
+    by_stream = {s: classify.total([(k[0], k[0] + k[1]) for k in kernels if k[5] == s])
+                 for s in (7, 8, 9)}
+    assert by_stream == {7: 60, 8: 35, 9: 25}
+
+
+@pytest.mark.parametrize("a, cut, expected", [
+    ([(0, 10)], [], [(0, 10)]),
+    ([(0, 10)], [(0, 10)], []),
+    ([(0, 10)], [(2, 3), (5, 6)], [(0, 2), (3, 5), (6, 10)]),
+    ([(0, 4), (6, 10)], [(3, 7)], [(0, 3), (7, 10)]),
+    ([(5, 6)], [(0, 1), (10, 11)], [(5, 6)]),
+])
+def test_subtract(a, cut, expected):
+    assert classify.subtract(a, cut) == expected
+
+
+def test_union_merges_overlaps_and_drops_empty():
+    assert classify.union([(5, 7), (0, 2), (1, 3), (4, 4), (6, 9)]) == [(0, 3), (5, 9)]
