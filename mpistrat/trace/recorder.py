@@ -91,15 +91,19 @@ class Recorder:
         max_events: events kept per step; more are counted as dropped.
         sink: called with each full buffer (a list it then owns) and the step it ends
             at, from the thread that ends the step; the writer queues it.
-        flush_events: hand the buffer over at a boundary once it holds this many.
+        flush_events: hand the buffer over at a boundary once it holds this many, or
+        flush_seconds: once this long has passed since the last hand-over (so a rank
+            killed mid-run leaves all but its last moments in its file).
     """
 
     def __init__(self, steps: tuple[int, int | None], max_events: int,
-                 sink: Any, flush_events: int = 2048) -> None:
+                 sink: Any, flush_events: int = 2048, flush_seconds: float = 0.5) -> None:
         self.first, self.stop = steps
         self.max_events = max_events
         self.sink = sink
         self.flush_events = flush_events
+        self.flush_ns = int(flush_seconds * 1e9)
+        self.handed = monotonic_ns()
         self.buffer: list[tuple] = []
         self.step = 0
         self.source = 0
@@ -131,7 +135,9 @@ class Recorder:
         self.step_start = now
         self.in_step = 0
         _set_on(self.in_window(self.step))
-        if len(self.buffer) >= self.flush_events:
+        if self.buffer and (len(self.buffer) >= self.flush_events
+                            or now - self.handed >= self.flush_ns):
+            self.handed = now
             self.hand_over()
 
     def hand_over(self) -> None:

@@ -3,7 +3,9 @@
 The file is a Kineto-style JSON object whose first line carries ``distributedInfo`` (HTA
 finds the rank there) and whose ``traceEvents`` list always ends in ``]}``: each chunk is
 written over the previous closing bracket together with a new one, in one ``write``, so
-that the file parses whenever the process dies between two chunks — however it dies. A
+that the file parses whenever the process dies between two chunks — however it dies (a
+``SIGKILL`` inside the ``write`` itself can tear the last chunk: the readers of
+:mod:`mpistrat.trace.files` cut such a file back to its last whole event). A
 chunk is one buffer from the recorder (whole steps): its events, plus the step's
 classification (:mod:`mpistrat.trace.classify`) as Kineto kernel events on the rank's
 streams, so that HTA's temporal breakdown works on CPU jobs too.
@@ -60,7 +62,7 @@ class TraceWriter:
             self._meta("process_sort_index", 0, {"sort_index": rank})
         for stream, label in classify.STREAM_NAMES.items():
             first += ",\n" + self._meta("thread_name", stream, {"name": label})
-        self._file.write(opening + first.encode() + TRAILER)
+        os.write(fd, opening + first.encode() + TRAILER)
         self._pos = len(opening) + len(first.encode())
         self.bytes = self._pos + len(TRAILER)
         self._thread = threading.Thread(target=self._serve, name="mpistrat-trace-writer",
@@ -113,7 +115,9 @@ class TraceWriter:
             return
         chunk = (",\n" + ",\n".join(lines)).encode()
         self._file.seek(self._pos)
-        self._file.write(chunk + TRAILER)
+        data = memoryview(chunk + TRAILER)
+        while data:  # (a raw write may write less)
+            data = data[self._file.write(data) or 0:]
         self._pos += len(chunk)
         self.bytes = self._pos + len(TRAILER)
 

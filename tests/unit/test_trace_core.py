@@ -148,6 +148,8 @@ def test_killed_process_leaves_a_file_that_parses(tmp_path):
                 recorder.end(t, "op", recorder.COLLECTIVE, {{"seq": i}})
             recorder.boundary(recorder.FROM_SCRIPT)
             if step == 50:
+                rec.hand_over()
+                w.flush()
                 print("ready", flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -159,7 +161,7 @@ def test_killed_process_leaves_a_file_that_parses(tmp_path):
         proc.wait(10)
     doc = _load(tmp_path / "rank-0.json")
     steps = [e for e in _spans(doc) if e["name"].startswith("ProfilerStep#")]
-    assert len(steps) >= 50
+    assert len(steps) >= 51
 
 
 def test_classification_of_a_step():
