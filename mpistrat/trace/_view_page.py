@@ -289,10 +289,11 @@ function legend() {
 }
 
 var pending = false;
-function schedule() {
+function schedule() {          // one draw per frame (a timer too, where frames pause)
   if (pending) return;
   pending = true;
-  requestAnimationFrame(function () { pending = false; draw(); });
+  function run() { if (pending) { pending = false; draw(); } }
+  requestAnimationFrame(run); setTimeout(run, 100);
 }
 
 function zoom(at, factor) {

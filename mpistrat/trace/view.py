@@ -65,6 +65,7 @@ _KEY_LABELS = {
     "kernel waiting": "waiting (stream 9)",
     "kernel input": "input wait (stream 9)",
 }
+_RANK = {key: i for i, key in enumerate(_KEY_LABELS)}
 _KEY_COLORS = {
     "step": "#c5cfdc", "user_annotation": "#4e79a7", "cpu_op": "#f28e2b",
     "agreement": "#e15759", "mpistrat_phase": "#edc948", "input": "#b07aa1",
@@ -343,8 +344,14 @@ def _layout(kept: list[dict[str, Any]], proc_names: dict[Any, str], proc_sort: d
             dur, depth = -1, 0
         rows_out.append([ts, dur, names.setdefault(name, len(names)), keys[key], thread,
                          depth, _args(event.get("args"))])
+    # the legend in the order of _KEY_LABELS (what a step holds, then the streams),
+    # other categories after them by name
+    order = sorted(keys, key=lambda k: (_RANK.get(k, len(_RANK)), k))
+    renumber = {keys[k]: i for i, k in enumerate(order)}
+    for row in rows_out:
+        row[3] = renumber[row[3]]
     legend = [{"key": k, "label": _KEY_LABELS.get(k, k or "(no category)"),
-               "color": _color(k), "count": counts[i]} for k, i in keys.items()]
+               "color": _color(k), "count": counts[keys[k]]} for k in order]
     start = min(e[0] for e in rows_out)
     stop = max(e[0] + max(e[1], 0) for e in rows_out)
     view = None

@@ -130,6 +130,15 @@ def test_legend_tells_steps_agreements_and_streams_apart(merged):
     assert keys["step"]["count"] == 6 and keys["agreement"]["count"] == 6
     assert keys["agreement"]["color"] == keys["kernel waiting"]["color"]
     assert keys["agreement"]["color"] != keys["cpu_op"]["color"]
+    # in an order that reads: a step's contents, then the streams, whatever came first
+    assert [k["key"] for k in data["keys"]] == [
+        "step", "user_annotation", "cpu_op", "agreement", "mpistrat_phase",
+        "kernel compute", "kernel communication", "kernel waiting"]
+    expected = {"ProfilerStep#1": "step", "replica_fn": "user_annotation",
+                "all_reduce": "cpu_op", "agreement": "agreement", "ring": "mpistrat_phase",
+                "compute": "kernel compute", "waiting Sync": "kernel waiting"}
+    for name, key in expected.items():
+        assert {data["keys"][e[3]]["key"] for e in _spans(data, name)} == {key}
 
 
 def test_hostile_names_cannot_end_the_script(tmp_path):
