@@ -214,9 +214,18 @@ def _check(event: Any) -> str | None:
     return None
 
 
+def _flat(value: Any) -> bool:
+    kind = type(value)
+    return kind is int or kind is bool or value is None or \
+        (kind is str and len(value) <= 200) or (kind is float and math.isfinite(value))
+
+
 def _args(args: dict[str, Any] | None) -> dict[str, Any] | None:
     if not args:
         return None
+    if len(args) <= 16 and all(type(k) is str and len(k) <= 64 and _flat(v)
+                               for k, v in args.items()):
+        return args                 # (most events: a few numbers and short names)
     try:
         text = json.dumps(args, default=str, allow_nan=False)
     except (TypeError, ValueError) as exc:   # NaN, keys that are not strings
