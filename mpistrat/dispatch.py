@@ -9,7 +9,8 @@ builds it from the entries of ``a`` and ``b``.
 :func:`fit` checks that an entry ``alg#shards`` can run on a communicator's layout (on
 every rank alike, so a bad call raises everywhere instead of leaving some ranks waiting);
 :func:`run` runs it. Callers that reduce many buffers with one entry check once and run
-with ``checked=True``.
+with ``checked=True``. Under :mod:`mpistrat.trace` each run is a phase ``algorithm`` of
+its collective (args: the algorithm's ``name`` and the ``bytes`` reduced).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from .backends.protocol import ArrayBackend
 from .errors import BackendUnavailable
 from .layout import Layout, require_entry_fits
 from .ops import ReduceOp
+from .runtime._mpi import Comm
+from .runtime.agreement import note_algorithm, phase
 from .runtime.topology import get_topology
 from .spec import check_entry
-from .runtime._mpi import Comm
+from .trace import recorder
 
 __all__ = ["IMPLEMENTATIONS", "register", "implementation", "compose", "check_fits", "fit",
            "run"]
@@ -141,21 +144,27 @@ def run(name: str, comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backe
         raise _host_buffers_for_gpu_algorithm(name)
     if not checked:
         fit(name, comm, shards, ranks_per_node=ranks_per_node)
+    t = recorder.begin()
     if info.hierarchical:
         compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
                                         rotation=rotation, ranks_per_node=ranks_per_node,
                                         source=source)
-        return
-    if comm.Get_size() > 1 and not info.single_node and name != "native":
-        comm = get_topology(comm, ranks_per_node).host_major  # (native: MPI's own choice)
-    flat = implementation(name)
-    if source is None:
-        flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation)
-    elif flat.out_of_place:
-        if not info.single_node:  # peers cut their messages from the source's segments
-            source = agreed_join(comm, source, backend)
-        flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation,
-                        source=source)
     else:
-        source.copy_into(buf, backend=backend)
-        flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend, rotation=rotation)
+        if comm.Get_size() > 1 and not info.single_node and name != "native":
+            comm = get_topology(comm, ranks_per_node).host_major  # (native: MPI's own)
+        flat = implementation(name)
+        if source is None:
+            flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend,
+                            rotation=rotation)
+        elif flat.out_of_place:
+            if not info.single_node:  # peers cut their messages from the source's segments
+                source = agreed_join(comm, source, backend)
+            flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend,
+                            rotation=rotation, source=source)
+        else:
+            source.copy_into(buf, backend=backend)
+            flat.all_reduce(comm, buf, op=op, shards=shards, backend=backend,
+                            rotation=rotation)
+    if t:
+        note_algorithm(name)
+        phase(t, "algorithm", {"name": name, "bytes": buf.nbytes})

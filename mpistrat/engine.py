@@ -17,6 +17,10 @@ combining the local devices' components, running the algorithm, MEAN.
 ``all_reduce`` is a batch of one tensor with its spec entry chosen (no packing; in place
 when asked); ``batch_reduce`` and ``reduce`` route and pack. Both reach an algorithm only
 through :func:`reduce_sources`.
+
+Under :mod:`mpistrat.trace` these steps are phases of their collective: ``pack``,
+``local combine``, ``algorithm`` (:mod:`mpistrat.dispatch`; a batch's group of several
+reductions as one), ``mean`` and ``copy-back`` (unpacking, each other device's copy).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from .backends.protocol import ArrayBackend
 from .ops import ReduceOp
 from .runtime import shared
 from .runtime._mpi import Comm
+from .runtime.agreement import DOORS, phase
 from .spec import AllReduceSpec
+from .trace import recorder
 
 __all__ = ["Reducer", "Route", "SHARED_RESULT_BYTES", "structure", "cached_plan", "routes", "flat",
            "fitted_groups", "local_sum", "reduce_sources", "algorithm_reducer", "mean",
@@ -114,10 +120,13 @@ def fitted_groups(comm: Comm, op: ReduceOp, arrays: Sequence[Any], spec: AllRedu
 def local_sum(op: ReduceOp, sources: list[Any], backend: ArrayBackend) -> Any:
     """A new buffer (recycled memory: it becomes a result) holding the combination of the
     local devices' sources, in device order."""
+    t = recorder.begin()
     buf = backend.recycled(sources[0].size, sources[0].dtype)
     sources[0].copy_into(buf, backend=backend)
     for source in sources[1:]:
         source.combine_into(op, buf, 0, source.size, backend)
+    if t:
+        phase(t, "local combine", {"devices": len(sources), "bytes": buf.nbytes})
     return buf
 
 
@@ -169,6 +178,7 @@ def algorithm_reducer(comm: Comm, op: ReduceOp, alg: str, shards: int, *,
         return reduce_sources(comm, op, alg, shards, sources, index, checked=checked,
                               ranks_per_node=ranks_per_node)
 
+    reduce.alg = alg  # type: ignore[attr-defined]  # (the trace's name of a group's reductions)
     return reduce
 
 
@@ -177,7 +187,11 @@ def mean(buf: Any, op: ReduceOp, contributions: int) -> Any:
     number of contributions (in place for floats; integers give a new float64 array)."""
     if op is not ReduceOp.MEAN:
         return buf
-    return get_backend(buf).divide(buf, contributions)
+    t = recorder.begin()
+    buf = get_backend(buf).divide(buf, contributions)
+    if t:
+        phase(t, "mean", {"contributions": contributions, "bytes": buf.nbytes})
+    return buf
 
 
 def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
@@ -193,6 +207,7 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
     results: list[Any] = [None] * len(components)
     counter = 0
     for indices, plan, reducer in groups:
+        t = recorder.begin()
         per_device = [[components[i][d] for i in indices] for d in range(replicas)]
         # the plan was looked up by the first device's shapes and dtypes: only the other
         # devices' tensors need checking against it
@@ -200,13 +215,35 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
         wire = [[algorithms.Source(p[b]) for p in packs] for b in range(len(plan.packs))]
         for i in plan.passthrough:
             wire.append([algorithms.Source.of(flat(batch[i])) for batch in per_device])
-        reduced = []
-        for sources in wire:
-            buf = reducer(sources, counter)
-            counter += 1
-            if op is ReduceOp.MEAN and get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
-                buf = get_backend(buf).divide(buf, contributions)
-            reduced.append(buf)
+        # (traced, a group of several reductions is one phase: few events per collective)
+        grouped = bool(t) and len(wire) > 1
+        if t:
+            phase(t, "pack", {"tensors": len(indices), "packs": len(plan.packs),
+                              "singles": len(plan.passthrough)})
+            t = recorder.begin()
+        if grouped:
+            DOORS.quiet += 1
+        try:
+            reduced = []
+            for sources in wire:
+                reduced.append(reducer(sources, counter))
+                counter += 1
+        finally:
+            if grouped:
+                DOORS.quiet -= 1
+        if grouped:  # (one rank: each reduction was a local combine)
+            phase(t, "algorithm" if contributions > replicas else "local combine",
+                  {"name": getattr(reducer, "alg", "?"), "reductions": len(reduced),
+                   "bytes": sum(b.nbytes for b in reduced)})
+        if op is ReduceOp.MEAN:
+            t = recorder.begin()
+            for k, buf in enumerate(reduced):
+                if get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
+                    reduced[k] = get_backend(buf).divide(buf, contributions)
+            if t:
+                phase(t, "mean", {"contributions": contributions,
+                                  "bytes": sum(b.nbytes for b in reduced)})
+        t = recorder.begin()
         tensors = plan.unpack(reduced[:len(plan.packs)], reduced[len(plan.packs):])
         for i, tensor in zip(indices, tensors):
             if op is ReduceOp.MEAN and tensor.dtype.kind in "iub":
@@ -217,6 +254,8 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
             results[i] = (tensor,) if replicas == 1 else \
                 [tensor] + [get_backend(components[i][d]).clone(tensor)
                             for d in range(1, replicas)]
+        if t:
+            phase(t, "copy-back", {"tensors": len(indices), "devices": replicas})
     return results
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from time import monotonic_ns
 from typing import Any, NoReturn
 
 import numpy as np
@@ -28,8 +29,9 @@ from .backends.numpy_backend import UFUNCS
 from .config import RANKS_PER_NODE
 from .ops import ReduceOp
 from .runtime._mpi import Comm
-from .runtime.agreement import exchange, signature_code
+from .runtime.agreement import exchange, note_algorithm, phase, signature_code, traced_agreement
 from .spec import AllReduceSpecTuple
+from .trace import recorder
 
 __all__ = ["plan", "plan_batch", "layout", "grouping_env", "ALIGN"]
 
@@ -81,7 +83,10 @@ def plan(comm: Comm, shape: tuple, dtype: Any, op: ReduceOp, inplace: bool,
             carrier.unchecked()
         elif carrier.block == ex.block:  # steady: the exchange is the whole call
             code_word[0] = code
-            gather(comm, what)
+            if recorder.on:
+                carrier.traced_gather()
+            else:
+                gather(comm, what)
             if (words[0] != code or words[carrier.block >> 3] != code) if size == 2 \
                     else ex.codes.tobytes() != expected:
                 carrier.disagree()
@@ -112,7 +117,7 @@ def plan_batch(comm: Comm, parts: Sequence[tuple[tuple, Any]], op: ReduceOp,
         for send, array in zip(sends, arrays):
             send[...] = array
         if carrier.block == ex.block:  # steady: the exchange is the whole call
-            if ex.run(comm, code, what) != expected:
+            if ex.run(comm, code, what, True) != expected:
                 carrier.disagree()
         else:
             carrier.unsteady()
@@ -173,20 +178,40 @@ class _Carrier:
         blocks have no room), grow the blocks, fit the entries, read the rows."""
         ex = self.ex
         fits = self.nbytes <= ex.capacity
-        if ex.run(self.comm, self.code, self.what) != self.expected:
+        if ex.run(self.comm, self.code, self.what, fits) != self.expected:
             self.disagree()
         if not fits:
-            self.comm.Allgather(*self.packed)
+            self._gather_data()
             ex.grow(self.nbytes)  # (every rank agreed on this call: they all grow alike)
         self._fit()
         self._read(ex.block if fits else -1)
 
     def unchecked(self) -> None:
         """An unchecked call: one allgather of the data alone."""
+        t = monotonic_ns() if recorder.on else 0
         self.comm.Allgather(*self.packed)
+        if t:
+            self._traced_data(t)
         if self.block:
             self._fit()
             self._read(0)
+
+    def _gather_data(self) -> None:
+        """Every rank's data, packed, in one allgather (no agreement in it)."""
+        t = monotonic_ns() if recorder.on else 0
+        self.comm.Allgather(*self.packed)
+        if t:
+            self._traced_data(t)
+
+    def _traced_data(self, start: int) -> None:
+        note_algorithm("allgather")
+        phase(start, "algorithm", {"name": "allgather", "bytes": self.nbytes})
+
+    def traced_gather(self) -> None:
+        """A steady call's exchange (the agreement and the data), recorded."""
+        t = recorder.begin()
+        self.ex.gather(self.comm, self.what)
+        traced_agreement(t, self.comm, True)
 
     def disagree(self) -> NoReturn:
         self.ex.disagree(self.comm, self.signature, None, self.what, self.hint)

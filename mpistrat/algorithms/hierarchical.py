@@ -31,6 +31,10 @@ node's link stay those of one leader; the network stack's work per byte is sprea
 the whole buffer would, so the results stay bitwise identical on every rank. Whether to
 pipeline depends only on values every rank shares (the buffer's size, the node layout),
 so all ranks cut the same pieces.
+
+Under :mod:`mpistrat.trace` the stages are phases of the collective: ``node stage``
+(``step`` reduce, broadcast, or all_reduce on one node) and ``cross-node stage``; a
+pipelined call records each stage once, in its thread, over all its pieces.
 """
 
 from __future__ import annotations
@@ -38,13 +42,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from queue import SimpleQueue
+from time import monotonic_ns
 from typing import Any
 
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
 from ..runtime._commcache import comm_cache
 from ..runtime._mpi import Comm, mpi
+from ..runtime.agreement import DOORS, phase
 from ..runtime.topology import get_topology
+from ..trace import recorder
 from ._chunks import even_bounds
 from .implementation import Implementation
 from .source import Source, agreed_join
@@ -69,9 +76,12 @@ def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: Ar
     topology = get_topology(comm, ranks_per_node)
     single = topology.num_nodes == 1 and topology.local_size > 1 and buf.size > 0
     if source is not None and intra.out_of_place and single:
+        t = recorder.begin()
         intra.all_reduce(topology.node_comm, buf, op=op, backend=backend, rotation=rotation,
                          shards=topology.local_size if node_shards else 1,
                          source=agreed_join(topology.node_comm, source, backend))
+        if t:
+            phase(t, "node stage", {"step": "all_reduce", "ranks": topology.local_size})
         return
     if _pipelines(topology, buf, backend):
         if source is not None:
@@ -86,9 +96,12 @@ def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: Ar
     if buf.size == 0 or topology.size == 1:
         return
     node_comm = topology.node_comm
+    t = recorder.begin()
     if single:
         intra.all_reduce(node_comm, buf, op=op, backend=backend, rotation=rotation,
                          shards=topology.local_size if node_shards else 1)
+        if t:
+            phase(t, "node stage", {"step": "all_reduce", "ranks": topology.local_size})
         return
     if topology.local_size > 1:
         if source is not None:  # (peers cut their messages from the source's segments)
@@ -100,15 +113,23 @@ def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: Ar
         else:
             intra.all_reduce(node_comm, buf, op=op, shards=1, backend=backend,
                              rotation=rotation)
+        if t:
+            phase(t, "node stage", {"step": "reduce", "ranks": topology.local_size})
+            t = recorder.begin()
     if topology.is_leader and topology.num_nodes > 1:
         inter.all_reduce(topology.leader_comm, buf, op=op, shards=shards, backend=backend,
                          rotation=rotation)
+        if t:
+            phase(t, "cross-node stage", {"nodes": topology.num_nodes})
+            t = recorder.begin()
     if topology.local_size > 1:
         if intra.broadcast is not None:
             intra.broadcast(node_comm, buf, backend=backend, root=0)
         else:
             backend.synchronize()
             backend.transport(node_comm).bcast(backend.comm_view(buf), 0)
+        if t:
+            phase(t, "node stage", {"step": "broadcast", "ranks": topology.local_size})
 
 
 def _pipelines(topology: Any, buf: Any, backend: ArrayBackend) -> bool:
@@ -145,6 +166,7 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
     owners = min(len(ranks) for ranks in topology.node_ranks)
     node_comm, local = topology.node_comm, topology.local_rank
     stages: list[Callable[[tuple[int, Any]], None]] = []
+    labels: list[tuple[str, dict[str, Any]]] = []  # (the trace's names of the stages)
     if topology.local_size > 1:
         near = _StageBackend(backend, "node")
         if intra.reduce_to_root is not None:
@@ -153,6 +175,7 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
         else:
             stages.append(lambda item: intra.all_reduce(node_comm, item[1], op=op, shards=1,
                                                         backend=near, rotation=rotation))
+        labels.append(("node stage", {"step": "reduce", "ranks": topology.local_size}))
     # (keyed by the node layout too: virtual nodes give one communicator several layouts)
     peers = _shared(topology.comm, ("pipeline-peers", topology.ranks_per_node, owners),
                     lambda: _PeerComm(topology, owners))
@@ -165,6 +188,7 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
                                  rotation=rotation)
 
         stages.append(across)
+        labels.append(("cross-node stage", {"nodes": topology.num_nodes}))
     if topology.local_size > 1:
         fan = _shared(node_comm, "pipeline-broadcast", lambda: _DupComm(node_comm))
         out = _StageBackend(backend, "fan-out")
@@ -174,7 +198,32 @@ def _pipelined(topology: Any, buf: Any, *, op: ReduceOp, shards: int, backend: A
         else:
             stages.append(lambda item: out.transport(fan.comm).bcast(
                 backend.comm_view(item[1]), item[0] % owners))
+        labels.append(("node stage", {"step": "broadcast", "ranks": topology.local_size}))
+    if recorder.on and not DOORS.quiet:
+        stages = [_TracedStage(stage, name, args, len(items))
+                  for stage, (name, args) in zip(stages, labels)]
     run_stages(stages, items)
+
+
+class _TracedStage:
+    """A pipeline stage recorded as one phase, in the thread that runs it: from its first
+    piece's start to its last piece's end (one event per stage, not per piece), with the
+    pieces and the time spent working on them (the rest: waiting for the stage before)."""
+
+    def __init__(self, stage: Callable[[Any], None], name: str, args: dict[str, Any],
+                 pieces: int) -> None:
+        self.stage, self.name, self.args, self.pieces = stage, name, args, pieces
+        self.first = self.busy = self.done = 0
+
+    def __call__(self, item: Any) -> None:
+        start = monotonic_ns()
+        self.first = self.first or start
+        self.stage(item)
+        self.busy += monotonic_ns() - start
+        self.done += 1
+        if self.done == self.pieces:
+            phase(self.first, self.name, {**self.args, "pieces": self.pieces,
+                                          "busy_ms": round(self.busy / 1e6, 3)})
 
 
 def _shared(comm: Comm, key: Any, make: Callable[[], Any]) -> Any:

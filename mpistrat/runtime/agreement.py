@@ -21,6 +21,13 @@ its deadline.
 
 A rank that never arrives is caught by the stall check of :mod:`mpistrat.runtime.stall` (when
 one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
+
+Under :mod:`mpistrat.trace` every agreement is a span ``agreement`` (category
+``mpistrat_phase``: the time this rank waited for the others) with the ``seq`` of its
+collective on the communicator, so that the ranks' spans of one collective can be matched;
+a small call whose data travels in the exchange says ``carries_data``. The front doors of
+the collectives (``all_reduce``, the ``CrossDeviceOps``, the torch adapter) record their
+spans through :func:`open_door` and :func:`close_door` (the section at the end).
 """
 
 from __future__ import annotations
@@ -28,17 +35,20 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from time import monotonic_ns
 from typing import Any, NoReturn
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
+from ..trace import recorder
 from . import stall
 from ._commcache import comm_cache
 from ._mpi import Comm, mpi
 
 __all__ = ["agree", "agree_exchange", "exchange", "Exchange", "signature_code", "FAILED",
-           "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES"]
+           "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES", "DOORS", "open_door", "close_door",
+           "note_algorithm", "traced_agreement", "next_seq", "bus_factor", "phase"]
 
 
 def agree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
@@ -72,12 +82,15 @@ def agree(comm: Comm, signature: str | None, error: BaseException | None, what: 
         code = int.from_bytes(digest, "little") >> 2  # fits in int64, and so does -code
     flags = np.array([1 if error is not None else 0, code, -code], dtype=np.int64)
     notes = None
+    t = monotonic_ns() if recorder.on else 0
     if timeout is None:
         # Non-blocking even without a timeout: blocking and non-blocking collectives do
         # not match each other in MPI, and ranks may disagree on the timeout.
         stall.allreduce_max(comm, flags, what)
     else:
         notes = _allreduce_within(comm, flags, timeout, what)
+    if t:
+        traced_agreement(t, comm)
     failed, high, negated_low = (int(x) for x in flags)
     if not failed and high == -negated_low:
         if notes is not None:  # every rank agreed on this timeout, so every rank sent one
@@ -98,6 +111,7 @@ def _agree_through(found: Exchange, comm: Comm, signature: str | None,
         # the same kind of collective as an untimed agreement's (blocking and non-blocking
         # collectives never match): non-blocking under a stall watch, else blocking, in a
         # thread this one stops waiting for at the deadline
+        t = monotonic_ns() if recorder.on else 0
         found.code[0] = code
         notes = _Notes(comm)
         if stall.current() is not None:
@@ -105,6 +119,8 @@ def _agree_through(found: Exchange, comm: Comm, signature: str | None,
         else:
             _within(comm, _Blocking(comm.Allgather, found.message), timeout, what, notes)
         codes = found.codes.tobytes()
+        if t:
+            traced_agreement(t, comm)
     if codes == found.expected(code) and error is None:
         if notes is not None:  # every rank agreed on this timeout, so every rank sent one
             notes.finish(range(comm.Get_size()))
@@ -359,16 +375,19 @@ class Exchange:
         """What :meth:`run` returns when every rank sent ``code``."""
         return code.to_bytes(8, "little", signed=True) * self.size
 
-    def run(self, comm: Comm, code: int, what: str) -> bytes:
+    def run(self, comm: Comm, code: int, what: str, data: bool = False) -> bytes:
         """Send ``code`` with whatever the payload area holds (``capacity`` bytes of it),
         gather every rank's block; return every rank's code as bytes (compare with
-        :meth:`expected`).
+        :meth:`expected`). ``data``: the payload carries the call's data (for the trace).
 
         Watched (:func:`mpistrat.runtime.stall.watch`): a non-blocking allgather polled
         like :func:`agree`'s; else a blocking one (the watch is process-wide and set up
         collectively, so every rank makes the same choice)."""
+        t = monotonic_ns() if recorder.on else 0
         self.code[0] = code
         self.gather(comm, what)
+        if t:
+            traced_agreement(t, comm, data)
         return self.codes.tobytes()
 
     def gather(self, comm: Comm, what: str) -> None:
@@ -420,3 +439,108 @@ def agree_exchange(comm: Comm, signature: str | None, error: BaseException | Non
     if found.run(comm, code, what) != found.expected(code) or error is not None:
         found.disagree(comm, signature, error, what, hint)
     return found
+
+
+# -- tracing: the spans of the collectives ----------------------------------------------------
+#
+# Only touched while tracing is on (each instrumented place costs one branch when it is
+# off). A collective's front door opens with open_door and closes with close_door; the
+# outermost door of a thread is the collective (a cpu_op span: what classify counts as
+# communication), the doors it goes through (the torch backend's all_reduce calls
+# mpistrat.all_reduce) and everything below are phases of it.
+
+
+class _Doors(threading.local):
+    """This thread's traced collectives."""
+
+    depth = 0          # front doors open (1: the collective; more: doors inside it)
+    seq = 0            # the collective's number on its communicator (the outermost door's)
+    direct = False     # a door's traced path calls the door itself: straight in, no span
+    quiet = 0          # > 0: no phases (a batch's group records its reductions as one)
+    algorithm = ""     # what reduced the data inside the collective ("xring+shm")
+
+
+DOORS = _Doors()
+_SEQ_KEY = "trace seq"
+
+
+def next_seq(comm: Comm) -> int:
+    """The next collective's number on ``comm`` (counted while tracing only: the same on
+    every rank, since every rank traces the same calls)."""
+    cache = comm_cache(comm)
+    seq = cache.get(_SEQ_KEY, 0) + 1
+    cache[_SEQ_KEY] = seq
+    return seq
+
+
+def open_door(comm: Comm) -> int:
+    """A traced collective starts on ``comm``: its start time (for :func:`close_door`)."""
+    doors = DOORS
+    if not doors.depth:
+        doors.seq = next_seq(comm)
+        doors.algorithm = ""
+    doors.depth += 1
+    return monotonic_ns()
+
+
+def note_algorithm(name: str) -> None:
+    """Say which algorithm reduced (part of) the open collective's data."""
+    doors = DOORS
+    if not doors.algorithm:
+        doors.algorithm = name
+    elif name not in doors.algorithm.split("+"):
+        doors.algorithm += "+" + name
+
+
+def bus_factor(collective: str, size: int) -> float:
+    """busbw / algbw for ``collective`` over ``size`` ranks (nccl-tests' definitions)."""
+    if size <= 1:
+        return 0.0
+    if "allreduce" in collective:
+        return 2 * (size - 1) / size
+    if any(kind in collective for kind in ("allgather", "reduce_scatter", "alltoall")):
+        return (size - 1) / size
+    return 1.0
+
+
+def close_door(start: int, name: str, collective: str, size: int, dtype: str,
+               nelems_in: int, nelems_out: int, nbytes: int, algorithm: str = "",
+               extra: dict[str, Any] | None = None) -> None:
+    """Record the collective that :func:`open_door` started at ``start``: a ``cpu_op``
+    span ``name`` (a phase when another door is open around it) with Kineto's collective
+    args, mpistrat's ``algorithm``, ``bytes``, ``seq`` and the bandwidths."""
+    doors = DOORS
+    doors.depth -= 1
+    rec = recorder.current()
+    if rec is None:
+        return
+    duration = max(monotonic_ns() - start, 1)
+    algbw = nbytes / duration  # bytes per ns: GB/s
+    args = {"Collective name": collective, "dtype": dtype, "In msg nelems": nelems_in,
+            "Out msg nelems": nelems_out, "Group size": size,
+            "algorithm": algorithm or doors.algorithm or "local", "bytes": nbytes,
+            "seq": doors.seq, "algbw (GB/s)": round(algbw, 4),
+            "busbw (GB/s)": round(algbw * bus_factor(collective, size), 4)}
+    if extra:
+        args.update(extra)
+    rec.add(start, duration, name, recorder.PHASE if doors.depth else recorder.COLLECTIVE,
+            args)
+
+
+def traced_agreement(start: int, comm: Comm, carries_data: bool = False) -> None:
+    """Record an agreement that started at ``start``: the phase ``agreement`` with the
+    ``seq`` of its collective (an agreement outside any traced collective is one of its
+    own on ``comm``); ``carries_data``: the exchange carried the call's data as well."""
+    doors = DOORS
+    seq = doors.seq if doors.depth else next_seq(comm)
+    if carries_data:  # (the exchange is the algorithm: every rank reduces the blocks)
+        note_algorithm("exchange")
+    recorder.end(start, "agreement", recorder.PHASE,
+                 {"seq": seq, "carries_data": True} if carries_data else {"seq": seq})
+
+
+def phase(start: int, name: str, args: dict[str, Any] | None = None) -> None:
+    """Record a phase of the open collective that started at ``start`` (not while a
+    batch records its reductions as one)."""
+    if not DOORS.quiet:
+        recorder.end(start, name, recorder.PHASE, args)
