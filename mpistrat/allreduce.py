@@ -38,6 +38,11 @@ every rank).
 
 Inputs are never modified unless ``inplace=True``. Results are bitwise identical on
 every rank. MEAN of integers returns float64, as TensorFlow does; SUM keeps the dtype.
+
+Under :mod:`mpistrat.trace` each call is one span ``all_reduce`` (a ``cpu_op`` with
+Kineto's collective args, the algorithm, bytes, the call's ``seq`` on the communicator
+and the bandwidths; a phase when another collective, such as the torch backend's, calls
+it), holding its ``agreement`` and phases. With tracing off the calls cost one branch.
 """
 
 from __future__ import annotations
@@ -60,14 +65,19 @@ from .ops import ReduceOp
 from .runtime._commcache import comm_cache
 from .runtime._mpi import Comm, world
 from .runtime.agreement import (
+    DOORS,
     FUSED_BYTES,
     FUSED_RANKS,
     agree_exchange,
+    close_door,
     exchange,
+    open_door,
+    phase,
     signature_code,
 )
 from .runtime.topology import env_ranks_per_node
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
+from .trace import recorder
 from .values import PerReplica
 
 __all__ = ["all_reduce", "CollectiveMismatchError", "FUSED_BYTES", "FUSED_RANKS"]
@@ -411,6 +421,10 @@ def all_reduce(
         CollectiveMismatchError: ranks passed different calls (on every rank).
         TopologyError: the spec entry does not fit this job (on every rank).
     """
+    if recorder.on:  # (off: this one branch; on: the call again, inside its trace span)
+        if not DOORS.direct:
+            return _traced(value, op, spec, comm, check, inplace, out, ranks_per_node)
+        DOORS.direct = False
     if comm is None:
         comm = _WORLD[0] if _WORLD else _world()
     last = _LAST
@@ -442,6 +456,41 @@ def all_reduce(
             if result is not None:
                 return result
     return _unplanned(comm, door, key, value, op, spec, check, inplace, out, ranks_per_node)
+
+
+def _traced(value: Any, op: Any, spec: Any, comm: Comm | None, check: bool, inplace: bool,
+            out: Any, ranks_per_node: int | None) -> Any:
+    """:func:`all_reduce` while tracing: the call, recorded as one span ``all_reduce``
+    (a ``cpu_op``, or a phase inside another collective such as the torch backend's) with
+    its collective's args; its agreement and phases are recorded inside it."""
+    if comm is None:
+        comm = _WORLD[0] if _WORLD else _world()
+    start = open_door(comm)
+    DOORS.direct = True
+    try:
+        return all_reduce(value, op, spec, comm, check=check, inplace=inplace, out=out,
+                          ranks_per_node=ranks_per_node)
+    finally:
+        DOORS.direct = False
+        arrays, extra = _traced_arrays(value)
+        dtypes = {str(a.dtype) for a in arrays}
+        nelems = sum(int(a.size) for a in arrays)
+        close_door(start, "all_reduce", "allreduce", comm.Get_size(),
+                   dtypes.pop() if len(dtypes) == 1 else "mixed", nelems, nelems,
+                   sum(int(a.nbytes) for a in arrays), extra=extra)
+
+
+def _traced_arrays(value: Any) -> tuple[list[Any], dict[str, Any] | None]:
+    """The arrays of one call as the trace counts them (one tensor's bytes, a batch's in
+    all), and what the args say of its form; none for a value that is not arrays."""
+    try:
+        if isinstance(value, PerReplica):
+            return [_native(value.values[0], "all-reduce")], {"replicas": len(value.values)}
+        if isinstance(value, (list, tuple)) and not _is_numbers(value):
+            return [_native(item, "all-reduce") for item in value], {"tensors": len(value)}
+        return [_native(value, "all-reduce")], None
+    except (TypeError, ValueError, IndexError):
+        return [], None
 
 
 def _unplanned(comm: Comm, door: _Door, key: tuple | None, value: Any, op: Any, spec: Any,
@@ -559,6 +608,7 @@ def _reduce_one(comm: Comm, door: _Door, call: _Call, array: Any = None) -> Any:
         door.calls += 1
     buf = engine.mean(buf, reduce_op, workers * replicas)
     result = buf.reshape(first.shape)
+    t = recorder.begin()
     if targets is not None:
         for index, target in enumerate(targets):
             if index or into is None:
@@ -567,6 +617,8 @@ def _reduce_one(comm: Comm, door: _Door, call: _Call, array: Any = None) -> Any:
     else:
         outputs = [result] + [result.copy() for _ in arrays[1:]]
         handed = [restore(o, like) for o, like in zip(outputs, likes)]
+    if t and (replicas > 1 or into is None and targets is not None):
+        phase(t, "copy-back", {"devices": replicas})
     if call.replicas:
         return list(handed)
     return handed[0]
@@ -583,6 +635,9 @@ def _reduce_batch(comm: Comm, call: _Batch) -> list[Any]:
     results = engine.reduce_batch(comm, call.op, [(a,) for a in arrays], groups)
     targets = arrays if call.inplace else call.outs
     if targets is not None:
+        t = recorder.begin()
         copy_all((target, result) for target, (result,) in zip(targets, results))
+        if t:
+            phase(t, "copy-back", {"tensors": len(targets)})
         return list(call.likes if call.inplace else call.out_likes)
     return [restore(result, like) for (result,), like in zip(results, call.likes)]

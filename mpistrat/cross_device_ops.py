@@ -16,6 +16,10 @@ is an error on every rank, never a hang), take TF's shortcuts, then call the
   byte size to an algorithm, with ``num_packs`` / small-gradient packing per spec entry.
 
 Results always come back in input order (TF returned them grouped by spec entry).
+
+Under :mod:`mpistrat.trace` each public call is one span ``<class>.reduce``,
+``.batch_reduce`` or ``.broadcast`` (a ``cpu_op`` with the collective's args, see
+:mod:`mpistrat.allreduce`) holding its ``agreement`` and phases.
 """
 
 from __future__ import annotations
@@ -38,8 +42,18 @@ from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
 from .packing import PackPlan
 from .runtime._mpi import Comm, world
-from .runtime.agreement import FUSED_BYTES, FUSED_RANKS, agree
+from .runtime.agreement import (
+    DOORS,
+    FUSED_BYTES,
+    FUSED_RANKS,
+    agree,
+    close_door,
+    note_algorithm,
+    open_door,
+    phase,
+)
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
+from .trace import recorder
 from .values import Device, DistributedValues, Mirrored, PerReplica, interned, parse_device, single
 
 __all__ = [
@@ -303,6 +317,30 @@ def _write(result: Any, targets: tuple[list[Any], list[Any]], dest: tuple[Device
     return Mirrored(handed, [str(d) for d in dest])
 
 
+def _traced_pairs(pairs: Any) -> list[Any]:
+    """The values of ``batch_reduce``'s pairs, for the trace (nothing for a malformed
+    argument, which the call itself reports)."""
+    if isinstance(pairs, (list, tuple)):
+        return [pair[0] for pair in pairs if isinstance(pair, tuple) and len(pair) == 2]
+    return []
+
+
+def _traced_arrays(values: list[Any]) -> tuple[list[Any], int]:
+    """One device's arrays of ``values`` (each a DistributedValues, an array or a
+    number) as the trace counts them, and the number of devices (replicas)."""
+    arrays, replicas = [], 1
+    for value in values:
+        try:
+            if isinstance(value, DistributedValues):
+                replicas = max(replicas, len(value.values))
+                value = value.values[0]
+            arrays.append(np.asarray(value) if np.isscalar(value)
+                          else value if is_native(value) else to_native(value, "trace"))
+        except (TypeError, ValueError, IndexError):
+            continue
+    return arrays, replicas
+
+
 # ----------------------------------------------------------------------- base class
 
 
@@ -339,6 +377,12 @@ class CrossDeviceOps(abc.ABC):
             A :class:`Mirrored` on the destination devices, the same on every rank; with a
             single destination device, the array itself (as TF returns the tensor).
         """
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("reduce", [per_replica_value], lambda: self.reduce(
+                    reduce_op, per_replica_value, destinations, options, inplace=inplace,
+                    out=out))
+            DOORS.direct = False
         comm = self.comm
         signature = error = small = None
         timeout = self._timeout(options)
@@ -370,7 +414,13 @@ class CrossDeviceOps(abc.ABC):
             return given.values[0] if targets is None else \
                 _write(value.values[0], targets, dest)
         result = single(self.reduce_implementation(op, value, dest, options))
-        return _restored(result, like) if targets is None else _write(result, targets, dest)
+        if targets is None:
+            return _restored(result, like)
+        t = recorder.begin()
+        written = _write(result, targets, dest)
+        if t:
+            phase(t, "copy-back", {"devices": len(dest)})
+        return written
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Any,
                      options: CommunicationOptions | None = None, *, inplace: bool = False,
@@ -389,6 +439,13 @@ class CrossDeviceOps(abc.ABC):
             One :class:`Mirrored` per pair, in the order of the pairs (the array itself
             where a pair has a single destination device).
         """
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("batch_reduce", _traced_pairs(value_destination_pairs),
+                                    lambda: self.batch_reduce(
+                                        reduce_op, value_destination_pairs, options,
+                                        inplace=inplace, out=out))
+            DOORS.direct = False
         comm = self.comm
         signature = error = small = None
         timeout = self._timeout(options)
@@ -423,9 +480,12 @@ class CrossDeviceOps(abc.ABC):
                        self.batch_reduce_implementation(op, pairs, options, match=match)]
         if targets is None:
             return [_restored(r, like) for r, like in zip(reduced, likes)]
+        start = recorder.begin()
         copies: list[tuple[Any, Any]] = []
         written = [_write(r, t, d, copies) for r, t, d in zip(reduced, targets, dests)]
         copy_all(copies)
+        if start:
+            phase(start, "copy-back", {"tensors": len(written)})
         return written
 
     def broadcast(self, tensor: Any, destinations: Any) -> Any:
@@ -435,6 +495,11 @@ class CrossDeviceOps(abc.ABC):
             A :class:`Mirrored` on the destination devices; with a single destination
             device, the array itself (as in TF).
         """
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("broadcast", [tensor],
+                                    lambda: self.broadcast(tensor, destinations))
+            DOORS.direct = False
         comm = self.comm
         signature = error = None
         try:
@@ -445,16 +510,46 @@ class CrossDeviceOps(abc.ABC):
         except (ValueError, TypeError) as exc:
             error = exc
         agree(comm, signature, error, f"{type(self).__name__}.broadcast")
+        t = recorder.begin()
         buf = backend.flat_copy(array)
         if comm.Get_size() > 1:
             backend.synchronize()
             comm.Bcast(backend.comm_view(buf), root=0)
+        if t:
+            note_algorithm("MPI_Bcast")
+            phase(t, "algorithm", {"name": "MPI_Bcast", "bytes": buf.nbytes})
         result = buf.reshape(array.shape)
         like = None if is_native(tensor) else tensor
         if len(dest) == 1:
             return _restored(result, like)  # one destination: the tensor itself, as in TF
         return _restored(Mirrored([result] + [result.copy() for _ in dest[1:]],
                                   [str(d) for d in dest]), like)
+
+    # -- tracing
+
+    def _traced(self, method: str, values: list[Any], call: Callable[[], Any]) -> Any:
+        """``call()`` (the public ``method`` again, going straight in) recorded as one span
+        ``<class>.<method>`` with its collective's args: Kineto's ``allreduce`` (or
+        ``reduce`` where the values went to one device first), ``allreduce_coalesced``
+        for a batch, ``broadcast``; ``values``: the values as given (their first
+        component counts: one device's message)."""
+        comm = self.comm
+        start = open_door(comm)
+        DOORS.direct = True
+        try:
+            return call()
+        finally:
+            DOORS.direct = False
+            arrays, replicas = _traced_arrays(values)
+            dtypes = {str(a.dtype) for a in arrays}
+            nelems = sum(int(a.size) for a in arrays)
+            collective = "broadcast" if method == "broadcast" else \
+                "reduce" if DOORS.algorithm == "reduce_to_one_device" else \
+                "allreduce_coalesced" if method == "batch_reduce" else "allreduce"
+            close_door(start, f"{type(self).__name__}.{method}", collective,
+                       comm.Get_size(), dtypes.pop() if len(dtypes) == 1 else "mixed",
+                       nelems, nelems, sum(int(a.nbytes) for a in arrays),
+                       extra={"replicas": replicas, "tensors": len(arrays)})
 
     # -- hooks for subclasses
 
@@ -688,6 +783,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.accumulation_fn = accumulation_fn or _add_n
 
     def reduce_implementation(self, op, value, dest, options):
+        t = recorder.begin()
         comm = self.comm
         device = parse_device(self.reduce_to_device) if self.reduce_to_device else dest[0]
         root = device.task if device.task is not None else 0
@@ -722,6 +818,10 @@ class ReductionToOneDevice(CrossDeviceOps):
         result = total if is_root else np.empty(arrays[0].size, dtype=op.result_dtype(dtype))
         comm.Bcast(_HOST.comm_view(result), root=root)
         result = result.reshape(shape)
+        if t:
+            note_algorithm("reduce_to_one_device")
+            phase(t, "algorithm", {"name": "reduce_to_one_device", "root": root,
+                                   "bytes": result.nbytes})
         if isinstance(arrays[0], np.ndarray):
             copies = [result] + [result.copy() for _ in dest[1:]]
         else:  # device components: each destination's copy on the matching local device
@@ -866,6 +966,7 @@ def _hierarchical_copy_reducer(comm: Comm, op: ReduceOp, replicas: int) -> engin
     def reduce(sources: list[Any], index: int) -> Any:
         # the sums run in host memory (rows come gathered there); device buffers get the
         # total back on their device
+        t = recorder.begin()
         backend = get_backend(sources[0].segments[0])
         parts = [s.segments[0] if s.contiguous else engine.local_sum(op, [s], backend)
                  for s in sources]
@@ -885,8 +986,13 @@ def _hierarchical_copy_reducer(comm: Comm, op: ReduceOp, replicas: int) -> engin
         else:
             total = np.empty(parts[0].size, dtype=parts[0].dtype)
         comm.Bcast(_HOST.comm_view(total), root=owner)
+        if t:
+            note_algorithm("hierarchical_copy")
+            phase(t, "algorithm", {"name": "hierarchical_copy", "root": owner,
+                                   "bytes": total.nbytes})
         return total if isinstance(parts[0], np.ndarray) else backend.asarray(total)
 
+    reduce.alg = "hierarchical_copy"  # type: ignore[attr-defined]  # (the trace's name)
     return reduce
 
 
