@@ -26,6 +26,7 @@ import numpy as np
 
 from .._nest import map_structure
 from ..elastic.hooks import iteration_ended, iteration_started, step_boundary, take_resume
+from ..trace import recorder
 from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
 from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext
@@ -48,6 +49,9 @@ _AUTO_FALLBACK = (
     "options.experimental_distribute.auto_shard_policy = AutoShardPolicy.DATA (or OFF) "
     "and pass the options to dataset.with_options(options)."
 )
+
+
+_END = object()  # (a sentinel: the iterator's end)
 
 
 def make_numpy_dataset(numpy_input: Any) -> Dataset:
@@ -131,15 +135,34 @@ class _DistributedInput(abc.ABC):
     def _positioned(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``, each handed out at a step boundary of an elastic job
         (:mod:`mpistrat.elastic.hooks`): after a restart, the first iterator of this kind
-        skips the global batches the restored snapshot had trained on already."""
+        skips the global batches the restored snapshot had trained on already.
+
+        Each ``next`` is also a step of the trace (:mod:`mpistrat.trace`), marked before
+        the wait for the batch (``input wait``: the pipeline's work and the workers'
+        agreement that one of them still has data), which thus belongs to the step it
+        feeds; the wait that finds the end opens a step too (the epoch's end)."""
         kind = self._kind()
         skip = take_resume(kind)
         iteration_started(kind)
         count = 0
-        for count, batch in enumerate(batches, 1):
-            if count > skip:
-                step_boundary((kind, count - 1))
-                yield batch
+        while count < skip:  # (trained on before the restore: no step of this launch)
+            if next(batches, _END) is _END:
+                iteration_ended(kind, count)
+                return
+            count += 1
+        while True:
+            recorder.boundary(recorder.FROM_INPUT)
+            t = recorder.begin()
+            batch = next(batches, _END)
+            if t:
+                recorder.end(t, "input wait", recorder.INPUT,
+                             {"batch": count} if batch is not _END
+                             else {"batch": count, "end": True})
+            if batch is _END:
+                break
+            count += 1
+            step_boundary((kind, count - 1), traced=True)
+            yield batch
         iteration_ended(kind, count)
 
     def _kind(self) -> str:

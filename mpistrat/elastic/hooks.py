@@ -1,6 +1,7 @@
-"""Step boundaries, where an elastic job takes its snapshots: the standard library only,
-so that the input pipeline (:mod:`mpistrat.data`) and the checkpoint manager
-(:mod:`mpistrat.checkpoint`) meet here without importing each other.
+"""Step boundaries, where an elastic job takes its snapshots: the standard library only
+(and the trace's recorder, which is too), so that the input pipeline
+(:mod:`mpistrat.data`) and the checkpoint manager (:mod:`mpistrat.checkpoint`) meet here
+without importing each other.
 
 A step boundary is the moment between two training steps when every rank holds the
 same, complete state: the distributed dataset's iterator is asked for global batch ``i``
@@ -9,7 +10,11 @@ same, complete state: the distributed dataset's iterator is asked for global bat
 one boundary of a torch loop: mpistrat.torch's DistributedDataParallel marks none, so a
 step counts once), or the script calls :func:`mpistrat.elastic.step`. With snapshots off
 (no elastic job, or no :class:`~mpistrat.checkpoint.CheckpointManager` to take them), a
-boundary costs one branch.
+boundary costs one branch, and one more for the trace (:mod:`mpistrat.trace`), whose
+steps it also marks: an input position's boundary as the input's
+(:data:`~mpistrat.trace.recorder.FROM_INPUT`), the script's as the script's. An iterator
+that waits for its batch marks the trace's step itself, before the wait (the wait belongs
+to the step it feeds), and passes ``traced=True``.
 
 A snapshot copies mpistrat's variables in the background; until it has, the first write
 to any of them waits (:func:`before_write`, called by every variable update: one branch
@@ -28,6 +33,8 @@ the snapshot's own iterator starts.
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from ..trace import recorder
 
 __all__ = ["set_taker", "taker", "step_boundary", "set_resume", "take_resume", "Position",
            "set_fence", "before_write", "iteration_started", "iteration_ended", "finished",
@@ -54,8 +61,11 @@ def taker() -> Callable[[Position], None] | None:
     return _TAKER[0] if _TAKER else None
 
 
-def step_boundary(position: Position) -> None:
-    """A step boundary at ``position`` (see the module docstring)."""
+def step_boundary(position: Position, *, traced: bool = False) -> None:
+    """A step boundary at ``position`` (see the module docstring); ``traced``: the caller
+    has marked the trace's step already."""
+    if not traced:
+        recorder.boundary(recorder.FROM_SCRIPT if position is None else recorder.FROM_INPUT)
     if _TAKER:
         _TAKER[0](position)
 
@@ -108,11 +118,15 @@ def set_fence(wait: Callable[[], object] | None) -> None:
 
 
 def before_write() -> None:
-    """About to change a variable: wait for a snapshot that still copies it."""
+    """About to change a variable: wait for a snapshot that still copies it (traced as
+    ``snapshot fence wait``)."""
     if _FENCE:
         fence = _FENCE[:1]
         if fence:
+            t = recorder.begin()
             fence[0]()
+            if t:
+                recorder.end(t, "snapshot fence wait", recorder.CHECKPOINT)
 
 
 def reset() -> None:

@@ -27,6 +27,7 @@ from ..ops import ReduceOp
 from ..runtime import stall
 from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
+from ..trace import recorder
 from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
                       select_replica)
 from .placement import HostPlacement, Placement
@@ -298,6 +299,10 @@ class Strategy:
         (distributed variables and plain values are passed unchanged). Returns, per nest
         position, the value itself when every replica returned the same object, else a
         PerReplica; with one local replica, the value unwrapped.
+
+        Traced (:mod:`mpistrat.trace`) as a span ``strategy.run`` holding one span per
+        replica; each call is a step of the trace unless the input (a distributed
+        dataset's batches) or the script marks the steps.
         """
         _require_cross_replica(self, "run")
         if not callable(fn):
@@ -305,10 +310,18 @@ class Strategy:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"run() args must be a tuple or list, got {type(args).__name__}; "
                             f"for one argument write args=(x,)")
-        with self.scope():  # as in TF: run inside another strategy's scope is an error
-            results = run_replicas(self, fn, tuple(args), dict(kwargs or {}),
-                                   self._replica_ids(), self._extended.worker_devices)
-        return regroup(results, self._extended.worker_devices)
+        recorder.boundary(recorder.FROM_STRATEGY)  # (before the step's work)
+        t = recorder.begin()
+        try:
+            with self.scope():  # as in TF: run inside another strategy's scope is an error
+                results = run_replicas(self, fn, tuple(args), dict(kwargs or {}),
+                                       self._replica_ids(), self._extended.worker_devices)
+            return regroup(results, self._extended.worker_devices)
+        finally:
+            if t:
+                recorder.end(t, "strategy.run", recorder.USER,
+                             {"fn": getattr(fn, "__name__", type(fn).__name__),
+                              "replicas": len(self._extended.worker_devices)})
 
     def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                             kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:

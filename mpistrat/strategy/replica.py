@@ -10,6 +10,9 @@ result. So every MPI call â€” collectives inside ``merge_fn``, ``all_reduce`` â€
 main thread, in the same order on every rank, whatever MPI thread level the library
 grants; and replicas that call ``merge_call`` a different number of times get an error
 instead of a hang.
+
+Under :mod:`mpistrat.trace` each replica's call is a span ``replica <fn>`` on the thread
+that ran it (its merge calls' waits included).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..backends import get_backend
 from ..backends.interop import is_writeable, to_native
 from ..ops import ReduceOp
 from ..runtime.agreement import agree
+from ..trace import recorder
 from ..values import DistributedValues, Mirrored, PerReplica, components_of, regroup, select_replica
 from . import context
 from .variables import DistributedVariable, Variable
@@ -251,7 +255,12 @@ def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dic
     if count == 1:
         ctx = ReplicaContext(strategy, replica_ids[0], 0)
         with context._entered(strategy, ctx), placement.on(0):
-            return [fn(*select_replica(0, args), **select_replica(0, kwargs))]
+            t = recorder.begin()
+            try:
+                return [fn(*select_replica(0, args), **select_replica(0, kwargs))]
+            finally:
+                if t:
+                    _traced(t, fn, replica_ids[0])
 
     slots = [_Replica() for _ in range(count)]
 
@@ -271,6 +280,7 @@ def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dic
         context._start_thread(strategy, ctx)
         slot.go.wait()
         slot.go.clear()
+        t = recorder.begin()
         try:
             if not slot.abort:
                 with placement.on(index):  # (a GPU replica's device, current in its thread)
@@ -280,6 +290,8 @@ def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dic
             pass
         except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
             slot.error = exc
+        if t:
+            _traced(t, fn, replica_ids[index])
         slot.done = True
         slot.paused.set()
 
@@ -335,6 +347,12 @@ def run_replicas(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dic
     finally:
         for thread in threads:
             thread.join()
+
+
+def _traced(start: int, fn: Callable[..., Any], replica_id: int) -> None:
+    """The trace's span of one replica's call of ``fn`` (on the replica's thread)."""
+    recorder.end(start, f"replica {getattr(fn, '__name__', type(fn).__name__)}",
+                 recorder.USER, {"replica": replica_id})
 
 
 def _same_length(argument_lists: list[tuple]) -> int:

@@ -12,11 +12,13 @@ larger share of the same global batches, in the same order.
 each time the loader asks it for a batch, with the position ``(kind, i)``: ``i`` global
 batches of this epoch handed out, and trained on, before. That is the only place a torch
 training loop with this sampler marks a boundary (mpistrat.torch's DistributedDataParallel
-marks none), so each step counts once. It is exact when the loader asks for batch ``i``
-only once step ``i - 1`` is done: ``num_workers=0`` (the default). Worker processes make
-the loader ask for batches ahead (``prefetch_factor``), so there give ``mark_steps=False``
-and call :func:`mpistrat.elastic.step` yourself — the snapshot then holds no input
-position and a restore replays the epoch from its start.
+marks none), so each step counts once; they are the steps of ``mpistrat run --trace``
+too (the loader's loading of the batch, which follows, is in its step). It is exact
+when the loader asks for batch ``i`` only once step ``i - 1`` is done: ``num_workers=0``
+(the default). Worker processes make the loader ask for batches ahead
+(``prefetch_factor``), so there give ``mark_steps=False`` and call
+:func:`mpistrat.elastic.step` yourself — the snapshot then holds no input position and a
+restore replays the epoch from its start.
 
 **Resuming.** After a relaunch, :meth:`mpistrat.checkpoint.CheckpointManager.
 restore_or_initialize` restores the snapshot's position, and the first iteration of a
