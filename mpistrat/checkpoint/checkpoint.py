@@ -44,6 +44,7 @@ import numpy as np
 from ..errors import TopologyError
 from ..runtime._mpi import Comm, state_comm
 from ..runtime.agreement import agree
+from ..trace import recorder
 from . import _files
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
 
@@ -281,7 +282,23 @@ class Checkpoint:
               after: Callable[[str], None] | None = None) -> str:
         """Save to ``target`` (``target-N`` when ``numbered``); the chief writes while it
         holds the directory's lock, then runs ``after(path)`` (pruning) under it too.
-        ``after``'s failure is a warning on the chief: the checkpoint is saved."""
+        ``after``'s failure is a warning on the chief: the checkpoint is saved. Traced
+        as a span ``checkpoint save`` (the bytes written, on the chief)."""
+        t = recorder.begin()
+        if not t:
+            return self._write_state(what, target, numbered, after, None)
+        written: list[int] = []
+        path = target
+        try:
+            path = self._write_state(what, target, numbered, after, written)
+            return path
+        finally:
+            recorder.end(t, "checkpoint save", recorder.CHECKPOINT,
+                         {"path": path, "call": what,
+                          **({"bytes": written[0]} if written else {})})
+
+    def _write_state(self, what: str, target: str, numbered: bool,
+                     after: Callable[[str], None] | None, written: list[int] | None) -> str:
         comm = self.comm
         chief = self._agree(what, f"{what} {target}")
         counter = self.save_counter
@@ -289,6 +306,8 @@ class Checkpoint:
 
         def work() -> tuple[str, int, str | None]:
             arrays, entries = self._collect()
+            if written is not None:  # (traced: the bytes written)
+                written.append(sum(a.nbytes for a in arrays.values()))
             directory = os.path.dirname(target) or "."
             os.makedirs(directory, exist_ok=True)
             with _files.lock(directory):
@@ -384,6 +403,16 @@ class Checkpoint:
             ValueError: the checkpoint holds other names, dtypes or shapes than the
                 objects (on every rank).
         """
+        t = recorder.begin()
+        try:
+            return self._restore(save_path)
+        finally:
+            if t:
+                recorder.end(t, "checkpoint restore", recorder.CHECKPOINT,
+                             {"path": os.fspath(save_path) if save_path is not None
+                              else None})
+
+    def _restore(self, save_path: str | os.PathLike[str] | None) -> str | None:
         comm = self.comm
         chief = self._agree("Checkpoint.restore", f"restore {save_path}")
         if save_path is None:

@@ -59,6 +59,7 @@ from .._atomic import write_atomically
 from ..elastic import hooks
 from ..elastic.env import ElasticEnv
 from ..runtime._mpi import Comm
+from ..trace import recorder
 from .checkpoint import (
     Checkpoint,
     _assign,
@@ -219,12 +220,31 @@ class SnapshotStore:
         write to any of them (the next update) waits until the copy is done
         (:func:`mpistrat.elastic.hooks.before_write`), so the snapshot holds this
         boundary's state. Other leaves (NumPy arrays, which the script may change in
-        place, scalars, generators, GPU values) are copied before this returns."""
+        place, scalars, generators, GPU values) are copied before this returns.
+
+        Traced (:mod:`mpistrat.trace`) as a span ``snapshot``, its background work as
+        ``snapshot copy`` on its thread, and a write's wait for it as ``snapshot fence
+        wait``."""
+        t = recorder.begin()
+        if not t:
+            self._take(position, number)
+            return
+        done = (0, False)
+        try:
+            done = self._take(position, number)
+        finally:
+            recorder.end(t, "snapshot", recorder.CHECKPOINT,
+                         {"sequence": self.sequence, "writer": self.writer,
+                          "bytes": done[0], "background": done[1]})
+
+    def _take(self, position: tuple[str, int] | None, number: int | None) -> tuple[int, bool]:
+        """:meth:`take`; (the bytes of the slot written here, whether its copy goes on in
+        the background)."""
         self.sequence = self.sequence + 1 if number is None else number
         started = time.perf_counter()
         states = self._expand_states()  # (collective for a sharded optimizer)
         if not self.writer:
-            return
+            return 0, False
         self.wait()  # (the previous snapshot is committed: snapshots commit in order)
         values: list[tuple[np.ndarray, bool]] = []
         generators: dict[str, Any] = {}
@@ -288,6 +308,7 @@ class SnapshotStore:
         # work's (it overlaps a step only where a core is free, so it counts in full)
         self.last_cost = 0.0 if fresh else cost + (self._background if later else 0.0)
         self.seconds += cost
+        return size, later
 
     def _commit(self, slot: _Slot, layout: dict[str, Any], extra: dict[str, Any],
                 deferred: list[tuple[np.ndarray, np.ndarray]],
@@ -297,6 +318,7 @@ class SnapshotStore:
         data = slot.data
         assert data is not None
         started = time.perf_counter()
+        t = recorder.begin() if copied is not None else 0  # (the background's)
         try:
             try:
                 for target, value in deferred:
@@ -305,6 +327,11 @@ class SnapshotStore:
                 if copied is not None:
                     hooks.set_fence(None)
                     copied.set()
+                if t:
+                    recorder.end(t, "snapshot copy", recorder.CHECKPOINT,
+                                 {"sequence": extra["sequence"],
+                                  "bytes": sum(v.nbytes for _, v in deferred)})
+                    t = recorder.begin()
             extra["checksums"] = [_checksum(raw) for raw in slot.raw] + \
                 [_checksum(_bytes(view)) for view in slot.extra]
             body = json.dumps(extra, separators=(",", ":")).encode()
@@ -326,6 +353,9 @@ class SnapshotStore:
         finally:
             if copied is not None:  # (in the background: take() weighs it next time)
                 self._background = time.perf_counter() - started
+            if t:
+                recorder.end(t, "snapshot commit", recorder.CHECKPOINT,
+                             {"sequence": extra["sequence"]})
 
     def wait(self) -> None:
         """Until the snapshot being written here (if any) is committed."""
@@ -443,7 +473,20 @@ class SnapshotStore:
     def restore(self) -> SnapshotInfo | None:
         """Restore the newest valid snapshot any host holds into the checkpoint's
         objects, on every rank (collective); None (nothing changed) when no host holds
-        one. The writers look; the newest found is read on its host and broadcast."""
+        one. The writers look; the newest found is read on its host and broadcast.
+        Traced as a span ``snapshot restore``."""
+        t = recorder.begin()
+        info = None
+        try:
+            info = self._restore()
+            return info
+        finally:
+            if t:
+                recorder.end(t, "snapshot restore", recorder.CHECKPOINT,
+                             {"sequence": info.sequence if info is not None else None,
+                              "skipped": len(self.skipped)})
+
+    def _restore(self) -> SnapshotInfo | None:
         comm = self.comm
         assert comm is not None
         for store in list(_IN_FLIGHT):  # (this process's own snapshots, committed first)
