@@ -25,6 +25,14 @@ job is launched again on the ranks left and resumes from the coordinator's newes
 snapshot: ``schedule()``, ``join()`` and ``mpistrat.elastic.step()`` are its step
 boundaries (:mod:`mpistrat.ps.elastic`). Otherwise: resume from the coordinator's
 checkpoint.
+
+Under :mod:`mpistrat.trace` the coordinator records each closure it schedules (an
+instant ``closure scheduled`` with the closure's number and function), each one that
+comes back (``closure done``: on which worker, how it ended), and its waits in
+``RemoteValue.fetch`` (``fetch``) and :meth:`ClusterCoordinator.join` (``join``); the
+worker records the closure's run (:mod:`mpistrat.ps.worker`). The coordinator's steps
+are its ``schedule`` calls (unless the script marks its own with
+:func:`mpistrat.trace.step`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from .._nest import flatten, pack_sequence_as
 from ..elastic import hooks
 from ..errors import CancelledError, CollectiveTimeoutError
 from ..runtime import stall
+from ..trace import recorder
 from . import worker
 from .strategy import _COORDINATORS, ParameterServerStrategy
 from .worker import experimental_get_current_worker_index
@@ -69,12 +78,13 @@ class RemoteValue:
     it and returns the value, or raises the function's error, or
     :class:`~mpistrat.errors.CancelledError` when the function was thrown away."""
 
-    __slots__ = ("_ready", "_status", "_payload")
+    __slots__ = ("_ready", "_status", "_payload", "_closure")
 
-    def __init__(self) -> None:
+    def __init__(self, closure: int = -1) -> None:
         self._ready = threading.Event()
         self._status = ""
         self._payload: Any = None
+        self._closure = closure  # (the closure's number, for the trace)
 
     def _finish(self, status: str, payload: Any = None) -> None:
         self._status, self._payload = status, payload
@@ -83,7 +93,10 @@ class RemoteValue:
     def fetch(self) -> Any:
         """Wait for the function and return its value (NumPy arrays and Python values as
         the function returned them)."""
+        t = recorder.begin()
         self._ready.wait()
+        if t:
+            recorder.end(t, "fetch", recorder.PS, {"id": self._closure})
         if self._status == "ok":
             return self._payload
         if self._status == "error":
@@ -177,13 +190,14 @@ class PerWorkerDataset:
 
 
 class _Closure:
-    __slots__ = ("call", "payload", "carried", "value", "future")
+    __slots__ = ("call", "payload", "carried", "value", "future", "id")
 
-    def __init__(self, call: tuple) -> None:
+    def __init__(self, call: tuple, number: int = -1) -> None:
         self.call = call  # (fn, args, kwargs)
+        self.id = number  # (the coordinator's count of closures, for the trace)
         self.payload = b""
         self.carried: list[PerWorkerDataset] = []  # datasets sent with their function
-        self.value = RemoteValue()
+        self.value = RemoteValue(number)
         self.future: Any = None
 
     def pickle(self, full: bool = False) -> None:
@@ -232,6 +246,7 @@ class ClusterCoordinator:
         self._retries = 0
         self._progress = time.monotonic()  # when a function last finished
         self._marked = False  # a step boundary marked since the last function was sent
+        self._closures = itertools.count()  # (numbers the closures, for the trace)
 
     @property
     def strategy(self) -> ParameterServerStrategy:
@@ -255,7 +270,7 @@ class ClusterCoordinator:
             if isinstance(value, RemoteValue):
                 raise ValueError("RemoteValue used as an input to scheduled function is not "
                                  "yet supported.")
-        closure = _Closure((fn, tuple(args or ()), dict(kwargs or {})))
+        closure = _Closure((fn, tuple(args or ()), dict(kwargs or {})), next(self._closures))
         try:
             closure.pickle()
         except Exception as exc:  # noqa: BLE001 -- say what could not travel
@@ -263,6 +278,10 @@ class ClusterCoordinator:
                             f"to a worker ({type(exc).__name__}: {exc}); scheduled "
                             f"functions may reference variables, the strategy, per-worker "
                             f"iterators and picklable values") from exc
+        if recorder.on:
+            recorder.instant("closure scheduled", recorder.PS,
+                             {"id": closure.id,
+                              "fn": getattr(fn, "__name__", type(fn).__name__)})
         self._submit(closure)
         self._marked = False
         return closure.value
@@ -270,7 +289,7 @@ class ClusterCoordinator:
     def _submit(self, closure: _Closure) -> None:
         with self._lock:
             self._pending.add(closure)
-        closure.future = self._executor.submit(worker.execute, closure.payload)
+        closure.future = self._executor.submit(worker.execute, closure.payload, closure.id)
         closure.future.add_done_callback(lambda future: self._finished(closure, future))
 
     def _finished(self, closure: _Closure, future: Any) -> None:
@@ -294,6 +313,10 @@ class ClusterCoordinator:
             return
         if outcome[0] == "resend":
             outcome = ("cancelled",)  # (an error is pending: nothing more is started)
+        if recorder.on:
+            recorder.instant("closure done", recorder.PS,
+                             {"id": closure.id, "outcome": outcome[0],
+                              "worker": outcome[-1] if len(outcome) > 1 else None})
         if outcome[0] != "cancelled" and outcome[-1] is not None:
             for dataset in closure.carried:  # that worker has their functions now
                 dataset._holders.add(outcome[-1])
@@ -383,7 +406,12 @@ class ClusterCoordinator:
             CollectiveTimeoutError: under ``mpistrat run --timeout``, no function
                 finished for that long.
         """
-        self._drain()
+        t = recorder.begin()
+        try:
+            self._drain()
+        finally:
+            if t:
+                recorder.end(t, "join", recorder.PS)
         self._boundary()
 
     def _drain(self) -> None:
@@ -398,7 +426,8 @@ class ClusterCoordinator:
         marked twice without a function sent in between (the same state)."""
         if not self._marked:
             self._marked = True
-            hooks.step_boundary(None)
+            recorder.boundary(recorder.FROM_STRATEGY)  # (the trace's: below a script's)
+            hooks.step_boundary(None, traced=True)
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises the first error, once)."""

@@ -15,6 +15,10 @@ exception, traceback text)``, or ``("retry", message)`` when it raised
 :class:`~mpistrat.errors.WorkerUnavailableError` (the coordinator runs it again; the
 worker's per-worker datasets are dropped, so they are rebuilt, as TF does after a worker
 failure).
+
+Under :mod:`mpistrat.trace` a worker's steps are its closures: each step is the wait for
+the next closure (``closure wait``, counted as waiting for input) and the closure's run
+(a span ``closure <fn>`` with the coordinator's number of the closure and the worker).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import cloudpickle
 
 from ..data.input_context import InputContext
 from ..errors import WorkerUnavailableError
+from ..trace import recorder
 
 __all__ = ["WorkerState", "execute", "current", "experimental_get_current_worker_index"]
 
@@ -35,12 +40,14 @@ __all__ = ["WorkerState", "execute", "current", "experimental_get_current_worker
 class WorkerState:
     """A worker rank's state while it serves closures."""
 
-    def __init__(self, strategy: Any, index: int, num_workers: int) -> None:
+    def __init__(self, strategy: Any, index: int, num_workers: int, rank: int = -1) -> None:
         self.strategy = strategy
         self.index = index
         self.num_workers = num_workers
+        self.rank = rank  # (in the job's communicator)
         self.iterators: dict[tuple[int, int], Any] = {}
         self.builders: dict[int, Any] = {}  # dataset id -> its dataset function
+        self.idle_since = 0  # (traced: when the last closure ended, else 0)
 
 
 class MissingBuilder(Exception):
@@ -57,8 +64,17 @@ def current() -> WorkerState | None:
 
 
 def serving(state: WorkerState | None) -> None:
-    """Set (or clear, with None) this rank's worker state."""
+    """Set (or clear, with None) this rank's worker state. Setting it ends the trace's
+    step of the setup: from then on, each closure is a step."""
     _STATE[0] = state
+    if state is not None:
+        _next_step(state)
+
+
+def _next_step(state: WorkerState) -> None:
+    """A step boundary of the trace: a worker's step starts with its wait for a closure."""
+    recorder.boundary(recorder.FROM_INPUT)
+    state.idle_since = recorder.begin()
 
 
 def experimental_get_current_worker_index() -> int:
@@ -84,22 +100,40 @@ def _require_worker(what: str) -> WorkerState:
     return state
 
 
-def execute(payload: bytes) -> bytes:
-    """Run one closure on this worker; its outcome as a payload (never raises)."""
+def execute(payload: bytes, closure: int = -1) -> bytes:
+    """Run one closure (the coordinator's number ``closure``) on this worker; its outcome
+    as a payload (never raises)."""
     state = _require_worker("a scheduled function")
+    if recorder.on and state.idle_since:
+        recorder.end(state.idle_since, "closure wait", recorder.INPUT, {"id": closure})
+    t = recorder.begin()
+    fn: Any = None
+    outcome = "error"
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-    except MissingBuilder as exc:
-        return cloudpickle.dumps(("resend", str(exc), state.index))
-    except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the coordinator
-        return _failure(exc, state)
-    try:
-        return cloudpickle.dumps(("ok", fn(*args, **kwargs), state.index))
-    except WorkerUnavailableError as exc:
-        state.iterators.clear()  # rebuilt from their dataset functions on next use
-        return cloudpickle.dumps(("retry", f"worker {state.index}: {exc}", state.index))
-    except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the coordinator
-        return _failure(exc, state)
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+        except MissingBuilder as exc:
+            outcome = "resend"
+            return cloudpickle.dumps(("resend", str(exc), state.index))
+        except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the coordinator
+            return _failure(exc, state)
+        try:
+            result = cloudpickle.dumps(("ok", fn(*args, **kwargs), state.index))
+            outcome = "ok"
+            return result
+        except WorkerUnavailableError as exc:
+            state.iterators.clear()  # rebuilt from their dataset functions on next use
+            outcome = "retry"
+            return cloudpickle.dumps(("retry", f"worker {state.index}: {exc}", state.index))
+        except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the coordinator
+            return _failure(exc, state)
+    finally:
+        if t:
+            name = "?" if fn is None else getattr(fn, "__name__", type(fn).__name__)
+            recorder.end(t, f"closure {name}", recorder.PS,
+                         {"id": closure, "worker": state.index, "rank": state.rank,
+                          "outcome": outcome})
+        _next_step(state)
 
 
 def _failure(exc: BaseException, state: WorkerState) -> bytes:
