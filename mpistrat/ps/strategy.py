@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import trace
 from ..checkpoint.manager import set_snapshot_hooks
 from ..checkpoint.snapshot import SnapshotStore
 from ..cross_device_ops import ReductionToOneDevice
@@ -310,10 +311,13 @@ class ParameterServerStrategy(Strategy):
         if not self._shutdown(failed=_EXCEPTHOOK.failed):
             import sys
 
-            print(f"mpistrat: the coordinator's program failed while scheduled functions "
-                  f"were still running on the workers; aborting the job "
-                  f"({self.num_workers} worker(s), {self.num_ps} ps)", file=sys.stderr,
-                  flush=True)
+            text = (f"mpistrat: the coordinator's program failed while scheduled functions "
+                    f"were still running on the workers; aborting the job "
+                    f"({self.num_workers} worker(s), {self.num_ps} ps)")
+            print(text, file=sys.stderr, flush=True)
+            stall.trace_failure("failure", text, [self._job.Get_rank()], status=1)
+            if trace.active():  # (the trace's file ends with it)
+                trace.flush()
             self._job.Abort(1)
 
     def _after_snapshot(self, store: SnapshotStore) -> None:
@@ -357,7 +361,8 @@ class ParameterServerStrategy(Strategy):
         else:
             from mpi4py.futures import MPICommExecutor
 
-            worker.serving(worker.WorkerState(self, self.task_id, self.num_workers))
+            worker.serving(worker.WorkerState(self, self.task_id, self.num_workers,
+                                              self._job.Get_rank()))
             try:
                 with MPICommExecutor(self._executor_comm, root=0):
                     pass  # (a worker serves inside __enter__ until the coordinator leaves)

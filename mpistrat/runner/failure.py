@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, MpistratError
 from ..runtime._mpi import mpi
+from ..runtime.stall import trace_failure
 from .watchdog import abort_and_exit
 
 __all__ = ["Outcome", "outcome_of", "finish", "FAILURE_GRACE"]
@@ -167,8 +168,15 @@ def finish(done: Any, outcome: Outcome, output: Any, grace: float = FAILURE_GRAC
     Returns:
         The job's exit status: the highest status of any rank. Does not return when a
         failed rank aborts the job.
+
+    A failed rank's report goes into its trace (:mod:`mpistrat.trace`) as an instant
+    ``failure``; before an abort the trace is written (:func:`~mpistrat.runner.watchdog.
+    abort_and_exit`).
     """
     MPI = mpi()
+    if outcome.status:
+        trace_failure("failure", outcome.report or f"status {outcome.status}",
+                      [done.Get_rank()], status=outcome.status, error=outcome.what)
     if done.Get_size() == 1:
         if outcome.report is not None:
             output.report(outcome.report)
@@ -222,6 +230,10 @@ def _fail_alone(outcome: Outcome, output: Any, watchdog: Any, notify: Any,
     if watchdog is not None and text is not None:
         text, reporter = watchdog.explain_failure(text, outcome.location, outcome.symptom,
                                                   outcome.what, diagnosis)
+        if text != outcome.report:  # (it names the ranks that cannot be reached)
+            trace_failure("failure explained", text,
+                          diagnosis.unreachable if diagnosis is not None else (),
+                          status=outcome.status)
     if text is not None:
         output.report(text)
         if watchdog is not None:

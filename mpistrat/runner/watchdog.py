@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import trace
 from ..runtime import stall
 from ..runtime._mpi import Comm, mpi
 from ..runtime.stall import AGREED, CHANNEL, FRAME, POLLED, REPORTED, SEQ, STARTED, WHAT
@@ -65,7 +66,7 @@ from .hosts import group_by_host, local_addresses, name_ranks
 from .reports import write_report
 
 __all__ = ["Watchdog", "Answer", "Diagnosis", "PROBE_SECONDS", "HARD_STOP", "MAX_DRAIN",
-           "name_ranks", "group_by_host", "local_addresses", "abort_and_exit"]
+           "name_ranks", "group_by_host", "local_addresses", "abort_and_exit", "flush_trace"]
 
 PROBE_SECONDS = 1.0  # how long a probe waits for answers
 _TRIES = (0.0, 0.3, 0.6)  # when, within a probe, the datagrams are (re)sent
@@ -390,8 +391,8 @@ class Watchdog:
         now = time.monotonic()
         if status:
             if now >= deadline:
-                self.end(status, (report or "") + "\n(mpistrat: this rank's end was blocked "
-                         "inside MPI; it ends itself)", True)
+                self._end(status, (report or "") + "\n(mpistrat: this rank's end was blocked "
+                          "inside MPI; it ends itself)", True)
             return
         if not self.timeout or now - deadline < self.timeout or \
                 now - self._finish_probed < self.timeout:
@@ -406,8 +407,8 @@ class Watchdog:
                 f"{now - deadline:.1f} s for the other ranks to finish theirs. "
                 + self._findings(diagnosis) + " " + _ENDING)
         reporter = self.is_reporter(diagnosis)
-        self.end(1, text if reporter else self._follower_line(diagnosis, "the end"),
-                 reporter)
+        self._end(1, text if reporter else self._follower_line(diagnosis, "the end"),
+                  reporter, diagnosis.unreachable)
 
     def _stall_report(self, entry: list, lasted: float) -> None:
         diagnosis = self.probe()
@@ -418,6 +419,8 @@ class Watchdog:
         text += (" This check repeats; --timeout (MPISTRAT_COLLECTIVE_TIMEOUT) ends the job "
                  "instead." if self.timeout is None else
                  f" The job gives up after {self.timeout:g} s (--timeout).")
+        stall.trace_failure("stall", text, diagnosis.unreachable, collective=entry[WHAT],
+                            seq=entry[SEQ], waited_s=round(lasted, 3))
         self.report(text)
 
     def _findings(self, diagnosis: Diagnosis) -> str:
@@ -447,7 +450,7 @@ class Watchdog:
                     f"{doing}. " + self._findings(diagnosis) + " " + _ENDING)
         else:
             text = self._follower_line(diagnosis, f"{entry[WHAT]} (collective #{entry[SEQ]})")
-        self.end(1, text, reporter)
+        self._end(1, text, reporter, diagnosis.unreachable)
 
     def _location(self, entry: list) -> str:
         """The script's frames down to its call into mpistrat, as a traceback."""
@@ -503,9 +506,16 @@ class Watchdog:
             self._devnull = open(os.devnull, "w")  # noqa: SIM115 - kept until the end
             faulthandler.dump_traceback_later(HARD_STOP, exit=True, file=self._devnull)
 
+    def _end(self, status: int, text: str, reporter: bool, ranks: Sequence[int] = ()) -> None:
+        """:meth:`end`, the report kept in the trace first (about ``ranks``: those that
+        cannot be reached)."""
+        stall.trace_failure("failure", text, ranks, rank=self.rank, status=status)
+        self.end(status, text, reporter)
+
     def end(self, status: int, text: str, reporter: bool = True) -> None:
         """Report ``text``, then end the job from this rank: ``MPI_Abort``, then
-        ``os._exit(status)`` (see :func:`abort_and_exit`). Never returns."""
+        ``os._exit(status)`` (see :func:`abort_and_exit`, which writes the trace first).
+        Never returns."""
         self.ending = self.exiting = True
         self._arm_hard_stop()
         self.report(text)
@@ -539,13 +549,28 @@ def abort_and_exit(status: int, wait: Callable[[float], None] = time.sleep) -> N
     rank cut off from it never ends it. The rank waits for MPI_Abort at most ABORT_WAIT
     seconds, then for the launcher's kill at most ABORT_WAIT more, then exits with
     ``status``: either way the launcher has the abort, or sees this rank fail. Never
-    returns."""
+    returns.
+
+    Under :mod:`mpistrat.trace` the rank's trace is written first, so that its file
+    ends with the failure."""
+    flush_trace()
     aborter = threading.Thread(target=lambda: mpi().COMM_WORLD.Abort(status),
                                name="mpistrat-abort", daemon=True)
     aborter.start()
     aborter.join(ABORT_WAIT)
     wait(ABORT_WAIT)  # the launcher's kill is the usual end
     os._exit(status)
+
+
+def flush_trace() -> None:
+    """Write what this rank's trace holds (:func:`mpistrat.trace.flush`, which waits for
+    the file a bounded time) before the process ends abnormally; a failure to write it
+    does not keep the rank from ending."""
+    if trace.active():
+        try:
+            trace.flush()
+        except Exception:  # noqa: BLE001 - the rank ends anyway
+            pass
 
 
 _ENDING = ("An MPI job cannot continue without its ranks: this rank ends now, and the "

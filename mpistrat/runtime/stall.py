@@ -37,10 +37,12 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from ..errors import CollectiveTimeoutError
+from ..trace import recorder
 from ._mpi import Comm, mpi
 
 __all__ = ["watch", "unwatch", "current", "allreduce_max", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",
-           "CHANNEL", "SEQ", "STARTED", "AGREED", "FRAME", "REPORTED", "POLLED"]
+           "CHANNEL", "SEQ", "STARTED", "AGREED", "FRAME", "REPORTED", "POLLED",
+           "trace_failure", "MAX_TRACED_REPORT"]
 
 _TAG = 0x5A8  # point-to-point tag of notes and verdicts, on the private communicator
 _MONITORS = 2  # ranks 0 and 1 of each communicator
@@ -54,6 +56,22 @@ _NOT_COLLECTIVE = tuple(os.path.join(_PACKAGE, name) for name in
                         ("runner" + os.sep, "cli" + os.sep, "bench" + os.sep,
                          "launch" + os.sep, "__main__.py"))
 _IN_COLLECTIVE: dict[Any, bool] = {}  # code object -> is it mpistrat's collective code
+MAX_TRACED_REPORT = 2048  # characters of a report kept in the trace
+
+
+def trace_failure(name: str, report: str, ranks: Any = (), **args: Any) -> None:
+    """Record a failure in this rank's trace (:mod:`mpistrat.trace`): an instant ``name``
+    of category ``failure`` with the ``report`` (its first :data:`MAX_TRACED_REPORT`
+    characters) and the ``ranks`` it is about, whatever the trace's step window (what
+    went wrong is what a trace of a failed job is read for). Nothing when tracing is off.
+    """
+    rec = recorder.current()
+    if rec is None:
+        return
+    if len(report) > MAX_TRACED_REPORT:
+        report = report[:MAX_TRACED_REPORT] + f" ... ({len(report)} characters in all)"
+    rec.add(time.monotonic_ns(), -1, name, recorder.FAILURE,
+            {"report": report, "ranks": sorted(int(r) for r in ranks), **args})
 
 
 # What a watched agreement records, per thread, of the collective it starts: a list (the
@@ -319,7 +337,11 @@ class Watch:
                      + ("This check repeats; --timeout (MPISTRAT_COLLECTIVE_TIMEOUT) ends the "
                         "job instead." if self.timeout is None else
                         f"The job gives up after {self.timeout:g} s (--timeout)."))
-        self.report(" ".join(lines))
+        text = " ".join(lines)
+        about = missing if channel.monitor else range(min(_MONITORS, channel.size))
+        trace_failure("stall", text, [channel.members[r] for r in about], collective=what,
+                      seq=channel.seq, waited_s=round(waited, 3))
+        self.report(text)
 
     def _whereabouts(self, channel: _Channel, missing: list[int]) -> list[str]:
         """What the notes say of missing ranks: waiting in another collective, or done."""
@@ -392,6 +414,8 @@ class Watch:
             missing,
         )
         error.reporter = reporter  # type: ignore[attr-defined]
+        trace_failure("collective timeout", str(error), [channel.members[r] for r in missing],
+                      collective=what, seq=channel.seq)
         return error
 
 
