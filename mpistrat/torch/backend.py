@@ -42,6 +42,12 @@ How each call runs:
 
 The works the calls return are :mod:`mpistrat.torch.work`'s; the tensors become MPI
 buffers through :mod:`mpistrat.torch.tensors`.
+
+Under :mod:`mpistrat.trace` every collective is one span ``torch.distributed.<name>`` (a
+``cpu_op`` with Kineto's collective args: ``Collective name``, ``dtype``, ``In msg
+nelems``, ``Out msg nelems``, ``Group size``, ``Process Group Name``; and mpistrat's
+algorithm, bytes, seq, algbw, busbw), holding its agreement and the phases of the
+engine it calls (``mpistrat.all_reduce`` inside is a phase).
 """
 
 from __future__ import annotations
@@ -56,9 +62,10 @@ import torch.distributed as dist
 
 from ..allreduce import all_reduce
 from ..runtime._mpi import Comm, mpi, world
-from ..runtime.agreement import agree
+from ..runtime.agreement import DOORS, agree, close_door, note_algorithm, open_door
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
+from ..trace import recorder
 from .tensors import (
     Staged,
     apart,
@@ -161,6 +168,30 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def abort(self) -> None:
         mpi().COMM_WORLD.Abort(1)
 
+    # --- tracing --------------------------------------------------------------------------
+
+    def _traced(self, what: str, collective: str, inputs: Any, outputs: Any, algorithm: str,
+                call: Callable[[], Done]) -> Done:
+        """``call()`` (the collective again, going straight in) recorded as one span
+        ``torch.distributed.<what>`` (a ``cpu_op``: torch's DistributedDataParallel and
+        ZeroRedundancyOptimizer call these) with Kineto's args (``collective`` is
+        Kineto's name of it) and the algorithm: ``algorithm``, else what ran inside."""
+        start = open_door(self._comm)
+        DOORS.direct = True
+        try:
+            return call()
+        finally:
+            DOORS.direct = False
+            ins, outs = _flat_tensors(inputs), _flat_tensors(outputs)
+            nbytes = max(sum(t.numel() * t.element_size() for t in ins),
+                         sum(t.numel() * t.element_size() for t in outs))
+            dtypes = {str(t.dtype).removeprefix("torch.") for t in ins or outs}
+            close_door(start, f"torch.distributed.{what}", collective, self._size,
+                       dtypes.pop() if len(dtypes) == 1 else "mixed" if dtypes else "",
+                       sum(t.numel() for t in ins), sum(t.numel() for t in outs), nbytes,
+                       algorithm, {"Process Group Name": self._name,
+                                   "Process Group Description": self._desc})
+
     # --- agreement ------------------------------------------------------------------------
 
     def _agree(self, what: str, signature: str | None, error: BaseException | None = None,
@@ -210,6 +241,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
             all_reduce(arrays if len(arrays) > 1 else arrays[0], op, self._spec,
                        self._comm, check=False, inplace=True)
             return
+        if recorder.on:
+            note_algorithm("allgather+combine")
         for array in arrays:
             if array.dtype == np.bool_:
                 array = array.view(np.uint8)
@@ -242,6 +275,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return []
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_reduce", "allreduce", tensors, tensors, "",
+                                    lambda: self.allreduce(tensors, opts))
+            DOORS.direct = False
         opts = dist.AllreduceOptions() if opts is None else opts
         if len(tensors) == 1 and self._timeout is None:
             # the common call (DDP's buckets, dist.all_reduce): straight into the engine,
@@ -302,6 +340,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return out.view(-1, *rows.shape[1:])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_reduce_coalesced", "allreduce_coalesced", tensors, tensors, "",
+                                    lambda: self.allreduce_coalesced(tensors, opts))
+            DOORS.direct = False
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
         return self._allreduce("all_reduce_coalesced", tensors, opts)
 
@@ -328,6 +371,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return self._device_spec
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("reduce", "reduce", tensors, tensors, "",
+                                    lambda: self.reduce(tensors, opts))
+            DOORS.direct = False
         opts = dist.ReduceOptions() if opts is None else opts
         root = opts.rootRank
         tensor = tensors[0]
@@ -341,6 +389,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("reduce_scatter", "reduce_scatter", input_tensors, output_tensors, "",
+                                    lambda: self.reduce_scatter(output_tensors,
+                                                                input_tensors, opts))
+            DOORS.direct = False
         opts = dist.ReduceScatterOptions() if opts is None else opts
         output, inputs = output_tensors[0], input_tensors[0]
         if len(inputs) != self._size:
@@ -357,6 +411,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("reduce_scatter_tensor", "_reduce_scatter_base", [input], [output], "",
+                                    lambda: self._reduce_scatter_base(output, input, opts))
+            DOORS.direct = False
         opts = dist.ReduceScatterOptions() if opts is None else opts
         if input.numel() != output.numel() * self._size:
             self._fail("reduce_scatter_tensor", ValueError(
@@ -371,6 +430,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced", inputs, outputs, "",
+                                    lambda: self.reduce_scatter_tensor_coalesced(
+                                        outputs, inputs, opts))
+            DOORS.direct = False
         for output, input in zip(outputs, inputs):
             self._reduce_scatter_base(output, input, opts)
         return Done(outputs)
@@ -398,6 +463,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._agree(what, None, error, getattr(opts, "timeout", None))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("broadcast", "broadcast", tensors, tensors, "MPI_Bcast",
+                                    lambda: self.broadcast(tensors, opts))
+            DOORS.direct = False
         opts = dist.BroadcastOptions() if opts is None else opts
         root = opts.rootRank
         self._check_root("broadcast", root)
@@ -414,6 +484,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_gather", "allgather", input_tensors, output_tensors, "MPI_Allgather",
+                                    lambda: self.allgather(output_tensors, input_tensors, opts))
+            DOORS.direct = False
         opts = dist.AllgatherOptions() if opts is None else opts
         outputs, input = output_tensors[0], input_tensors[0]
 
@@ -435,6 +510,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_gather_into_tensor", "_allgather_base", [input], [output], "MPI_Allgather",
+                                    lambda: self._allgather_base(output, input, opts))
+            DOORS.direct = False
         opts = dist.AllgatherOptions() if opts is None else opts
 
         def describe() -> str:
@@ -451,12 +531,24 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_gather_into_tensor_coalesced", "allgather_into_tensor_coalesced", inputs, outputs, "MPI_Allgather",
+                                    lambda: self.allgather_into_tensor_coalesced(
+                                        outputs, inputs, opts))
+            DOORS.direct = False
         for output, input in zip(outputs, inputs):
             self._allgather_base(output, input, opts)
         return Done(outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_gather_coalesced", "allgather_coalesced", inputs, output_lists, "MPI_Allgather",
+                                    lambda: self.allgather_coalesced(output_lists, inputs,
+                                                                     opts))
+            DOORS.direct = False
         # torch's layout (gloo's): output_lists[rank][i] receives rank's inputs[i]
         if len(output_lists) != self._size or any(len(o) != len(inputs)
                                                   for o in output_lists):
@@ -469,6 +561,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
                input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("gather", "gather", input_tensors, output_tensors, "MPI_Gather",
+                                    lambda: self.gather(output_tensors, input_tensors, opts))
+            DOORS.direct = False
         opts = dist.GatherOptions() if opts is None else opts
         root, input = opts.rootRank, input_tensors[0]
         self._check_root("gather", root)
@@ -493,6 +590,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("scatter", "scatter", input_tensors, output_tensors, "MPI_Scatter",
+                                    lambda: self.scatter(output_tensors, input_tensors, opts))
+            DOORS.direct = False
         opts = dist.ScatterOptions() if opts is None else opts
         root, output = opts.rootRank, output_tensors[0]
         self._check_root("scatter", root)
@@ -515,6 +617,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_to_all", "alltoall", input_tensors, output_tensors, "MPI_Alltoallv",
+                                    lambda: self.alltoall(output_tensors, input_tensors, opts))
+            DOORS.direct = False
         opts = dist.AllToAllOptions() if opts is None else opts
 
         def describe() -> str:
@@ -540,6 +647,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("all_to_all_single", "alltoall_base", [input], [output], "MPI_Alltoallv",
+                                    lambda: self.alltoall_base(
+                                        output, input, output_split_sizes, input_split_sizes,
+                                        opts))
+            DOORS.direct = False
         opts = dist.AllToAllOptions() if opts is None else opts
         rows_out = output.shape[0] if output.dim() else 1
         rows_in = input.shape[0] if input.dim() else 1
@@ -600,6 +714,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
                              [byte_view(receive), counts_in, displ_in, MPI.BYTE])
 
     def barrier(self, opts: Any = None) -> Done:
+        if recorder.on:  # (off: this one branch; on: the call again, inside its span)
+            if not DOORS.direct:
+                return self._traced("barrier", "barrier", (), (), "agreement",
+                                    lambda: self.barrier(opts))
+            DOORS.direct = False
         opts = dist.BarrierOptions() if opts is None else opts
         # the agreement is itself a synchronising collective of every rank
         self._agree("barrier", "barrier", None, getattr(opts, "timeout", None))
@@ -634,6 +753,17 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return Work(tensors, request, finish=staged.done,
                      source=source if source >= 0 else -1,
                      what=f"recv from {peer} (tag {tag})", timeout=self._timeout)
+
+
+def _flat_tensors(items: Any) -> list[torch.Tensor]:
+    """The tensors of a collective's argument (a tensor, a list, a list of lists)."""
+    if isinstance(items, torch.Tensor):
+        return [items]
+    found: list[torch.Tensor] = []
+    if isinstance(items, (list, tuple)):
+        for item in items:
+            found += _flat_tensors(item)
+    return found
 
 
 # --- creation ---------------------------------------------------------------------------

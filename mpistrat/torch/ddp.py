@@ -31,6 +31,10 @@ How the gradients travel (docs/torch.md has the measurements):
 * At the end of backward, parameters that got no gradient on this rank contribute zeros;
   the last bucket also counts, per parameter, the ranks that had a gradient, and a
   parameter that none had keeps ``.grad = None`` on every rank, as in one process.
+
+Under :mod:`mpistrat.trace` each bucket's reduction is a collective span ``bucket
+all_reduce`` (args ``bucket``, ``bytes``, the algorithm and bandwidths) on the thread that
+runs backward, and :func:`broadcast_parameters` one ``broadcast_parameters``.
 """
 
 from __future__ import annotations
@@ -48,10 +52,11 @@ from ..backends import get_backend
 from ..backends.torch_dtypes import NUMPY_DTYPES, numpy_dtype
 from ..ops import ReduceOp
 from ..runtime._mpi import Comm, world
-from ..runtime.agreement import agree
+from ..runtime.agreement import agree, close_door, open_door
 from ..runtime.shared import shared_empty
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
+from ..trace import recorder
 
 __all__ = ["DistributedDataParallel", "broadcast_parameters",
            "broadcast_optimizer_state", "DEFAULT_BUCKET_BYTES", "FUSED_BYTES"]
@@ -123,23 +128,38 @@ def broadcast_parameters(source: Any, root: int = 0, comm: Comm | None = None) -
         error = exc
     signature = None if error is not None else f"root={root} " + ";".join(
         f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in pairs)
-    agree(comm, signature, error, "broadcast_parameters",
-          "the same root and tensors (names, shapes, dtypes) in the same order")
-    if comm.Get_size() == 1 or not pairs:
-        return
-    sizes = [t.numel() * t.element_size() for _, t in pairs]
-    starts = [0]  # every tensor on a 16-byte boundary, so any dtype can view it
-    for size in sizes:
-        starts.append(starts[-1] + -(-size // 16) * 16)
-    flat = torch.empty(starts[-1], dtype=torch.uint8)
-    with torch.no_grad():
-        if comm.Get_rank() == root:
-            for (_, tensor), at, size in zip(pairs, starts, sizes):
-                flat[at:at + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        comm.Bcast(flat.numpy(), root=root)
-        if comm.Get_rank() != root:
-            for (_, tensor), at, size in zip(pairs, starts, sizes):
-                tensor.copy_(flat[at:at + size].view(tensor.dtype).view(tensor.shape))
+    start = open_door(comm) if recorder.on else 0
+    try:
+        agree(comm, signature, error, "broadcast_parameters",
+              "the same root and tensors (names, shapes, dtypes) in the same order")
+        if comm.Get_size() == 1 or not pairs:
+            return
+        sizes = [t.numel() * t.element_size() for _, t in pairs]
+        starts = [0]  # every tensor on a 16-byte boundary, so any dtype can view it
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // 16) * 16)
+        flat = torch.empty(starts[-1], dtype=torch.uint8)
+        with torch.no_grad():
+            if comm.Get_rank() == root:
+                for (_, tensor), at, size in zip(pairs, starts, sizes):
+                    flat[at:at + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            comm.Bcast(flat.numpy(), root=root)
+            if comm.Get_rank() != root:
+                for (_, tensor), at, size in zip(pairs, starts, sizes):
+                    tensor.copy_(flat[at:at + size].view(tensor.dtype).view(tensor.shape))
+    finally:
+        if start:
+            count = sum(t.numel() for _, t in pairs)
+            close_door(start, "broadcast_parameters", "broadcast", comm.Get_size(),
+                       _dtypes(pairs), count, count,
+                       sum(t.numel() * t.element_size() for _, t in pairs), "MPI_Bcast",
+                       {"root": root, "tensors": len(pairs)})
+
+
+def _dtypes(pairs: list[tuple[str, torch.Tensor]]) -> str:
+    """The tensors' dtype as the trace writes it ("mixed" for several)."""
+    found = {str(t.dtype).removeprefix("torch.") for _, t in pairs}
+    return found.pop() if len(found) == 1 else "mixed" if found else ""
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
@@ -443,16 +463,27 @@ class DistributedDataParallel(torch.nn.Module):
         state.filled = [True] * len(self._params)
 
     def _reduce(self, index: int) -> None:
-        """All-reduce bucket ``index`` in place (SUM: MEAN's division came with the copy)."""
+        """All-reduce bucket ``index`` in place (SUM: MEAN's division came with the copy).
+        Traced: a span ``bucket all_reduce`` (a collective: cpu_op) on the thread that
+        runs backward."""
+        start = open_door(self.comm) if recorder.on else 0
         bucket = self._buckets[index]
         if index == len(self._buckets) - 1:
             self._counts[:] = self._had
-        if self._size > 1:
-            entry = self._routes[index]
-            dispatch.run(entry.alg, self.comm, bucket.array, op=ReduceOp.SUM,
-                         shards=entry.shards, backend=self._backend,
-                         rotation=self._pass.calls, checked=True)
-            self._pass.calls += 1
+        entry = self._routes[index]
+        try:
+            if self._size > 1:
+                dispatch.run(entry.alg, self.comm, bucket.array, op=ReduceOp.SUM,
+                             shards=entry.shards, backend=self._backend,
+                             rotation=self._pass.calls, checked=True)
+                self._pass.calls += 1
+        finally:
+            if start:
+                close_door(start, "bucket all_reduce", "allreduce", self._size,
+                           str(bucket.array.dtype), bucket.array.size, bucket.array.size,
+                           bucket.array.nbytes, "" if self._size > 1 else "local",
+                           {"bucket": index, "buckets": len(self._buckets),
+                            "parameters": len(bucket.params)})
 
     def _finish(self) -> None:
         """End of backward: zeros for the parameters this rank has no gradient for, the

@@ -28,6 +28,11 @@ Design:
   :meth:`ZeroRedundancyOptimizer.consolidate_state_dict` has gathered it on one rank (as
   torch's); ``load_state_dict`` takes such a state on every rank, so checkpoints move
   between this optimizer and an ordinary one.
+
+Under :mod:`mpistrat.trace` each step is a span ``ZeRO step`` (``user_annotation``): this
+rank's share of the update, then the node's barrier, a collective ``ZeRO barrier`` whose
+``agreement`` is the time this rank waited for the node's slowest share (there is no
+broadcast or all-gather of parameters to record: the node's ranks share them).
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ from typing import Any
 import torch
 
 from ..runtime._mpi import Comm, mpi, world
-from ..runtime.agreement import agree
+from ..runtime.agreement import agree, close_door, open_door
 from ..runtime.shared import node_empty
 from ..runtime.topology import get_topology
+from ..trace import recorder
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -224,6 +230,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        t = recorder.begin()
         error: BaseException | None = None
         try:
             moved = [i for i, (p, at) in enumerate(zip(self._all, self._pointers))
@@ -240,12 +247,30 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self.optim.step()
         except Exception as exc:  # raised on every rank of the node by the agreement
             error = exc
-        agree(self._node, None if error is not None else "step", error,
-              "ZeroRedundancyOptimizer.step", "a step")
+        try:
+            self._barrier(error)
+        finally:
+            if t:
+                recorder.end(t, "ZeRO step", recorder.USER,
+                             {"parameters": sum(len(g["params"]) for g in
+                                                self.optim.param_groups) if self.optim
+                              else 0, "node ranks": self._node.Get_size()})
         if self._consolidated_on is not None:  # the gathered state is stale now
             self.state.clear()
             self._consolidated_on = None
         return loss
+
+    def _barrier(self, error: BaseException | None) -> None:
+        """The end of a step: the node's ranks agree that every share was stepped (a
+        barrier; traced, a collective ``barrier`` on the node's communicator)."""
+        start = open_door(self._node) if recorder.on else 0
+        try:
+            agree(self._node, None if error is not None else "step", error,
+                  "ZeroRedundancyOptimizer.step", "a step")
+        finally:
+            if start:
+                close_door(start, "ZeRO barrier", "barrier", self._node.Get_size(), "", 0,
+                           0, 0, "agreement")
 
     # --- state ---------------------------------------------------------------------------
 
