@@ -342,7 +342,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_reduce_coalesced", "allreduce_coalesced", tensors, tensors, "",
+                return self._traced("all_reduce_coalesced", "allreduce_coalesced", tensors,
+                                    tensors, "",
                                     lambda: self.allreduce_coalesced(tensors, opts))
             DOORS.direct = False
         opts = dist.AllreduceCoalescedOptions() if opts is None else opts
@@ -391,7 +392,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("reduce_scatter", "reduce_scatter", input_tensors, output_tensors, "",
+                return self._traced("reduce_scatter", "reduce_scatter", input_tensors,
+                                    output_tensors, "",
                                     lambda: self.reduce_scatter(output_tensors,
                                                                 input_tensors, opts))
             DOORS.direct = False
@@ -413,7 +415,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                              opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("reduce_scatter_tensor", "_reduce_scatter_base", [input], [output], "",
+                return self._traced("reduce_scatter_tensor", "_reduce_scatter_base", [input],
+                                    [output], "",
                                     lambda: self._reduce_scatter_base(output, input, opts))
             DOORS.direct = False
         opts = dist.ReduceScatterOptions() if opts is None else opts
@@ -432,7 +435,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                                         inputs: list[torch.Tensor], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_coalesced", inputs, outputs, "",
+                return self._traced("reduce_scatter_tensor_coalesced",
+                                    "reduce_scatter_tensor_coalesced", inputs, outputs, "",
                                     lambda: self.reduce_scatter_tensor_coalesced(
                                         outputs, inputs, opts))
             DOORS.direct = False
@@ -486,7 +490,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                   input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_gather", "allgather", input_tensors, output_tensors, "MPI_Allgather",
+                return self._traced("all_gather", "allgather", input_tensors, output_tensors,
+                                    "MPI_Allgather",
                                     lambda: self.allgather(output_tensors, input_tensors, opts))
             DOORS.direct = False
         opts = dist.AllgatherOptions() if opts is None else opts
@@ -512,7 +517,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                         opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_gather_into_tensor", "_allgather_base", [input], [output], "MPI_Allgather",
+                return self._traced("all_gather_into_tensor", "_allgather_base", [input],
+                                    [output], "MPI_Allgather",
                                     lambda: self._allgather_base(output, input, opts))
             DOORS.direct = False
         opts = dist.AllgatherOptions() if opts is None else opts
@@ -533,7 +539,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
                                         inputs: list[torch.Tensor], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_gather_into_tensor_coalesced", "allgather_into_tensor_coalesced", inputs, outputs, "MPI_Allgather",
+                return self._traced("all_gather_into_tensor_coalesced",
+                                    "allgather_into_tensor_coalesced", inputs, outputs,
+                                    "MPI_Allgather",
                                     lambda: self.allgather_into_tensor_coalesced(
                                         outputs, inputs, opts))
             DOORS.direct = False
@@ -545,7 +553,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                             inputs: list[torch.Tensor], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_gather_coalesced", "allgather_coalesced", inputs, output_lists, "MPI_Allgather",
+                return self._traced("all_gather_coalesced", "allgather_coalesced", inputs,
+                                    output_lists, "MPI_Allgather",
                                     lambda: self.allgather_coalesced(output_lists, inputs,
                                                                      opts))
             DOORS.direct = False
@@ -592,7 +601,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("scatter", "scatter", input_tensors, output_tensors, "MPI_Scatter",
+                return self._traced("scatter", "scatter", input_tensors, output_tensors,
+                                    "MPI_Scatter",
                                     lambda: self.scatter(output_tensors, input_tensors, opts))
             DOORS.direct = False
         opts = dist.ScatterOptions() if opts is None else opts
@@ -619,7 +629,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                  opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_to_all", "alltoall", input_tensors, output_tensors, "MPI_Alltoallv",
+                return self._traced("all_to_all", "alltoall", input_tensors, output_tensors,
+                                    "MPI_Alltoallv",
                                     lambda: self.alltoall(output_tensors, input_tensors, opts))
             DOORS.direct = False
         opts = dist.AllToAllOptions() if opts is None else opts
@@ -649,7 +660,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
                       opts: Any = None) -> Done:
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
-                return self._traced("all_to_all_single", "alltoall_base", [input], [output], "MPI_Alltoallv",
+                return self._traced("all_to_all_single", "alltoall_base", [input], [output],
+                                    "MPI_Alltoallv",
                                     lambda: self.alltoall_base(
                                         output, input, output_split_sizes, input_split_sizes,
                                         opts))
