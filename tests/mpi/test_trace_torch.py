@@ -1,0 +1,171 @@
+"""What the torch adapter puts into a trace, at 1-4 ranks: torch's
+``DistributedDataParallel`` over the ``"mpistrat"`` backend for 3 steps gives one
+``cpu_op`` per backend collective, with Kineto's args and the process group's name, and
+the ``mpistrat.all_reduce`` it calls as a phase inside it (never a second collective);
+the backend's other collectives likewise; ``mpistrat.torch.DistributedDataParallel`` with
+``ZeroRedundancyOptimizer`` for 3 steps gives each bucket's ``bucket all_reduce`` and
+each ``ZeRO step`` with the node's barrier inside. Every file is read back with
+``json.load``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed")
+
+import torch.distributed as dist  # noqa: E402
+from _torch_group import default_group  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch import nn  # noqa: E402
+
+import mpistrat.torch as mt  # noqa: E402
+from mpistrat import trace  # noqa: E402
+from mpistrat.runtime.agreement import DOORS  # noqa: E402
+
+torch.set_num_threads(1)
+
+_SLACK = 0.002  # µs: ts and dur are written with 3 decimals
+KINETO = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "Group size",
+          "algorithm", "bytes", "seq", "algbw (GB/s)", "busbw (GB/s)")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def pg():
+    with default_group() as group:
+        yield group
+
+
+def _traced(root, calls):
+    world = MPI.COMM_WORLD
+    path = trace.start(root, comm=world)
+    try:
+        calls()
+    finally:
+        trace.stop()
+    with open(path) as f:
+        doc = json.load(f)
+    return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+
+
+def _inside(event, outer):
+    return (outer["ts"] - _SLACK <= event["ts"]
+            and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"] + _SLACK)
+
+
+def _within(events, outer, name=None):
+    return [e for e in events if e is not outer and e["tid"] == outer["tid"]
+            and _inside(e, outer) and (name is None or e["name"] == name)]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 3))
+
+
+def _data(step):
+    generator = torch.Generator().manual_seed(100 * step + MPI.COMM_WORLD.rank)
+    return torch.randn(4, 8, generator=generator)
+
+
+def _same_everywhere(value):
+    values = MPI.COMM_WORLD.allgather(value)
+    assert all(v == values[0] for v in values), values
+
+
+@pytest.mark.timeout(120)
+def test_torch_ddp_over_the_backend_records_one_cpu_op_per_collective(pg, root):
+    size = MPI.COMM_WORLD.size
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = sum(p.numel() for p in model.parameters())
+
+    def calls():
+        for step in range(STEPS):
+            trace.step()
+            optimizer.zero_grad()
+            ddp(_data(step)).sum().backward()
+            optimizer.step()
+        flag = torch.ones(3, dtype=torch.float64)
+        dist.all_reduce(flag)
+        dist.broadcast(flag, 0)
+        gathered = [torch.empty(3, dtype=torch.float64) for _ in range(size)]
+        dist.all_gather(gathered, flag)
+        dist.barrier()
+
+    events = _traced(root, calls)
+    ops = sorted((e for e in events if e["cat"] == "cpu_op"), key=lambda e: e["ts"])
+    assert all(op["name"].startswith("torch.distributed.") for op in ops), \
+        sorted({op["name"] for op in ops})
+    for op in ops:
+        missing = [key for key in KINETO if key not in op["args"]]
+        assert not missing, (op["name"], missing)
+        assert op["args"]["Group size"] == size
+        assert op["args"]["Process Group Name"] == pg.group_name
+        (agreement,) = _within(events, op, "agreement")
+        assert agreement["args"]["seq"] == op["args"]["seq"]
+    seqs = [op["args"]["seq"] for op in ops]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    _same_everywhere([(op["name"], op["args"]["seq"]) for op in ops])
+    # DDP's gradient buckets: the backend's all_reduce, mpistrat's all_reduce a phase in it
+    buckets = [op for op in ops if op["name"] == "torch.distributed.all_reduce"
+               and op["args"]["In msg nelems"] == params]
+    assert len(buckets) == STEPS, [(op["name"], op["args"]["In msg nelems"]) for op in ops]
+    for op in buckets:
+        assert op["args"]["Collective name"] == "allreduce"
+        assert op["args"]["dtype"] == "float32" and op["args"]["bytes"] == 4 * params
+        (inner,) = _within(events, op, "all_reduce")
+        assert inner["cat"] == "mpistrat_phase" and inner["args"]["seq"] == op["args"]["seq"]
+    named = {(op["name"], op["args"]["Collective name"], op["args"]["In msg nelems"],
+              op["args"]["Out msg nelems"]) for op in ops[-4:]}
+    assert named == {("torch.distributed.all_reduce", "allreduce", 3, 3),
+                     ("torch.distributed.broadcast", "broadcast", 3, 3),
+                     ("torch.distributed.all_gather", "allgather", 3, 3 * size),
+                     ("torch.distributed.barrier", "barrier", 0, 0)}, named
+    assert DOORS.depth == 0
+
+
+@pytest.mark.timeout(120)
+def test_mpistrat_ddp_and_zero_record_buckets_and_steps(root):
+    world = MPI.COMM_WORLD
+    model = _model(1)
+    ddp = mt.DistributedDataParallel(model, comm=world, bucket_bytes=512)
+    optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm=world,
+                                           lr=0.1)
+    buckets = ddp.buckets
+
+    def calls():
+        for step in range(STEPS):
+            trace.step()
+            optimizer.zero_grad()
+            ddp(_data(step)).sum().backward()
+            optimizer.step()
+
+    events = _traced(root, calls)
+    reduced = sorted((e for e in events if e["name"] == "bucket all_reduce"),
+                     key=lambda e: e["ts"])
+    assert len(reduced) == STEPS * len(buckets) and len(buckets) > 1
+    for k, op in enumerate(reduced):
+        index = k % len(buckets)
+        dtype, nbytes, _ = buckets[index]
+        assert op["cat"] == "cpu_op"
+        assert op["args"]["bucket"] == index
+        assert op["args"]["Group size"] == world.size
+        assert op["args"]["dtype"] == str(dtype).removeprefix("torch.")
+        # (the last bucket also carries one count per parameter)
+        assert op["args"]["bytes"] >= nbytes and op["args"]["bytes"] % 4 == 0
+        algorithm = _within(events, op, "algorithm")
+        assert len(algorithm) == (world.size > 1)
+    zero = sorted((e for e in events if e["name"] == "ZeRO step"), key=lambda e: e["ts"])
+    assert len(zero) == STEPS and {e["cat"] for e in zero} == {"user_annotation"}
+    for step in zero:
+        (barrier,) = _within(events, step, "ZeRO barrier")
+        assert barrier["cat"] == "cpu_op" and barrier["args"]["Collective name"] == "barrier"
+        (agreement,) = _within(events, barrier, "agreement")
+        assert agreement["args"]["seq"] == barrier["args"]["seq"]
+    _same_everywhere([(op["name"], op["args"]["seq"]) for op in reduced])
