@@ -302,24 +302,28 @@ def _layout(kept: list[dict[str, Any]], proc_names: dict[Any, str], proc_sort: d
             thread_names: dict[tuple[Any, Any], str],
             thread_sort: dict[tuple[Any, Any], int], skipped: dict[str, int], left_out: int,
             window: tuple[float | None, float | None] | None, title: str) -> dict[str, Any]:
-    # threads: first those with events of their own (by first event), then the
-    # classification's streams (kernel events only), each process's by tid
+    # threads: first those with spans of their own (by first event), then the
+    # classification's streams (kernel events only) by tid, then those with instants only
     first: dict[tuple[Any, Any], int] = {}
-    own: set[tuple[Any, Any]] = set()      # threads with events other than kernels
+    own: set[tuple[Any, Any]] = set()      # threads with spans other than kernels
+    kernels: set[tuple[Any, Any]] = set()
     for i, event in enumerate(kept):
         where = (event.get("pid", 0), event.get("tid", 0))
         first.setdefault(where, i)
-        if event.get("cat") != "kernel":
+        if event.get("cat") == "kernel":
+            kernels.add(where)
+        elif event["ph"] == "X":
             own.add(where)
-    streams = set(first) - own
+    streams = kernels - own
+    group = {w: 0 if w in own else 1 if w in streams else 2 for w in first}
     pids = sorted({p for p, _ in first}, key=lambda p: (proc_sort.get(p, 0), _order(p)))
     threads: list[dict[str, Any]] = []
     index: dict[tuple[Any, Any], int] = {}
     processes = []
     for pid in pids:
         mine = sorted((w for w in first if w[0] == pid),
-                      key=lambda w: (thread_sort.get(w, 0), w in streams,
-                                     _order(w[1]) if w in streams else first[w]))
+                      key=lambda w: (thread_sort.get(w, 0), group[w],
+                                     _order(w[1]) if w in streams else (0, first[w])))
         rows = []
         for where in mine:
             index[where] = len(threads)

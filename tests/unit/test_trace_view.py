@@ -101,7 +101,8 @@ def test_page_has_every_event_of_the_ranks(merged, tmp_path):
         sorted({e["name"] for e in drawable})
     # the training thread first, then the classification's streams in order
     rows = [data["threads"][t]["name"] for t in data["processes"][0]["threads"]]
-    assert rows[1:] == ["stream 7 compute", "stream 8 communication", "stream 9 waiting"]
+    assert rows == ["thread 1000", "stream 7 compute", "stream 8 communication",
+                    "stream 9 waiting"]
     collective = _spans(data, "all_reduce")[0]
     assert collective[6]["busbw (GB/s)"] == 0.13 and collective[6]["Group size"] == 2
     assert data["events"] == sorted(data["events"], key=lambda e: e[0])
@@ -120,6 +121,25 @@ def test_spans_nest_by_depth(merged):
              for i, (ts, dur) in enumerate([(5641.337, 27943.269), (33584.606, 28103.277),
                                             (61687.883, 27981.676)])]
     assert [e[5] for e in prepare(steps)["events"]] == [0, 0, 0]
+
+
+def test_thread_rows_spans_then_streams_then_instants():
+    events = [
+        {"ph": "i", "name": "clock_sync", "cat": "clock", "ts": 0, "pid": 0, "tid": 0},
+        {"ph": "X", "name": "compute", "cat": "kernel", "ts": 1, "dur": 1, "pid": 0, "tid": 8},
+        {"ph": "X", "name": "compute", "cat": "kernel", "ts": 1, "dur": 1, "pid": 0, "tid": 7},
+        {"ph": "X", "name": "copy", "ts": 2, "dur": 1, "pid": 0, "tid": 55},
+        {"ph": "X", "name": "step", "ts": 1, "dur": 1, "pid": 0, "tid": 99},
+        {"ph": "X", "name": "r1", "ts": 0, "dur": 1, "pid": 1, "tid": 1},
+        {"ph": "M", "name": "process_sort_index", "pid": 1, "args": {"sort_index": -1}},
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 99, "args": {"name": "main"}},
+    ]
+    data = prepare(events)
+    assert [p["pid"] for p in data["processes"]] == ["1", "0"]
+    rows = [data["threads"][t] for t in data["processes"][1]["threads"]]
+    assert [(r["name"], r["tid"]) for r in rows] == [
+        ("main", "99"), ("thread 55", "55"), ("thread 7", "7"), ("thread 8", "8"),
+        ("thread 0", "0")]
 
 
 def test_legend_tells_steps_agreements_and_streams_apart(merged):
