@@ -76,9 +76,10 @@ def write_job(directory, *, size=2, steps=6, run="0123abcd", slow=(), slow_ms=20
         def span(a, b, name, cat, args, thread=11, local=local):
             return (local(a), local(b) - local(a), name, cat, args, thread)
 
+        trip = round(trip_us * US) if r else 0       # (rank 0 is the reference)
         writer = TraceWriter(os.path.join(directory, f"rank-{r}.json"),
                              header(r, size, run, (hosts or {}).get(r, "node1"), offset,
-                                    trip_us * US), r, offset, 0)
+                                    trip), r, offset, 0)
         for number, step in enumerate(job):
             start, stop, calls = step[r]
             events = []
@@ -99,7 +100,7 @@ def write_job(directory, *, size=2, steps=6, run="0123abcd", slow=(), slow_ms=20
             writer.put(events, number + 1)
         if clock_sync:
             writer.put([(local(end), -1, "clock_sync", "clock",
-                         {"offset_ns": offset + drift, "round_trip_ns": trip_us * US}, 0)],
+                         {"offset_ns": offset + drift, "round_trip_ns": trip}, 0)],
                        len(job))
         writer.close()
     return job
