@@ -27,6 +27,7 @@ __all__ = [
     "RunSetupError",
     "CancelledError",
     "WorkerUnavailableError",
+    "TraceError",
 ]
 
 
@@ -147,3 +148,8 @@ class WorkerUnavailableError(MpistratError, RuntimeError):
     ``UnavailableError``). Raised inside a scheduled function, the
     :class:`~mpistrat.ClusterCoordinator` runs the closure again, on any worker, and
     rebuilds that worker's per-worker datasets; it never reaches the user's program."""
+
+
+class TraceError(MpistratError, ValueError):
+    """A trace cannot be started (a bad step window, a directory that cannot be
+    written), or a trace file cannot be read (not a trace, damaged, another job's)."""

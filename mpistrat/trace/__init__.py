@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from time import monotonic_ns
 from typing import Any
 
-from ..errors import MpistratError
+from ..errors import TraceError
 from . import recorder
 from .recorder import boundary, instant
 
@@ -52,10 +52,6 @@ DEFAULT_STEPS = "0:100"
 TRACE_ENV = "MPISTRAT_TRACE"          # mpistrat run --trace's directory, for every rank
 TRACE_STEPS_ENV = "MPISTRAT_TRACE_STEPS"
 _SYNC_SECONDS = 10.0
-
-
-class TraceError(MpistratError, ValueError):
-    """A trace cannot be started, or a trace file cannot be read."""
 
 
 def parse_steps(text: str | None) -> tuple[int, int | None]:

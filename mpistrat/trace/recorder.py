@@ -108,6 +108,8 @@ class Recorder:
         self.step = 0
         self.source = 0
         self.step_start = monotonic_ns()
+        self.thread = threading.get_native_id()  # the thread that marks the steps
+        self.closed = -1          # the step close_step ended (a partial step, once)
         self.in_step = 0          # events recorded in this step
         self.dropped = 0          # events dropped over the whole run
         self.lock = threading.Lock()  # (only around handing the buffer over)
@@ -127,10 +129,11 @@ class Recorder:
             return
         self.source = source
         now = monotonic_ns()
-        if on:
+        self.thread = threading.get_native_id()
+        if on and self.closed != self.step:
             self.buffer.append((self.step_start, now - self.step_start,
                                 f"ProfilerStep#{self.step}", STEP, {"step": self.step},
-                                threading.get_native_id()))
+                                self.thread))
         self.step += 1
         self.step_start = now
         self.in_step = 0
@@ -148,13 +151,14 @@ class Recorder:
             self.sink(events, self.step)
 
     def close_step(self) -> None:
-        """End the current step's span where tracing stops (a last, partial step)."""
-        if on:
-            now = monotonic_ns()
-            self.buffer.append((self.step_start, now - self.step_start,
+        """End the current step's span where tracing stops or the process is about to
+        end (a last, partial step; once per step, on the thread that marks the steps,
+        whichever thread calls this)."""
+        if on and self.closed != self.step:
+            self.closed = self.step
+            self.buffer.append((self.step_start, monotonic_ns() - self.step_start,
                                 f"ProfilerStep#{self.step}", STEP,
-                                {"step": self.step, "partial": True}, threading.get_native_id()))
-            self.step_start = now
+                                {"step": self.step, "partial": True}, self.thread))
 
 
 def install(recorder: Recorder | None) -> None:
