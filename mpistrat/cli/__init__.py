@@ -12,6 +12,7 @@ from .. import __version__
 from .bench import bench
 from .info import info
 from .run import run
+from .trace import trace
 from .validate import validate
 
 __all__ = ["cli", "main"]
@@ -36,6 +37,7 @@ cli.add_command(validate)
 cli.add_command(info)
 cli.add_command(bench)
 cli.add_command(run)
+cli.add_command(trace)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
