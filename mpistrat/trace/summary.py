@@ -450,7 +450,7 @@ def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str
     seen = set().union(*(set(s) for s in steps.values()))
     left_out = sorted(seen - set(common))
     if left_out:
-        partial = sorted(n for s in steps.values() for n, st in s.items() if st.partial)
+        partial = sorted({n for s in steps.values() for n, st in s.items() if st.partial})
         warnings.append(f"step{'s' if len(left_out) > 1 else ''} {step_ranges(left_out)} left out: "
                         f"not recorded whole on every rank"
                         + (f" (step {step_ranges(partial)} ended where tracing stopped)"
