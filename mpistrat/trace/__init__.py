@@ -219,10 +219,11 @@ def stop(*, collective: bool = True) -> str | None:
         measured = _sync(session.comm)
         if measured is not None:
             rec.buffer.append((monotonic_ns(), -1, "clock_sync", "clock", {"offset_ns": measured[0], "round_trip_ns": measured[1]},
-                0))
+                rec.thread))
     if rec.dropped:
         rec.buffer.append((monotonic_ns(), -1, "events dropped", "mpistrat_trace",
-                           {"dropped": rec.dropped, "max_events_per_step": rec.max_events}, 0))
+                           {"dropped": rec.dropped, "max_events_per_step": rec.max_events},
+                           rec.thread))
     rec.hand_over()
     session.writer.close()
     try:
