@@ -52,6 +52,7 @@ import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic_ns
 from typing import Any
 
 import numpy as np
@@ -608,7 +609,7 @@ def _reduce_one(comm: Comm, door: _Door, call: _Call, array: Any = None) -> Any:
         door.calls += 1
     buf = engine.mean(buf, reduce_op, workers * replicas)
     result = buf.reshape(first.shape)
-    t = recorder.begin()
+    t = monotonic_ns() if recorder.on else 0
     if targets is not None:
         for index, target in enumerate(targets):
             if index or into is None:
@@ -635,7 +636,7 @@ def _reduce_batch(comm: Comm, call: _Batch) -> list[Any]:
     results = engine.reduce_batch(comm, call.op, [(a,) for a in arrays], groups)
     targets = arrays if call.inplace else call.outs
     if targets is not None:
-        t = recorder.begin()
+        t = monotonic_ns() if recorder.on else 0
         copy_all((target, result) for target, (result,) in zip(targets, results))
         if t:
             phase(t, "copy-back", {"tensors": len(targets)})

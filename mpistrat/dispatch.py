@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from time import monotonic_ns
 from typing import Any
 
 from .algorithms import (AlgorithmInfo, Implementation, Shards, Source, agreed_join, get,
@@ -144,7 +145,7 @@ def run(name: str, comm: Comm, buf: Any, *, op: ReduceOp, shards: int = 1, backe
         raise _host_buffers_for_gpu_algorithm(name)
     if not checked:
         fit(name, comm, shards, ranks_per_node=ranks_per_node)
-    t = recorder.begin()
+    t = monotonic_ns() if recorder.on else 0
     if info.hierarchical:
         compose(info.intra, info.inter)(comm, buf, op=op, shards=shards, backend=backend,
                                         rotation=rotation, ranks_per_node=ranks_per_node,

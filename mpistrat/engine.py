@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from time import monotonic_ns
 from typing import Any
 
 import numpy as np
@@ -120,7 +121,7 @@ def fitted_groups(comm: Comm, op: ReduceOp, arrays: Sequence[Any], spec: AllRedu
 def local_sum(op: ReduceOp, sources: list[Any], backend: ArrayBackend) -> Any:
     """A new buffer (recycled memory: it becomes a result) holding the combination of the
     local devices' sources, in device order."""
-    t = recorder.begin()
+    t = monotonic_ns() if recorder.on else 0
     buf = backend.recycled(sources[0].size, sources[0].dtype)
     sources[0].copy_into(buf, backend=backend)
     for source in sources[1:]:
@@ -187,7 +188,7 @@ def mean(buf: Any, op: ReduceOp, contributions: int) -> Any:
     number of contributions (in place for floats; integers give a new float64 array)."""
     if op is not ReduceOp.MEAN:
         return buf
-    t = recorder.begin()
+    t = monotonic_ns() if recorder.on else 0
     buf = get_backend(buf).divide(buf, contributions)
     if t:
         phase(t, "mean", {"contributions": contributions, "bytes": buf.nbytes})
@@ -207,7 +208,7 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
     results: list[Any] = [None] * len(components)
     counter = 0
     for indices, plan, reducer in groups:
-        t = recorder.begin()
+        t = monotonic_ns() if recorder.on else 0
         per_device = [[components[i][d] for i in indices] for d in range(replicas)]
         # the plan was looked up by the first device's shapes and dtypes: only the other
         # devices' tensors need checking against it
@@ -220,7 +221,7 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
         if t:
             phase(t, "pack", {"tensors": len(indices), "packs": len(plan.packs),
                               "singles": len(plan.passthrough)})
-            t = recorder.begin()
+            t = monotonic_ns() if recorder.on else 0
         if grouped:
             DOORS.quiet += 1
         try:
@@ -236,14 +237,14 @@ def reduce_batch(comm: Comm, op: ReduceOp, components: Sequence[Sequence[Any]],
                   {"name": getattr(reducer, "alg", "?"), "reductions": len(reduced),
                    "bytes": sum(b.nbytes for b in reduced)})
         if op is ReduceOp.MEAN:
-            t = recorder.begin()
+            t = monotonic_ns() if recorder.on else 0
             for k, buf in enumerate(reduced):
                 if get_backend(buf).xp.issubdtype(buf.dtype, np.inexact):
                     reduced[k] = get_backend(buf).divide(buf, contributions)
             if t:
                 phase(t, "mean", {"contributions": contributions,
                                   "bytes": sum(b.nbytes for b in reduced)})
-        t = recorder.begin()
+        t = monotonic_ns() if recorder.on else 0
         tensors = plan.unpack(reduced[:len(plan.packs)], reduced[len(plan.packs):])
         for i, tensor in zip(indices, tensors):
             if op is ReduceOp.MEAN and tensor.dtype.kind in "iub":

@@ -76,7 +76,7 @@ def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: Ar
     topology = get_topology(comm, ranks_per_node)
     single = topology.num_nodes == 1 and topology.local_size > 1 and buf.size > 0
     if source is not None and intra.out_of_place and single:
-        t = recorder.begin()
+        t = monotonic_ns() if recorder.on else 0
         intra.all_reduce(topology.node_comm, buf, op=op, backend=backend, rotation=rotation,
                          shards=topology.local_size if node_shards else 1,
                          source=agreed_join(topology.node_comm, source, backend))
@@ -96,7 +96,7 @@ def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: Ar
     if buf.size == 0 or topology.size == 1:
         return
     node_comm = topology.node_comm
-    t = recorder.begin()
+    t = monotonic_ns() if recorder.on else 0
     if single:
         intra.all_reduce(node_comm, buf, op=op, backend=backend, rotation=rotation,
                          shards=topology.local_size if node_shards else 1)
@@ -115,13 +115,13 @@ def hierarchical(comm: Comm, buf: Any, *, op: ReduceOp, shards: int, backend: Ar
                              rotation=rotation)
         if t:
             phase(t, "node stage", {"step": "reduce", "ranks": topology.local_size})
-            t = recorder.begin()
+            t = monotonic_ns() if recorder.on else 0
     if topology.is_leader and topology.num_nodes > 1:
         inter.all_reduce(topology.leader_comm, buf, op=op, shards=shards, backend=backend,
                          rotation=rotation)
         if t:
             phase(t, "cross-node stage", {"nodes": topology.num_nodes})
-            t = recorder.begin()
+            t = monotonic_ns() if recorder.on else 0
     if topology.local_size > 1:
         if intra.broadcast is not None:
             intra.broadcast(node_comm, buf, backend=backend, root=0)
