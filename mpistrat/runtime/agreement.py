@@ -458,6 +458,7 @@ class _Doors(threading.local):
     direct = False     # a door's traced path calls the door itself: straight in, no span
     quiet = 0          # > 0: no phases (a batch's group records its reductions as one)
     algorithm = ""     # what reduced the data inside the collective ("xring+shm")
+    waited = 0         # ns the collective spent in agreements that carried no data
 
 
 DOORS = _Doors()
@@ -479,6 +480,7 @@ def open_door(comm: Comm) -> int:
     if not doors.depth:
         doors.seq = next_seq(comm)
         doors.algorithm = ""
+        doors.waited = 0
     doors.depth += 1
     return monotonic_ns()
 
@@ -508,14 +510,17 @@ def close_door(start: int, name: str, collective: str, size: int, dtype: str,
                extra: dict[str, Any] | None = None) -> None:
     """Record the collective that :func:`open_door` started at ``start``: a ``cpu_op``
     span ``name`` (a phase when another door is open around it) with Kineto's collective
-    args, mpistrat's ``algorithm``, ``bytes``, ``seq`` and the bandwidths."""
+    args, mpistrat's ``algorithm``, ``bytes``, ``seq`` and the bandwidths (over the span
+    less its agreements' waiting, as nccl-tests time the data's movement alone)."""
     doors = DOORS
     doors.depth -= 1
     rec = recorder.current()
     if rec is None:
         return
     duration = max(monotonic_ns() - start, 1)
-    algbw = nbytes / duration  # bytes per ns: GB/s
+    # (over the time the data moved: waiting for the last rank in the agreement would
+    # make a straggler look like a slow link; nccl-tests' times have no such wait)
+    algbw = nbytes / max(duration - doors.waited, 1)  # bytes per ns: GB/s
     args = {"Collective name": collective, "dtype": dtype, "In msg nelems": nelems_in,
             "Out msg nelems": nelems_out, "Group size": size,
             "algorithm": algorithm or doors.algorithm or "local", "bytes": nbytes,
@@ -535,6 +540,8 @@ def traced_agreement(start: int, comm: Comm, carries_data: bool = False) -> None
     seq = doors.seq if doors.depth else next_seq(comm)
     if carries_data:  # (the exchange is the algorithm: every rank reduces the blocks)
         note_algorithm("exchange")
+    elif doors.depth:
+        doors.waited += monotonic_ns() - start
     recorder.end(start, "agreement", recorder.PHASE,
                  {"seq": seq, "carries_data": True} if carries_data else {"seq": seq})
 
