@@ -161,8 +161,8 @@ def _text(found: Summary, per_step: bool, top: int) -> str:
                    "algorithm"] + (["bench busbw", "ratio"] if bench else [])
         table: list[list[Any]] = []
         for c in found.collectives[:top]:
-            row: list[Any] = [c.name, _bytes(c.bytes), c.count, f"{c.mean_ms:.3f}", _gb(c.algbw_GBps),
-                   _gb(c.busbw_GBps), c.algorithm or "-"]
+            row: list[Any] = [c.name, _bytes(c.bytes), c.count, f"{c.mean_ms:.3f}",
+                              _gb(c.algbw_GBps), _gb(c.busbw_GBps), c.algorithm or "-"]
             if bench:
                 row += [_gb(c.bench_busbw_GBps),
                         "-" if c.ratio is None else f"{c.ratio:.2f}"]

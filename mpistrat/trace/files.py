@@ -8,19 +8,20 @@ inside a ``write``) is cut back to its last complete event and still read, sayin
 many bytes were lost. Events are checked one by one; one of an unknown shape is skipped
 and counted by reason, never used.
 
-:func:`read_directory` reads every rank file of a directory: files that cannot be read
-are left out with the reason, files of another run than most are left out by name, and
-the ranks of the run without a file are named.
+:func:`read_directory` reads the headers of every rank file of a directory: files that
+cannot be read are left out with the reason, files of another run than most are left out
+by name, and the ranks of the run without a file are named. :meth:`RunTraces.traces` then
+reads the ranks' events one rank at a time, so that the memory needed is one rank's.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,8 @@ class RankTrace:
         base_ns: rank 0's wall clock (ns since the epoch) when tracing started.
         offset_ns, round_trip_ns: the clock offset measured at the start (already in
             every ``ts``) and its round trip (-1: the measurement failed).
-        events: the events that passed the checks (metadata included), as in the file.
+        events: the events that passed the checks (metadata included), as in the file
+            (none when only the header was read).
         skipped: events left out, by reason.
         torn: whether the file was torn at its end (its closing brackets missing);
         torn_bytes: the bytes cut off it then (a part of an event).
@@ -69,22 +71,24 @@ class RankTrace:
     base_ns: int
     offset_ns: int
     round_trip_ns: int
-    events: list[dict[str, Any]] = field(repr=False)
+    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
     skipped: dict[str, int] = field(default_factory=dict)
     torn: bool = False
     torn_bytes: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunTraces:
-    """The rank files of one run.
+    """The rank files of one run, their headers read (:meth:`traces` reads the events).
 
     Attributes:
         directory: where they were read.
         run, size: the run id and world size of most files.
-        ranks: the files read, by rank.
+        ranks: the files' headers, by rank (their ``events`` not read yet).
         missing: ranks of the run without a file that could be read.
         left_out: ``(file, reason)`` for each file not read.
+        notes: torn files and skipped events, as :meth:`traces` reads them.
+        max_bytes: the largest rank file read.
     """
 
     directory: str
@@ -93,27 +97,54 @@ class RunTraces:
     ranks: list[RankTrace]
     missing: list[int]
     left_out: list[tuple[str, str]]
+    notes: list[str] = field(default_factory=list)
+    max_bytes: int = MAX_BYTES
+
+    def traces(self) -> Iterator[RankTrace]:
+        """Each rank's file with its events, read and validated one rank at a time; a file
+        that cannot be read now (changed since its header was read) is left out, its rank
+        missing."""
+        for header in self.ranks:
+            try:
+                trace = read_rank(header.path, max_bytes=self.max_bytes)
+                if (trace.run, trace.rank, trace.size) != (header.run, header.rank,
+                                                           header.size):
+                    raise TraceError(f"{header.path!r} changed while it was read (now rank "
+                                     f"{trace.rank} of run {trace.run})")
+            except TraceError as exc:
+                self.left_out.append((header.path, _reason(exc, header.path)))
+                self.missing = sorted(self.missing + [header.rank])
+                continue
+            name = os.path.basename(trace.path)
+            if trace.torn:
+                self.notes.append(f"{name} is torn at its end (rank {trace.rank} was killed "
+                                  f"while writing): cut back {trace.torn_bytes} bytes to "
+                                  f"its last complete event")
+            if trace.skipped:
+                reasons = "; ".join(f"{n} {why}" for why, n in trace.skipped.items())
+                self.notes.append(f"{name}: skipped {sum(trace.skipped.values())} events "
+                                  f"of an unknown shape ({reasons})")
+            yield trace
 
     def warnings(self) -> list[str]:
-        """What a user should hear about: files left out, missing ranks, torn files and
-        skipped events."""
+        """What a user should hear about: files left out, missing ranks, and (once
+        :meth:`traces` has read them) torn files and skipped events."""
         found = [f"{os.path.basename(path)} left out: {why}" for path, why in self.left_out]
         if self.missing:
             found.append(f"no trace of rank{'s' if len(self.missing) > 1 else ''} "
                          f"{_ranks(self.missing)} of {self.size} (run {self.run}): "
                          f"{'they' if len(self.missing) > 1 else 'it'} never started "
                          f"tracing, or the file was left out above")
-        for trace in self.ranks:
-            name = os.path.basename(trace.path)
-            if trace.torn:
-                found.append(f"{name} is torn at its end (rank {trace.rank} was killed "
-                             f"while writing): cut back {trace.torn_bytes} bytes to its "
-                             f"last complete event")
-            if trace.skipped:
-                reasons = "; ".join(f"{n} {why}" for why, n in trace.skipped.items())
-                found.append(f"{name}: skipped {sum(trace.skipped.values())} events of "
-                             f"an unknown shape ({reasons})")
-        return found
+        return found + self.notes
+
+
+def _reason(exc: TraceError, path: str) -> str:
+    """The message of ``exc`` without the file's name in front."""
+    text = str(exc)
+    for prefix in (repr(path) + " ", repr(path) + ": "):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -130,8 +161,9 @@ def _no_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
-def _read_bytes(path: str, max_bytes: int) -> bytes:
-    """The file's bytes: a regular file, not through a link, of at most ``max_bytes``."""
+def _read_bytes(path: str, max_bytes: int, most: int | None = None) -> bytes:
+    """The file's bytes (its first ``most`` only, if given): a regular file, not through
+    a link, of at most ``max_bytes``."""
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
     except FileNotFoundError:
@@ -153,7 +185,7 @@ def _read_bytes(path: str, max_bytes: int) -> bytes:
                 f"MiB read per rank file: record fewer steps (mpistrat run --trace-steps "
                 f"A:B) or raise the limit (--max-mib)")
         chunks = []
-        left = max_bytes + 1
+        left = max_bytes + 1 if most is None else most
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 24))
             if not chunk:
@@ -165,7 +197,7 @@ def _read_bytes(path: str, max_bytes: int) -> bytes:
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    if len(data) > max_bytes:
+    if most is None and len(data) > max_bytes:
         raise TraceError(f"{path!r} grew over the {max_bytes / 2**20:g} MiB read per rank "
                          f"file while it was read; read it once its job has ended")
     return data
@@ -220,21 +252,18 @@ def _parse(data: bytes, path: str) -> tuple[Any, int | None]:
         events.append(event)
         end = pos
     document["traceEvents"] = events
-    if text[end:].lstrip().startswith("]"):
-        # the list is whole: what failed lies elsewhere (a file edited by hand)
-        raise TraceError(f"{path!r} is not valid JSON ({problem}); a rank file written by "
-                         f"mpistrat's writer is expected") from None
+    rest = text[end:]
+    if rest.lstrip().startswith("]") or (len(rest) > 8 and rest.rstrip().endswith("]}")):
+        # the list is whole, or the file goes on to its end after the damage (a tear
+        # leaves at most a piece of the old closing brackets): not a torn file
+        raise TraceError(f"{path!r} is not valid JSON ({problem}), and not merely torn at "
+                         f"its end; a rank file written by mpistrat's writer is "
+                         f"expected") from None
     return document, len(data) - len(text[:end].encode("utf-8"))
 
 
 def _int(value: Any, low: int = -_INT_LIMIT, high: int = _INT_LIMIT) -> bool:
     return type(value) is int and low <= value <= high
-
-
-def _number(value: Any, low: float = -TIME_LIMIT_US, high: float = TIME_LIMIT_US) -> bool:
-    if type(value) is int:
-        return low <= value <= high
-    return type(value) is float and math.isfinite(value) and low <= value <= high
 
 
 def _text(value: Any) -> bool:
@@ -273,38 +302,57 @@ class _Header:
         return self.get(where, prefix, name, lambda v: isinstance(v, dict), "an object")
 
 
+def _time(value: Any, low: float = -TIME_LIMIT_US) -> bool:
+    # (NaN fails both comparisons; an int too large for a float compares exactly)
+    kind = type(value)
+    return (kind is float or kind is int) and low <= value <= TIME_LIMIT_US
+
+
 def _check_event(event: Any, rank: int) -> str | None:
     """Why ``event`` is of an unknown shape (None: it is known)."""
-    if not isinstance(event, dict):
+    if type(event) is not dict:
         return "not an object"
-    ph = event.get("ph")
+    get = event.get
+    ph = get("ph")
     if ph not in _PHASES:
         return "phase not X, i or M"
-    if event.get("pid") != rank or type(event.get("pid")) is not int:
+    pid = get("pid")
+    if pid != rank or type(pid) is not int:
         return "pid not the file's rank"
-    tid = event.get("tid")
-    if not (_int(tid, 0) or (isinstance(tid, str) and len(tid) <= 100)):
+    tid = get("tid")
+    if not (type(tid) is int and 0 <= tid <= _INT_LIMIT
+            or type(tid) is str and len(tid) <= 100):
         return "tid not an integer >= 0"
-    args = event.get("args")
-    if args is not None and not isinstance(args, dict):
+    args = get("args")
+    if args is not None and type(args) is not dict:
         return "args not an object"
-    if not _text(event.get("name")):
+    name = get("name")
+    if type(name) is not str or len(name) > MAX_NAME:
         return "name not a string"
     if ph == "M":
-        known = _META.get(event["name"])
+        known = _META.get(name)
         if known is None:
             return None                       # other metadata: harmless, passed on
         key, kind = known
         value = (args or {}).get(key)
         ok = _text(value) if kind is str else _int(value)
-        return None if ok else f"{event['name']} without an args.{key}"
-    if not _text(event.get("cat", "")):
+        return None if ok else f"{name} without an args.{key}"
+    cat = get("cat", "")
+    if type(cat) is not str or len(cat) > MAX_NAME:
         return "cat not a string"
-    if not _number(event.get("ts")):
+    if not _time(get("ts")):
         return "ts missing or not a finite number of µs"
-    if ph == "X" and not _number(event.get("dur"), 0.0):
+    if ph == "X" and not _time(get("dur"), 0.0):
         return "X without a finite dur >= 0"
-    return _check_args(event, args or {})
+    if args and (cat in _CHECKED or "seq" in args or "bytes" in args
+                 or name.startswith("ProfilerStep#")):
+        return _check_args(event, args)
+    if name.startswith("ProfilerStep#") or cat in _CHECKED:
+        return _check_args(event, {})
+    return None
+
+
+_CHECKED = {"kernel", "clock"}
 
 
 def _check_args(event: dict[str, Any], args: dict[str, Any]) -> str | None:
@@ -326,15 +374,46 @@ def _check_args(event: dict[str, Any], args: dict[str, Any]) -> str | None:
     return None
 
 
-def read_rank(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> RankTrace:
+_HEADER_BYTES = 1 << 16
+
+
+def _header_only(path: str, max_bytes: int) -> dict[str, Any] | None:
+    """The header of a file the writer wrote (its fields before ``traceEvents``), read
+    from the file's beginning; None where it is not there."""
+    data = _read_bytes(path, max_bytes, _HEADER_BYTES)
+    text = data.decode("utf-8", errors="replace")
+    start = text.find(_MARKER)
+    if start < 0:
+        return None
+    try:
+        document = _DECODER.decode(text[:start] + '"traceEvents": []}')
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(document, dict) or not {"distributedInfo", "mpistrat"} <= set(document):
+        return None           # (not the writer's order: the whole file is read instead)
+    return document
+
+
+def read_rank(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES,
+              header_only: bool = False) -> RankTrace:
     """Read and validate one rank file (see the module docstring).
+
+    Args:
+        path: the file.
+        max_bytes: the largest file read.
+        header_only: read and check the header only (the events are left empty), from
+            the file's first 64 KiB where the writer puts it.
 
     Raises:
         TraceError: the file cannot be read, is too large, is not a JSON object, or its
             header lacks a field or has one of the wrong type (the message names it).
     """
     path = os.fspath(path)
-    document, torn = _parse(_read_bytes(path, max_bytes), path)
+    found = _header_only(path, max_bytes) if header_only else None
+    if found is not None:
+        document, torn = found, None
+    else:
+        document, torn = _parse(_read_bytes(path, max_bytes), path)
     header = _Header(path, document)
     info = header.section(document, "", "distributedInfo")
     own = header.section(document, "", "mpistrat")
@@ -360,6 +439,8 @@ def read_rank(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES) -> Ra
     base = header.get(document, "", "baseTimeNanoseconds", lambda v: _int(v, 0),
                       "an integer >= 0")
     raw = header.get(document, "", "traceEvents", lambda v: isinstance(v, list), "a list")
+    if header_only:
+        raw = []
     events: list[dict[str, Any]] = []
     skipped: Counter[str] = Counter()
     for event in raw:
@@ -400,7 +481,8 @@ def rank_files(directory: str) -> dict[str, int]:
 
 def read_directory(directory: str | os.PathLike[str], *,
                    max_bytes: int = MAX_BYTES) -> RunTraces:
-    """Read every ``rank-R.json`` of ``directory`` (see the module docstring).
+    """Read the headers of every ``rank-R.json`` of ``directory`` (see the module
+    docstring); :meth:`RunTraces.traces` reads their events.
 
     Raises:
         TraceError: no such directory, no rank file in it, none that can be read, or two
@@ -416,10 +498,9 @@ def read_directory(directory: str | os.PathLike[str], *,
     for name in sorted(names, key=lambda n: (names[n], n)):
         path = os.path.join(directory, name)
         try:
-            trace = read_rank(path, max_bytes=max_bytes)
+            trace = read_rank(path, max_bytes=max_bytes, header_only=True)
         except TraceError as exc:
-            left_out.append((path, str(exc).replace(repr(path) + " ", "").replace(
-                repr(path) + ": ", "")))
+            left_out.append((path, _reason(exc, path)))
             continue
         if trace.rank != names[name]:
             left_out.append((path, f"its header says rank {trace.rank}, its name rank "
@@ -459,7 +540,7 @@ def read_directory(directory: str | os.PathLike[str], *,
     missing = [r for r in range(size) if r not in by_rank]
     return RunTraces(directory=directory, run=run, size=size,
                      ranks=sorted(kept, key=lambda t: t.rank), missing=missing,
-                     left_out=left_out)
+                     left_out=left_out, max_bytes=max_bytes)
 
 
 def event_tuples(events: list[dict[str, Any]]) -> list[tuple]:

@@ -11,9 +11,10 @@ died) keeps the start's offset; its drift is unknown.
 
 The merged file is one Trace Event JSON object that Perfetto and ``chrome://tracing``
 open: one process per rank (``pid`` = rank, named ``rank R (host)``), each rank's events
-sorted by time, and the run's metadata under ``mpistrat`` (ranks, files, skew). It is
-written next to the trace directory by default, never into it (HTA reads every ``.json``
-of a directory as one rank's trace).
+sorted by time, and the run's metadata under ``mpistrat`` (ranks, files, skew), after the
+events. It is written one rank at a time (the memory needed is one rank's), next to the
+trace directory by default, never into it (HTA reads every ``.json`` of a directory as
+one rank's trace).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._atomic import exclusive_temporary
@@ -212,56 +213,64 @@ def merge(directory: str | os.PathLike[str], output: str | os.PathLike[str] | No
                          f"HTA would read it as one more rank; write it beside the "
                          f"directory (the default is {default_output(directory)!r})")
     run = read_directory(directory, max_bytes=max_bytes)
-    warnings = run.warnings()
-    clocks = [clock_of(trace, warnings) for trace in run.ranks]
-    for clock in clocks:
+    done = _write(out, run)
+    warnings = run.warnings() + done.warnings
+    for clock in done.clocks:
         if clock.round_trip_ns < 0:
             warnings.append(f"rank {clock.rank}: its clock offset was never measured (the "
                             f"measurement at the start timed out): its times may be off by "
                             f"any amount")
-    count = _write(out, run, clocks)
+    if not done.clocks:
+        os.unlink(out)
+        raise TraceError(f"no rank file of {directory!r} can be read: "
+                         + "; ".join(warnings[:4]))
     return MergeResult(path=out, run=run.run, size=run.size,
-                       ranks=[t.rank for t in run.ranks], missing=run.missing,
-                       hosts={t.rank: t.host for t in run.ranks},
-                       events=count, clocks=clocks, warnings=warnings,
-                       bytes=os.path.getsize(out))
+                       ranks=[c.rank for c in done.clocks], missing=run.missing,
+                       hosts=done.hosts, events=done.events, clocks=done.clocks,
+                       warnings=warnings, bytes=os.path.getsize(out))
 
 
-def _header(run: RunTraces, clocks: list[Clock]) -> dict[str, Any]:
-    first = run.ranks[0]
+@dataclass
+class _Written:
+    clocks: list[Clock] = field(default_factory=list)
+    hosts: dict[int, str] = field(default_factory=dict)
+    files: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    base_ns: int | None = None
+    events: int = 0
+
+
+def _metadata(run: RunTraces, done: _Written) -> dict[str, Any]:
+    """The merged file's top-level fields other than ``traceEvents`` (written after it:
+    what they say is known once every rank is read)."""
     return {
         "distributedInfo": {"backend": "mpistrat", "world_size": run.size,
-                            "ranks": [t.rank for t in run.ranks]},
+                            "ranks": [c.rank for c in done.clocks]},
         "schemaVersion": 1,
         "displayTimeUnit": "ms",
-        "baseTimeNanoseconds": first.base_ns,
+        "baseTimeNanoseconds": done.base_ns,
         "mpistrat": {
             "format": 1, "merged": True, "run": run.run, "size": run.size,
-            "ranks": [{"rank": t.rank, "host": t.host, "pid": t.pid,
-                       "file": os.path.basename(t.path), "events": len(t.events),
-                       "skipped": t.skipped, "torn": t.torn,
-                       "torn_bytes": t.torn_bytes}
-                      for t in run.ranks],
-            "missing": run.missing,
+            "ranks": done.files, "missing": run.missing,
             "left_out": [{"file": os.path.basename(p), "reason": why}
                          for p, why in run.left_out],
-            "skew": {"max_us": max_skew(clocks), "ranks": [c.as_dict() for c in clocks]},
+            "skew": {"max_us": max_skew(done.clocks),
+                     "ranks": [c.as_dict() for c in done.clocks]},
         },
     }
 
 
-def _write(out: str, run: RunTraces, clocks: list[Clock]) -> int:
-    header = _header(run, clocks)
-    count = 0
+def _write(out: str, run: RunTraces) -> _Written:
+    """Write the merged file, one rank at a time (only one rank's events in memory)."""
+    done = _Written()
 
     def write(raw: IO[bytes]) -> None:
-        nonlocal count
         stream: Any = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=5) \
             if out.endswith(".gz") else raw
-        fields = ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in header.items())
-        stream.write(f"{{{fields},\n\"traceEvents\": [".encode())
+        stream.write(b'{"traceEvents": [')
         separator = b"\n"
-        for trace, clock in zip(run.ranks, clocks):
+        for trace in run.traces():
+            clock = clock_of(trace, done.warnings)
             lines = []
             for event in aligned_events(trace, clock):
                 try:
@@ -271,8 +280,18 @@ def _write(out: str, run: RunTraces, clocks: list[Clock]) -> int:
             if lines:
                 stream.write(separator + ",\n".join(lines).encode())
                 separator = b",\n"
-                count += len(lines)
-        stream.write(b"\n]}\n")
+            done.events += len(lines)
+            done.clocks.append(clock)
+            done.hosts[trace.rank] = trace.host
+            if done.base_ns is None:
+                done.base_ns = trace.base_ns
+            done.files.append({"rank": trace.rank, "host": trace.host, "pid": trace.pid,
+                               "file": os.path.basename(trace.path),
+                               "events": len(trace.events), "skipped": trace.skipped,
+                               "torn": trace.torn, "torn_bytes": trace.torn_bytes})
+        fields = "".join(f",\n{json.dumps(k)}: {json.dumps(v)}"
+                         for k, v in _metadata(run, done).items())
+        stream.write(f"\n]{fields}}}\n".encode())
         if stream is not raw:
             stream.close()
 
@@ -287,4 +306,4 @@ def _write(out: str, run: RunTraces, clocks: list[Clock]) -> int:
     except OSError as exc:
         raise TraceError(f"cannot write the merged trace {out!r}: {exc.strerror or exc}; "
                          f"choose another place with -o") from None
-    return count
+    return done

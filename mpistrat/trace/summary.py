@@ -205,6 +205,15 @@ class Summary:
 # -- one rank's steps -------------------------------------------------------------------------
 
 
+def _used(event: dict[str, Any]) -> bool:
+    """Whether the summary reads ``event``: steps, their classification, and what it is
+    made of (collectives, agreements, input waits)."""
+    cat = event.get("cat")
+    return cat in ("kernel", "cpu_op", "input") \
+        or (cat == "mpistrat_phase" and event["name"] == "agreement") \
+        or (cat == "user_annotation" and event["name"].startswith("ProfilerStep#"))
+
+
 @dataclass
 class _Step:
     step: int
@@ -213,6 +222,18 @@ class _Step:
     partial: bool
     parts: list[tuple] = field(default_factory=list)
     kernels: dict[str, list[Interval]] = field(default_factory=dict)
+    source: str = "kernels"
+
+
+@dataclass
+class _Rank:
+    """What the summary keeps of one rank once its events are read (not the events: its
+    agreements and collectives go into :class:`_Matches`)."""
+
+    rank: int
+    host: str
+    clock: Clock
+    steps: dict[int, _Step]
 
 
 def _steps_of(tuples: list[tuple]) -> dict[int, _Step]:
@@ -234,8 +255,7 @@ def _steps_of(tuples: list[tuple]) -> dict[int, _Step]:
     return found
 
 
-def _breakdown(step: int, intervals: dict[str, list[Interval]], start: int,
-               stop: int) -> Breakdown:
+def _breakdown(intervals: dict[str, list[Interval]], start: int, stop: int) -> Breakdown:
     parts = {k: classify.union([(max(a, start), min(b, stop)) for a, b in intervals.get(k, [])])
              for k in _KINDS}
     hidden = classify.overlap(parts["communication"], parts["compute"])
@@ -256,15 +276,15 @@ def _complete(step: _Step) -> bool:
     return abs(covered - (step.stop - step.start)) <= 1000 + (step.stop - step.start) // 1000
 
 
-def _rank_rows(trace: RankTrace, steps: dict[int, _Step], tuples: list[tuple],
-               wanted: list[int]) -> list[StepRow]:
-    rows = []
+def _read(trace: RankTrace, matches: _Matches, warnings: list[str]) -> _Rank:
+    """What the summary needs of ``trace``: its steps with their intervals (classified
+    again where the kernel events are incomplete); its agreements and collectives are
+    added to ``matches``."""
+    tuples = event_tuples([e for e in trace.events if _used(e)])
+    steps = _steps_of(tuples)
     again: dict[int, dict[str, list[Interval]]] | None = None
-    for number in wanted:
-        step = steps[number]
+    for step in steps.values():
         if _complete(step):
-            rows.append(StepRow(number, trace.rank,
-                                _breakdown(number, step.kernels, step.start, step.stop)))
             continue
         if again is None:             # classify the events again, once per rank
             again = {}
@@ -272,24 +292,29 @@ def _rank_rows(trace: RankTrace, steps: dict[int, _Step], tuples: list[tuple],
                 merged = again.setdefault(found["step"], {})
                 for key in _KINDS:
                     merged.setdefault(key, []).extend(found[key])
-        rows.append(StepRow(number, trace.rank,
-                            _breakdown(number, again.get(number, {}), step.start, step.stop),
-                            source="events"))
-    return rows
+        step.kernels, step.source = again.get(step.step, {}), "events"
+    clock = clock_of(trace, warnings)
+    agreements = [e for e in tuples if e[1] >= 0 and e[2] == "agreement"
+                  and e[3] == "mpistrat_phase"]
+    for match, agreement in _matched(agreements, steps).items():
+        matches.arrive(match, trace.rank, clock.align(agreement[0] / 1000))
+    calls = [e for e in tuples if e[1] >= 0 and e[3] == "cpu_op"]
+    for match, call in _matched(calls, steps).items():
+        matches.call(match, call)
+    return _Rank(trace.rank, trace.host, clock, steps)
 
 
 # -- stragglers and collectives ---------------------------------------------------------------
 
 
-def _matched(trace: RankTrace, tuples: list[tuple], steps: dict[int, _Step], wanted: set[int],
-             select: Any) -> dict[tuple, tuple]:
-    """Events chosen by ``select`` in the ``wanted`` steps, by a key the ranks share:
-    ``(step, name, "seq", seq, n)`` (the n-th with that seq), else ``(step, name, "k", k)``."""
-    spans = sorted((s.start, s.stop, s.step) for s in steps.values() if s.step in wanted)
+def _matched(events: list[tuple], steps: dict[int, _Step]) -> dict[tuple, tuple]:
+    """``events`` inside ``steps``, by a key the ranks share: ``(step, name, "seq", seq,
+    n)`` (the n-th with that seq), else ``(step, name, "k", k)``."""
+    spans = sorted((s.start, s.stop, s.step) for s in steps.values())
     starts = [s[0] for s in spans]
     seen: Counter[tuple] = Counter()
     found = {}
-    for e in sorted((e for e in tuples if select(e)), key=lambda e: e[0]):
+    for e in sorted(events, key=lambda e: e[0]):
         i = bisect.bisect_right(starts, e[0]) - 1
         if i < 0 or e[0] >= spans[i][1]:
             continue
@@ -302,33 +327,85 @@ def _matched(trace: RankTrace, tuples: list[tuple], steps: dict[int, _Step], wan
     return found
 
 
-def _stragglers(arrivals: dict[tuple, dict[int, float]]) -> list[Straggler]:
-    caused: dict[int, dict[int, float]] = {}      # step -> rank -> µs the others waited
-    last_at: Counter[int] = Counter()
-    waited: dict[int, float] = {}
-    matched = 0
-    for key, by_rank in arrivals.items():
-        if len(by_rank) < 2:
-            continue
-        matched += 1
-        order = sorted(by_rank.items(), key=lambda item: (item[1], item[0]))
-        (_, second), (last, when) = order[-2], order[-1]
-        mine = caused.setdefault(key[0], {})
-        mine[last] = mine.get(last, 0.0) + when - second
-        last_at[last] += 1
-        waited[last] = waited.get(last, 0.0) + when - second
-    delays: dict[int, list[float]] = {}
-    for step, by_rank in caused.items():
-        rank, delay = max(by_rank.items(), key=lambda item: (item[1], -item[0]))
-        if delay > 0:
-            delays.setdefault(rank, []).append(delay)
-    found = [Straggler(rank=rank, last=len(d), of=len(caused),
-                       collectives_last=last_at[rank], collectives=matched,
-                       mean_delay_ms=statistics.fmean(d) / 1000,
-                       median_delay_ms=statistics.median(d) / 1000,
-                       max_delay_ms=max(d) / 1000, total_delay_ms=waited[rank] / 1000)
-             for rank, d in delays.items()]
-    return sorted(found, key=lambda s: (-s.last, -s.total_delay_ms, s.rank))
+class _Matches:
+    """The ranks' agreements and collectives matched by key (see :func:`_matched`), kept
+    as they come, one rank at a time: per agreement the count of ranks and the last two
+    arrivals; per collective call the count of ranks and the shortest time."""
+
+    def __init__(self) -> None:
+        self.arrivals: dict[tuple, list[Any]] = {}   # [ranks, last, its rank, second]
+        self.calls: dict[tuple, list[Any]] = {}      # [ranks, shortest ns, args]
+
+    def arrive(self, key: tuple, rank: int, when: float) -> None:
+        found = self.arrivals.get(key)
+        if found is None:
+            self.arrivals[key] = [1, when, rank, -math.inf]
+            return
+        found[0] += 1
+        if (when, rank) > (found[1], found[2]):
+            found[1:] = [when, rank, found[1]]
+        elif when > found[3]:
+            found[3] = when
+
+    def call(self, key: tuple, event: tuple) -> None:
+        found = self.calls.get(key)
+        if found is None:
+            self.calls[key] = [1, event[1], event[4] or {}]
+        else:
+            found[0] += 1
+            found[1] = min(found[1], event[1])
+
+    def stragglers(self, steps: set[int]) -> list[Straggler]:
+        caused: dict[int, dict[int, float]] = {}  # step -> rank -> µs the others waited
+        last_at: Counter[int] = Counter()
+        waited: dict[int, float] = {}
+        matched = 0
+        for key, (ranks, when, last, second) in self.arrivals.items():
+            if ranks < 2 or key[0] not in steps:
+                continue
+            matched += 1
+            mine = caused.setdefault(key[0], {})
+            mine[last] = mine.get(last, 0.0) + when - second
+            last_at[last] += 1
+            waited[last] = waited.get(last, 0.0) + when - second
+        delays: dict[int, list[float]] = {}
+        for by_rank in caused.values():
+            rank, delay = max(by_rank.items(), key=lambda item: (item[1], -item[0]))
+            if delay > 0:
+                delays.setdefault(rank, []).append(delay)
+        found = [Straggler(rank=rank, last=len(d), of=len(caused),
+                           collectives_last=last_at[rank], collectives=matched,
+                           mean_delay_ms=statistics.fmean(d) / 1000,
+                           median_delay_ms=statistics.median(d) / 1000,
+                           max_delay_ms=max(d) / 1000, total_delay_ms=waited[rank] / 1000)
+                 for rank, d in delays.items()]
+        return sorted(found, key=lambda s: (-s.last, -s.total_delay_ms, s.rank))
+
+    def collectives(self, steps: set[int], size: int) -> list[CollectiveStats]:
+        groups: dict[tuple[str, int | None], list[list[Any]]] = {}
+        for key, found in self.calls.items():
+            if key[0] in steps:
+                groups.setdefault((key[1], found[2].get("bytes")), []).append(found)
+        stats = []
+        for (name, nbytes), group in groups.items():
+            times = [shortest / 1e6 for _, shortest, _ in group]         # ms
+            args = [a for _, _, a in group]
+            collective = _common([a.get("Collective name") for a in args
+                                  if isinstance(a.get("Collective name"), str)], name)
+            group_size = _common([a.get("Group size") for a in args
+                                  if type(a.get("Group size")) is int
+                                  and a["Group size"] > 0], size)
+            algorithm = _common([a.get("algorithm") for a in args
+                                 if isinstance(a.get("algorithm"), str)], "")
+            mean = statistics.fmean(times)
+            algbw = nbytes / (mean * 1e6) if nbytes is not None and mean > 0 else None
+            stats.append(CollectiveStats(
+                name=name, bytes=nbytes, collective=collective, group_size=group_size,
+                algorithm=algorithm, count=len(times), mean_ms=mean,
+                median_ms=statistics.median(times), algbw_GBps=algbw,
+                busbw_GBps=None if algbw is None
+                else algbw * bus_factor(collective, group_size)))
+        return sorted(stats, key=lambda c: (-c.mean_ms, c.name))
 
 
 def bus_factor(collective: str, size: int) -> float:
@@ -346,32 +423,6 @@ def bus_factor(collective: str, size: int) -> float:
 def _common(values: list[Any], default: Any) -> Any:
     values = [v for v in values if v is not None]
     return Counter(values).most_common(1)[0][0] if values else default
-
-
-def _collectives(calls: dict[tuple, dict[int, tuple]], size: int) -> list[CollectiveStats]:
-    groups: dict[tuple[str, int | None], list[dict[int, tuple]]] = {}
-    for key, by_rank in calls.items():
-        any_call = next(iter(by_rank.values()))
-        groups.setdefault((key[1], (any_call[4] or {}).get("bytes")), []).append(by_rank)
-    found = []
-    for (name, nbytes), group in groups.items():
-        times = [min(e[1] for e in by_rank.values()) / 1e6 for by_rank in group]  # ms
-        args = [e[4] or {} for by_rank in group for e in by_rank.values()]
-        collective = _common([a.get("Collective name") for a in args
-                              if isinstance(a.get("Collective name"), str)], name)
-        group_size = _common([a.get("Group size") for a in args
-                              if type(a.get("Group size")) is int and a["Group size"] > 0],
-                             size)
-        algorithm = _common([a.get("algorithm") for a in args
-                             if isinstance(a.get("algorithm"), str)], "")
-        mean = statistics.fmean(times)
-        algbw = nbytes / (mean * 1e6) if nbytes is not None and mean > 0 else None
-        found.append(CollectiveStats(
-            name=name, bytes=nbytes, collective=collective, group_size=group_size,
-            algorithm=algorithm, count=len(times), mean_ms=mean,
-            median_ms=statistics.median(times), algbw_GBps=algbw,
-            busbw_GBps=None if algbw is None else algbw * bus_factor(collective, group_size)))
-    return sorted(found, key=lambda c: (-c.mean_ms, c.name))
 
 
 # -- the bench's busbw --------------------------------------------------------------------------
@@ -440,65 +491,54 @@ def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str
             the bench file is not an ``mpistrat bench`` result.
     """
     run = read_directory(directory, max_bytes=max_bytes)
-    warnings = run.warnings()
+    warnings: list[str] = []
     curve = _bench_curve(os.fspath(bench), run.size, warnings) if bench is not None else None
-    clocks = [clock_of(trace, warnings) for trace in run.ranks]
-    tuples = {t.rank: event_tuples(t.events) for t in run.ranks}
-    steps = {t.rank: _steps_of(tuples[t.rank]) for t in run.ranks}
-    whole = [{n for n, s in steps[t.rank].items() if not s.partial} for t in run.ranks]
+    matches = _Matches()
+    ranks = [_read(trace, matches, warnings) for trace in run.traces()]  # (one at a time)
+    warnings[:0] = run.warnings()
+    if not ranks:
+        raise TraceError(f"no rank file of {os.fspath(directory)!r} can be read: "
+                         + "; ".join(warnings[:4]))
+    whole = [{n for n, s in r.steps.items() if not s.partial} for r in ranks]
     common = sorted(set.intersection(*whole))
-    seen = set().union(*(set(s) for s in steps.values()))
+    seen = set().union(*(set(r.steps) for r in ranks))
     left_out = sorted(seen - set(common))
     if left_out:
-        partial = sorted({n for s in steps.values() for n, st in s.items() if st.partial})
-        warnings.append(f"step{'s' if len(left_out) > 1 else ''} {step_ranges(left_out)} left out: "
-                        f"not recorded whole on every rank"
+        partial = sorted({n for r in ranks for n, st in r.steps.items() if st.partial})
+        warnings.append(f"step{'s' if len(left_out) > 1 else ''} {step_ranges(left_out)} "
+                        f"left out: not recorded whole on every rank"
                         + (f" (step {step_ranges(partial)} ended where tracing stopped)"
                            if partial else ""))
     if not common:
         warnings.append("no step recorded whole on every rank: nothing to summarize (the "
                         "script marks steps with mpistrat.trace.step(), or the strategy does)")
-    rows: list[StepRow] = []
-    for trace in run.ranks:
-        rows += _rank_rows(trace, steps[trace.rank], tuples[trace.rank], common)
-    rows.sort(key=lambda r: (r.step, r.rank))
+    rows = sorted((StepRow(n, r.rank, _breakdown(r.steps[n].kernels, r.steps[n].start,
+                                                 r.steps[n].stop), r.steps[n].source)
+                   for r in ranks for n in common), key=lambda row: (row.step, row.rank))
     redone = sorted({r.rank for r in rows if r.source == "events"})
     if redone:
-        warnings.append(f"rank{'s' if len(redone) > 1 else ''} {step_ranges(redone)}: some steps' "
-                        f"classification did not all reach the file; classified again from "
-                        f"their events")
+        warnings.append(f"rank{'s' if len(redone) > 1 else ''} {step_ranges(redone)}: some "
+                        f"steps' classification did not all reach the file; classified "
+                        f"again from their events")
     totals = []
-    for trace in run.ranks:
-        mine = [r.breakdown for r in rows if r.rank == trace.rank]
+    for r in ranks:
+        mine = [row.breakdown for row in rows if row.rank == r.rank]
         total = sum(mine, Breakdown())
-        totals.append(RankTotals(trace.rank, trace.host, len(mine), total,
+        totals.append(RankTotals(r.rank, r.host, len(mine), total,
                                  total.scaled(1 / len(mine)) if mine else total))
-    wanted = set(common)
-    arrivals: dict[tuple, dict[int, float]] = {}
-    calls: dict[tuple, dict[int, tuple]] = {}
-    for trace, clock in zip(run.ranks, clocks):
-        agreements = _matched(trace, tuples[trace.rank], steps[trace.rank], wanted,
-                              lambda e: e[1] >= 0 and e[2] == "agreement"
-                              and e[3] == "mpistrat_phase")
-        for key, e in agreements.items():
-            arrivals.setdefault(key, {})[trace.rank] = clock.align(e[0] / 1000)
-        ops = _matched(trace, tuples[trace.rank], steps[trace.rank], wanted,
-                       lambda e: e[1] >= 0 and e[3] == "cpu_op")
-        for key, e in ops.items():
-            calls.setdefault(key, {})[trace.rank] = e
-    collectives = _collectives(calls, run.size)
+    collectives = matches.collectives(set(common), run.size)
     if curve:
         collectives = [_with_bench(c, curve) for c in collectives]
-    skews = [c.skew_us for c in clocks]
-    if any(s is None for s in skews):
+    clocks = [r.clock for r in ranks]
+    if max_skew(clocks) is None:
         warnings.append("some ranks' clocks were never aligned: who arrived last may be "
                         "wrong for them")
     return Summary(directory=os.fspath(directory), run=run.run, size=run.size,
-                   ranks=[t.rank for t in run.ranks],
-                   hosts={t.rank: t.host for t in run.ranks}, missing=run.missing,
-                   steps=common, left_out_steps=left_out, per_step=rows, totals=totals,
-                   stragglers=_stragglers(arrivals), collectives=collectives, clocks=clocks,
-                   warnings=warnings, bench=None if bench is None else os.fspath(bench))
+                   ranks=[r.rank for r in ranks], hosts={r.rank: r.host for r in ranks},
+                   missing=run.missing, steps=common, left_out_steps=left_out,
+                   per_step=rows, totals=totals, stragglers=matches.stragglers(set(common)),
+                   collectives=collectives, clocks=clocks, warnings=warnings,
+                   bench=None if bench is None else os.fspath(bench))
 
 
 def step_ranges(numbers: list[int]) -> str:

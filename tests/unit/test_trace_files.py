@@ -124,7 +124,10 @@ def test_the_writer_s_files_read_back_whole(tmp_path):
     run = read_directory(tmp_path)
     assert (run.run, run.size, run.missing, run.left_out) == ("0123abcd", 3, [], [])
     assert [t.rank for t in run.ranks] == [0, 1, 2] and run.ranks[2].host == "node2"
-    for trace in run.ranks:
+    assert all(t.events == [] for t in run.ranks)      # (the headers only, so far)
+    traces = list(run.traces())
+    assert [t.rank for t in traces] == [0, 1, 2]
+    for trace in traces:
         assert trace.skipped == {} and not trace.torn
         on_disk = _document(trace.path)["traceEvents"]
         assert trace.events == on_disk
@@ -163,6 +166,7 @@ def test_a_torn_file_is_cut_back_to_its_last_complete_event(tmp_path, keep):
     # and the name of its thread)
     assert trace.rank == 1 and trace.skipped == {}
     run = read_directory(tmp_path)
+    assert len(list(run.traces())) == 2
     assert any(re.search(r"rank-1\.json is torn.*cut back \d+ bytes", w)
                for w in run.warnings())
     assert len(data) > 0
@@ -282,7 +286,9 @@ def test_events_of_an_unknown_shape_are_skipped_and_counted(tmp_path):
     assert trace.skipped["ts missing or not a finite number of µs"] == 3
     assert trace.skipped["ProfilerStep without an integer args.step"] == 1
     assert len(trace.events) == len(_document(tmp_path / "rank-0.json")["traceEvents"])
-    (warning,) = read_directory(tmp_path).warnings()
+    run = read_directory(tmp_path)
+    assert len(list(run.traces())) == 2
+    (warning,) = run.warnings()
     assert f"rank-1.json: skipped {len(bad)} events of an unknown shape" in warning
 
 
@@ -373,3 +379,27 @@ def test_a_directory_of_only_unreadable_files_says_why(tmp_path):
     with pytest.raises(TraceError, match=r"no rank file .* can be read \(rank-0\.json: "
                                          r"holds a JSON list"):
         read_directory(tmp_path)
+
+
+def test_a_file_broken_after_its_header_is_left_out_when_its_events_are_read(tmp_path):
+    write_job(tmp_path, size=3, steps=2)
+    path = tmp_path / "rank-1.json"
+    data = path.read_bytes()
+    middle = len(data) // 2
+    path.write_bytes(data[:middle] + b"\x00garbage" + data[middle:])
+    run = read_directory(tmp_path)
+    assert [t.rank for t in run.ranks] == [0, 1, 2]       # its header is fine
+    assert [t.rank for t in run.traces()] == [0, 2]
+    assert run.missing == [1]
+    assert "not valid JSON" in run.left_out[0][1]
+
+
+def test_a_header_after_the_events_is_found_by_reading_the_whole_file(tmp_path):
+    write_job(tmp_path, size=1, steps=2)
+    path = tmp_path / "rank-0.json"
+    document = _document(path)
+    events = document.pop("traceEvents")
+    _dump(path, {"traceEvents": events, **document})
+    (header,) = read_directory(tmp_path).ranks
+    assert (header.rank, header.run) == (0, "0123abcd")
+    assert read_rank(path).events == events
