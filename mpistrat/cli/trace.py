@@ -15,8 +15,8 @@ import click
 
 from ..errors import BackendUnavailable
 from ..trace import TraceError
-from ..trace.files import MAX_BYTES
-from ..trace.summary import Summary, step_ranges
+from ..trace.files import MAX_BYTES, ranges
+from ..trace.summary import Summary
 from ._table import format_table
 from .trace_view import view
 
@@ -132,7 +132,7 @@ def _text(found: Summary, per_step: bool, top: int) -> str:
     lines = [f"run {found.run}: {len(found.ranks)} of {found.size} ranks on "
              f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}; "
              f"{len(found.steps)} steps recorded whole on every rank"
-             + (f" ({step_ranges(found.steps)})" if found.steps else "")]
+             + (f" ({ranges(found.steps)})" if found.steps else "")]
     skew = found.max_skew_us
     lines.append(f"clock skew between ranks: at most ±{skew:.1f} µs" if skew is not None
                  else "clock skew between ranks: unknown for some ranks")

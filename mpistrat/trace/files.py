@@ -28,13 +28,14 @@ from typing import Any
 from . import TraceError
 
 __all__ = ["RankTrace", "RunTraces", "read_rank", "read_directory", "MAX_BYTES",
-           "TIME_LIMIT_US", "event_tuples"]
+           "TIME_LIMIT_US", "event_tuples", "ranges"]
 
 MAX_BYTES = 256 * 2**20
 """The largest rank file read (about 250 steps at the writer's megabyte per step)."""
 TIME_LIMIT_US = 1e14
 """The largest ``ts`` or ``dur`` taken (µs: three years)."""
 MAX_NAME = 1000           # characters of a name, a category, a host, a run id
+MAX_RANKS = 1 << 20       # the largest world size taken
 _INT_LIMIT = 2**63
 _RANK_FILE = re.compile(r"rank-(\d{1,9})\.json")
 _MARKER = '"traceEvents": ['
@@ -132,7 +133,7 @@ class RunTraces:
         found = [f"{os.path.basename(path)} left out: {why}" for path, why in self.left_out]
         if self.missing:
             found.append(f"no trace of rank{'s' if len(self.missing) > 1 else ''} "
-                         f"{_ranks(self.missing)} of {self.size} (run {self.run}): "
+                         f"{ranges(self.missing)} of {self.size} (run {self.run}): "
                          f"{'they' if len(self.missing) > 1 else 'it'} never started "
                          f"tracing, or the file was left out above")
         return found + self.notes
@@ -147,8 +148,15 @@ def _reason(exc: TraceError, path: str) -> str:
     return text
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+def ranges(numbers: list[int]) -> str:
+    """Sorted ``numbers`` as ranges: ``[2, 3, 4, 7]`` as ``2-4, 7``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # -- one file ---------------------------------------------------------------------------------
@@ -417,10 +425,10 @@ def read_rank(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES,
     header = _Header(path, document)
     info = header.section(document, "", "distributedInfo")
     own = header.section(document, "", "mpistrat")
-    rank = header.get(info, "distributedInfo.", "rank", lambda v: _int(v, 0, 1 << 24),
+    rank = header.get(info, "distributedInfo.", "rank", lambda v: _int(v, 0, MAX_RANKS - 1),
                       "an integer >= 0")
     size = header.get(info, "distributedInfo.", "world_size",
-                      lambda v: _int(v, 1, 1 << 24), "an integer >= 1")
+                      lambda v: _int(v, 1, MAX_RANKS), f"an integer from 1 to {MAX_RANKS}")
     if rank >= size:
         raise header.fail("distributedInfo.rank", f"less than world_size ({size})", rank)
     header.get(own, "mpistrat.", "format", lambda v: v == 1, "1 (this reader's format)")

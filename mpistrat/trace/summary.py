@@ -32,11 +32,11 @@ from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
 from . import TraceError, classify
-from .files import MAX_BYTES, RankTrace, event_tuples, read_directory
+from .files import MAX_BYTES, RankTrace, event_tuples, ranges, read_directory
 from .merge import Clock, clock_of, max_skew
 
 __all__ = ["Breakdown", "StepRow", "RankTotals", "Straggler", "CollectiveStats", "Summary",
-           "summarize", "bus_factor", "step_ranges"]
+           "summarize", "bus_factor"]
 
 _KERNEL_KIND = {name: key for key, name in (
     ("compute", classify.KERNEL_NAMES[classify.COMPUTE_STREAM]),
@@ -505,9 +505,9 @@ def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str
     left_out = sorted(seen - set(common))
     if left_out:
         partial = sorted({n for r in ranks for n, st in r.steps.items() if st.partial})
-        warnings.append(f"step{'s' if len(left_out) > 1 else ''} {step_ranges(left_out)} "
+        warnings.append(f"step{'s' if len(left_out) > 1 else ''} {ranges(left_out)} "
                         f"left out: not recorded whole on every rank"
-                        + (f" (step {step_ranges(partial)} ended where tracing stopped)"
+                        + (f" (step {ranges(partial)} ended where tracing stopped)"
                            if partial else ""))
     if not common:
         warnings.append("no step recorded whole on every rank: nothing to summarize (the "
@@ -517,7 +517,7 @@ def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str
                    for r in ranks for n in common), key=lambda row: (row.step, row.rank))
     redone = sorted({r.rank for r in rows if r.source == "events"})
     if redone:
-        warnings.append(f"rank{'s' if len(redone) > 1 else ''} {step_ranges(redone)}: some "
+        warnings.append(f"rank{'s' if len(redone) > 1 else ''} {ranges(redone)}: some "
                         f"steps' classification did not all reach the file; classified "
                         f"again from their events")
     totals = []
@@ -539,14 +539,3 @@ def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str
                    per_step=rows, totals=totals, stragglers=matches.stragglers(set(common)),
                    collectives=collectives, clocks=clocks, warnings=warnings,
                    bench=None if bench is None else os.fspath(bench))
-
-
-def step_ranges(numbers: list[int]) -> str:
-    """``[2, 3, 4, 7]`` as ``2-4, 7``."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from mpistrat.trace import TraceError
-from mpistrat.trace.files import read_directory, read_rank
+from mpistrat.trace.files import ranges, read_directory, read_rank
 from mpistrat.trace.writer import TraceWriter
 
 MS = 1_000_000          # ns
@@ -204,8 +204,10 @@ def _forge(tmp_path, change):
     (lambda d: d["distributedInfo"].update(rank="1"),
      r"distributedInfo\.rank must be an integer >= 0, got '1'"),
     (lambda d: d["distributedInfo"].update(world_size=True),
-     r"distributedInfo\.world_size must be an integer >= 1, got True"),
+     r"distributedInfo\.world_size must be an integer from 1 to 1048576, got True"),
     (lambda d: d["distributedInfo"].update(rank=7), r"less than world_size \(2\)"),
+    (lambda d: d["distributedInfo"].update(world_size=10**9),
+     r"distributedInfo\.world_size must be an integer from 1 to 1048576"),
     (lambda d: d.pop("distributedInfo"), r"distributedInfo is missing"),
     (lambda d: d.update(mpistrat=[]), r"mpistrat must be an object"),
     (lambda d: d["mpistrat"].update(run="../x"), r"mpistrat\.run must be a run id"),
@@ -403,3 +405,16 @@ def test_a_header_after_the_events_is_found_by_reading_the_whole_file(tmp_path):
     (header,) = read_directory(tmp_path).ranks
     assert (header.rank, header.run) == (0, "0123abcd")
     assert read_rank(path).events == events
+
+
+def test_many_missing_ranks_are_named_as_ranges(tmp_path):
+    write_job(tmp_path, size=1, steps=1)
+    path = tmp_path / "rank-0.json"
+    document = _document(path)
+    for section, key in (("distributedInfo", "world_size"), ("mpistrat", "size")):
+        document[section][key] = 1 << 20         # a forged world of a million ranks
+    _dump(path, document)
+    run = read_directory(tmp_path)
+    assert run.missing == list(range(1, 1 << 20))
+    assert "no trace of ranks 1-1048575 of 1048576" in run.warnings()[0]
+    assert ranges([2, 3, 4, 7, 9, 10]) == "2-4, 7, 9-10" and ranges([]) == ""

@@ -16,7 +16,7 @@ from mpistrat.bench.files import write_json
 from mpistrat.bench.results import Point
 from mpistrat.cli import cli
 from mpistrat.trace import TraceError
-from mpistrat.trace.summary import bus_factor, step_ranges, summarize
+from mpistrat.trace.summary import bus_factor, summarize
 from mpistrat.trace.writer import TraceWriter
 
 from test_trace_files import MS, header, write_job
@@ -221,10 +221,6 @@ def test_a_bad_bench_file_is_a_clear_error(tmp_path, content, message):
     (tmp_path / "b.json").write_text(content)
     with pytest.raises(TraceError, match=message):
         summarize(tmp_path / "t", bench=tmp_path / "b.json")
-
-
-def test_step_ranges():
-    assert step_ranges([2, 3, 4, 7, 9, 10]) == "2-4, 7, 9-10" and step_ranges([]) == ""
 
 
 # -- the command ---------------------------------------------------------------------------
