@@ -1,8 +1,10 @@
 """Each rank's clock against rank 0's, measured over MPI (Cristian's method).
 
-Rank 0 exchanges :data:`ROUNDS` ping-pongs with every other rank in turn; the round with
-the shortest round trip gives the offset (the peer's clock read at the midpoint of the
-round trip), uncertain by half that round trip. Every wait polls against a deadline, so
+Rank 0 exchanges ping-pongs with every other rank in turn — :data:`ROUNDS`, and more (up
+to :data:`MAX_ROUNDS`) until one round trip is under :data:`GOOD_TRIP_NS`, since a busy
+core can delay any one of them by milliseconds; the round with the shortest round trip
+gives the offset (the peer's clock read at the midpoint of the round trip), uncertain by
+half that round trip. Every wait polls against a deadline, so
 a rank that never comes makes the measurement fail (None), never hang.
 """
 
@@ -17,6 +19,8 @@ import numpy as np
 __all__ = ["ROUNDS", "measure"]
 
 ROUNDS = 8
+MAX_ROUNDS = 64
+GOOD_TRIP_NS = 50_000
 _TAG = 0x7ACE
 
 
@@ -43,7 +47,10 @@ def measure(comm: Any, seconds: float = 10.0) -> tuple[int, int] | None:
         results = np.zeros((size, 2), dtype=np.int64)
         for peer in range(1, size):
             best = (0, 1 << 62)
-            for _ in range(ROUNDS):
+            for round_ in range(MAX_ROUNDS):
+                # the ping says whether another round follows (0: this is the last)
+                ping[0] = 0 if round_ == MAX_ROUNDS - 1 or (
+                    round_ >= ROUNDS - 1 and best[1] < GOOD_TRIP_NS) else 1
                 before = monotonic_ns()
                 send = comm.Isend(ping, dest=peer, tag=_TAG)
                 recv = comm.Irecv(stamp, source=peer, tag=_TAG)
@@ -54,13 +61,16 @@ def measure(comm: Any, seconds: float = 10.0) -> tuple[int, int] | None:
                 if trip < best[1]:
                     # peer's clock minus ours; the peer adds its negation
                     best = (int(stamp[0]) - (before + after) // 2, trip)
+                if not ping[0]:
+                    break
             results[peer] = (-best[0], best[1])
         for peer in range(1, size):
             if not _wait(comm.Isend(results[peer], dest=peer, tag=_TAG + 1), deadline):
                 return None
         return 0, 0
-    for _ in range(ROUNDS):
-        if not _wait(comm.Irecv(stamp, source=0, tag=_TAG), deadline):
+    more = np.ones(1, dtype=np.int64)
+    while more[0]:
+        if not _wait(comm.Irecv(more, source=0, tag=_TAG), deadline):
             return None
         stamp[0] = monotonic_ns()
         if not _wait(comm.Isend(stamp, dest=0, tag=_TAG), deadline):

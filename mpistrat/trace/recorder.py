@@ -91,19 +91,17 @@ class Recorder:
         max_events: events kept per step; more are counted as dropped.
         sink: called with each full buffer (a list it then owns) and the step it ends
             at, from the thread that ends the step; the writer queues it.
-        flush_events: hand the buffer over at a boundary once it holds this many, or
-        flush_seconds: once this long has passed since the last hand-over (so a rank
-            killed mid-run leaves all but its last moments in its file).
+        flush_events: hand the buffer over at a boundary once it holds this many, and at
+            every boundary that leaves the window; between, at every boundary (a chunk
+            is whole steps: a rank killed mid-run loses its last step only).
     """
 
     def __init__(self, steps: tuple[int, int | None], max_events: int,
-                 sink: Any, flush_events: int = 2048, flush_seconds: float = 0.5) -> None:
+                 sink: Any, flush_events: int = 2048) -> None:
         self.first, self.stop = steps
         self.max_events = max_events
         self.sink = sink
         self.flush_events = flush_events
-        self.flush_ns = int(flush_seconds * 1e9)
-        self.handed = monotonic_ns()
         self.buffer: list[tuple] = []
         self.step = 0
         self.source = 0
@@ -137,10 +135,15 @@ class Recorder:
         self.step += 1
         self.step_start = now
         self.in_step = 0
+        was = on
         _set_on(self.in_window(self.step))
-        if self.buffer and (len(self.buffer) >= self.flush_events
-                            or now - self.handed >= self.flush_ns):
-            self.handed = now
+        if was and not on:
+            # the window ends: a zero-length mark of the next step, so that tools that
+            # leave out a trace's last step as incomplete (HTA) leave out only this
+            self.buffer.append((now, 0, f"ProfilerStep#{self.step}", STEP,
+                                {"step": self.step, "partial": True}, self.thread))
+            self.closed = self.step
+        if self.buffer:
             self.hand_over()
 
     def hand_over(self) -> None:

@@ -44,9 +44,11 @@ def _instants(doc, name):
 
 
 def _steps(doc):
-    """The step spans, by number (each number once)."""
+    """The step spans, by number (each number once; not the zero-length mark of the step
+    after the window)."""
     marks = [e for e in _spans(doc, cat="user_annotation")
-             if e["name"].startswith("ProfilerStep#")]
+             if e["name"].startswith("ProfilerStep#")
+             and not (e["dur"] == 0 and e["args"].get("partial"))]
     numbers = [int(e["name"].split("#")[1]) for e in marks]
     assert len(numbers) == len(set(numbers)), sorted(numbers)
     return dict(zip(numbers, marks))
