@@ -91,17 +91,21 @@ class Recorder:
         max_events: events kept per step; more are counted as dropped.
         sink: called with each full buffer (a list it then owns) and the step it ends
             at, from the thread that ends the step; the writer queues it.
-        flush_events: hand the buffer over at a boundary once it holds this many, and at
-            every boundary that leaves the window; between, at every boundary (a chunk
-            is whole steps: a rank killed mid-run loses its last step only).
+        flush_events: hand the buffer over at a boundary once it holds this many, or
+        flush_seconds: once this long has passed since the last hand-over (a chunk is
+            whole steps; a rank killed mid-run loses what it recorded since). Handing
+            over every step instead cost a 0.3 ms step 2.6x where 1.35x in batches: the
+            writer thread woke for the GIL at every step.
     """
 
     def __init__(self, steps: tuple[int, int | None], max_events: int,
-                 sink: Any, flush_events: int = 2048) -> None:
+                 sink: Any, flush_events: int = 2048, flush_seconds: float = 1.0) -> None:
         self.first, self.stop = steps
         self.max_events = max_events
         self.sink = sink
         self.flush_events = flush_events
+        self.flush_ns = int(flush_seconds * 1e9)
+        self.handed = monotonic_ns()
         self.buffer: list[tuple] = []
         self.step = 0
         self.source = 0
@@ -143,7 +147,9 @@ class Recorder:
             self.buffer.append((now, 0, f"ProfilerStep#{self.step}", STEP,
                                 {"step": self.step, "partial": True}, self.thread))
             self.closed = self.step
-        if self.buffer:
+        if len(self.buffer) >= self.flush_events or (
+                self.buffer and (now - self.handed >= self.flush_ns or not on)):
+            self.handed = now
             self.hand_over()
 
     def hand_over(self) -> None:

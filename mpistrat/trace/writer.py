@@ -29,6 +29,39 @@ __all__ = ["TraceWriter", "FORMAT", "TRAILER"]
 
 FORMAT = 1
 TRAILER = b"\n]}\n"
+_ENCODE = json.JSONEncoder(default=str).encode
+_QUOTED: dict[str, str] = {}  # strings seen often (names, keys, dtypes), JSON-quoted
+_MAX_QUOTED = 4096
+_INFINITE = (float("inf"), float("-inf"))
+
+
+def _quote(text: str) -> str:
+    found = _QUOTED.get(text)
+    if found is None:
+        found = _ENCODE(text)
+        if len(_QUOTED) < _MAX_QUOTED and len(text) <= 200:
+            _QUOTED[text] = found
+    return found
+
+
+def _args(args: dict[str, Any]) -> str:
+    """``args`` as JSON: flat ints, strings and finite floats written directly (the
+    encoder costs several microseconds a dict), anything else through the encoder."""
+    parts = []
+    for key, value in args.items():
+        kind = type(value)
+        if kind is int:
+            text = str(value)
+        elif kind is str:
+            text = _quote(value)
+        elif kind is float and value == value and value not in _INFINITE:
+            text = repr(value)
+        elif kind is bool:
+            text = "true" if value else "false"
+        else:
+            text = _ENCODE(value if kind is not float else str(value))
+        parts.append(f"{_quote(str(key))}: {text}")
+    return "{" + ", ".join(parts) + "}"
 
 
 class TraceWriter:
@@ -48,7 +81,6 @@ class TraceWriter:
         self.path = path
         self.rank = rank
         self.shift = offset_ns - base_ns
-        self._names: dict[str, str] = {}
         self._threads: dict[int, str] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.error: BaseException | None = None
@@ -137,9 +169,7 @@ class TraceWriter:
 
     def _format(self, event: tuple) -> str:
         start, dur, name, cat, args, thread = event
-        quoted = self._names.get(name)
-        if quoted is None:
-            quoted = self._names[name] = json.dumps(name)
+        quoted = _quote(name)
         ts = (start + self.shift) / 1000
         text = (f'{{"ph": "{"i" if dur < 0 else "X"}", "cat": "{cat}", "name": {quoted}, '
                 f'"pid": {self.rank}, "tid": {thread}, "ts": {ts:.3f}')
@@ -148,5 +178,5 @@ class TraceWriter:
         else:
             text += ', "s": "t"'
         if args:
-            text += f', "args": {json.dumps(args, default=str)}'
+            text += f', "args": {_args(args) if type(args) is dict else _ENCODE(args)}'
         return text + "}"

@@ -13,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.launch
 
 # the last rank sleeps DELAY seconds in every step, before the step's all-reduce; with
-# "kill", rank 1 kills itself (SIGKILL) in step 6
+# "kill", rank 1 kills itself (SIGKILL) in step 6, a second after step 5 began (past the
+# recorder's hand-over period: steps 0-5 are in the files)
 SCRIPT = textwrap.dedent("""\
     import os, signal, sys, time
     import numpy as np
@@ -32,8 +33,9 @@ SCRIPT = textwrap.dedent("""\
         total = mpistrat.all_reduce(grads[0], comm=comm)
         assert total[0] == comm.size
         mpistrat.all_reduce(grads[1], comm=comm)
+        if mode == "kill" and step == 5:
+            time.sleep(1.1)
         if mode == "kill" and step == 6 and comm.rank == 1:
-            time.sleep(0.6)  # (past the recorder's hand-over period)
             os.kill(os.getpid(), signal.SIGKILL)
     """)
 
