@@ -240,6 +240,8 @@ def _steps_of(tuples: list[tuple]) -> dict[int, _Step]:
     found: dict[int, _Step] = {}
     for e in sorted(tuples, key=lambda e: e[0]):
         if e[3] == "user_annotation" and e[1] >= 0 and e[2].startswith("ProfilerStep#"):
+            if e[1] == 0 and (e[4] or {}).get("partial") is True:
+                continue  # the mark of the step after the window (for HTA), not a step
             number = e[4]["step"]
             step = found.get(number)
             if step is None:

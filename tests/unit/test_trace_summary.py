@@ -277,3 +277,24 @@ def test_the_command_s_errors_are_clear(tmp_path):
     (tmp_path / "rank-0.json").write_text("[]")
     out = CliRunner().invoke(cli, ["trace", "summary", str(tmp_path)])
     assert out.exit_code == 1 and "holds a JSON list, not an object" in out.output
+
+
+def test_the_mark_where_the_window_ends_is_not_a_step(tmp_path):
+    # the recorder marks the step after its window with a zero-length span (for HTA):
+    # not a step of the summary, and no warning about it
+    from mpistrat.trace import recorder
+
+    for rank in range(2):
+        writer = TraceWriter(str(tmp_path / f"rank-{rank}.json"), header(rank, 2), rank, 0, 0)
+        rec = recorder.Recorder((0, 3), 100, writer.put)
+        recorder.install(rec)
+        try:
+            for _ in range(5):
+                recorder.boundary(recorder.FROM_SCRIPT)
+            rec.hand_over()
+        finally:
+            recorder.install(None)
+            writer.close()
+    found = summarize(tmp_path)
+    assert found.steps == [0, 1, 2] and found.left_out_steps == []
+    assert not any("left out" in w for w in found.warnings), found.warnings
