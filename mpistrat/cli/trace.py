@@ -158,13 +158,13 @@ def _text(found: Summary, per_step: bool, top: int) -> str:
         lines += ["", "slowest collectives (a call's time: the shortest of its ranks', "
                       "that is without waiting)"]
         headers = ["name", "bytes", "calls", "mean ms", "algbw GB/s", "busbw GB/s",
-                   "algorithm"] + (["bench busbw", "ratio"] if bench else [])
+                   "algorithm"] + (["bench best busbw", "by", "ratio"] if bench else [])
         table: list[list[Any]] = []
         for c in found.collectives[:top]:
             row: list[Any] = [c.name, _bytes(c.bytes), c.count, f"{c.mean_ms:.3f}",
                               _gb(c.algbw_GBps), _gb(c.busbw_GBps), c.algorithm or "-"]
             if bench:
-                row += [_gb(c.bench_busbw_GBps),
+                row += [_gb(c.bench_busbw_GBps), c.bench_label or "-",
                         "-" if c.ratio is None else f"{c.ratio:.2f}"]
             table.append(row)
         lines.append(format_table(headers, table))
