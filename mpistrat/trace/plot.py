@@ -52,7 +52,7 @@ def plot_breakdown(summary: Summary, path: str | os.PathLike[str]) -> None:
     totals = summary.totals
     labels = [f"rank {t.rank}\n{t.host}" if len(t.host) <= 16 else f"rank {t.rank}"
               for t in totals]
-    figure = Figure(figsize=(max(5.0, 1.0 + 0.7 * len(totals)), 4.6), layout="constrained")
+    figure = Figure(figsize=(max(6.0, 1.0 + 0.7 * len(totals)), 4.8), layout="constrained")
     FigureCanvasAgg(figure)
     axis = figure.subplots()
     bottom = [0.0] * len(totals)
@@ -69,7 +69,7 @@ def plot_breakdown(summary: Summary, path: str | os.PathLike[str]) -> None:
     stragglers = ", ".join(f"rank {s.rank} last in {s.last}/{s.of} steps "
                            f"(+{s.median_delay_ms:.1f} ms)" for s in summary.stragglers[:2])
     figure.suptitle(f"mpistrat trace summary: {len(summary.steps)} steps of run "
-                    f"{summary.run}" + (f"; {stragglers}" if stragglers else ""),
+                    f"{summary.run}" + (f"\n{stragglers}" if stragglers else ""),
                     fontsize="medium")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     suffix = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
