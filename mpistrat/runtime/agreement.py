@@ -42,13 +42,14 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
 from ..trace import recorder
+from ..trace.bandwidth import bus_factor
 from . import stall
 from ._commcache import comm_cache
 from ._mpi import Comm, mpi
 
 __all__ = ["agree", "agree_exchange", "exchange", "Exchange", "signature_code", "FAILED",
            "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES", "DOORS", "open_door", "close_door",
-           "note_algorithm", "traced_agreement", "next_seq", "bus_factor", "phase"]
+           "note_algorithm", "traced_agreement", "next_seq", "phase"]
 
 
 def agree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
@@ -492,17 +493,6 @@ def note_algorithm(name: str) -> None:
         doors.algorithm = name
     elif name not in doors.algorithm.split("+"):
         doors.algorithm += "+" + name
-
-
-def bus_factor(collective: str, size: int) -> float:
-    """busbw / algbw for ``collective`` over ``size`` ranks (nccl-tests' definitions)."""
-    if size <= 1:
-        return 0.0
-    if "allreduce" in collective:
-        return 2 * (size - 1) / size
-    if any(kind in collective for kind in ("allgather", "reduce_scatter", "alltoall")):
-        return (size - 1) / size
-    return 1.0
 
 
 def close_door(start: int, name: str, collective: str, size: int, dtype: str,

@@ -42,6 +42,7 @@ from . import recorder
 from .recorder import boundary, instant
 
 __all__ = ["start", "stop", "step", "span", "tracing", "flush", "active", "parse_steps",
+           "instant",
            "TraceError", "MAX_EVENTS", "DEFAULT_STEPS", "TRACE_ENV", "TRACE_STEPS_ENV",
            "rank_file"]
 
@@ -218,8 +219,9 @@ def stop(*, collective: bool = True) -> str | None:
     if collective:
         measured = _sync(session.comm)
         if measured is not None:
-            rec.buffer.append((monotonic_ns(), -1, "clock_sync", "clock", {"offset_ns": measured[0], "round_trip_ns": measured[1]},
-                rec.thread))
+            rec.buffer.append((monotonic_ns(), -1, "clock_sync", "clock",
+                               {"offset_ns": measured[0], "round_trip_ns": measured[1]},
+                               rec.thread))
     if rec.dropped:
         rec.buffer.append((monotonic_ns(), -1, "events dropped", "mpistrat_trace",
                            {"dropped": rec.dropped, "max_events_per_step": rec.max_events},

@@ -32,6 +32,7 @@ from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
 from . import TraceError, classify
+from .bandwidth import bus_factor
 from .files import MAX_BYTES, RankTrace, event_tuples, ranges, read_directory
 from .merge import Clock, clock_of, max_skew
 
@@ -410,18 +411,6 @@ class _Matches:
         return sorted(stats, key=lambda c: (-c.mean_ms, c.name))
 
 
-def bus_factor(collective: str, size: int) -> float:
-    """busbw / algbw for ``collective`` over ``size`` ranks (nccl-tests' definitions)."""
-    kind = collective.lower().replace("_", "").replace("-", "")
-    if size <= 1:
-        return 0.0
-    if "allreduce" in kind:
-        return 2 * (size - 1) / size
-    if any(k in kind for k in ("allgather", "reducescatter", "alltoall")):
-        return (size - 1) / size
-    return 1.0
-
-
 def _common(values: list[Any], default: Any) -> Any:
     values = [v for v in values if v is not None]
     return Counter(values).most_common(1)[0][0] if values else default
@@ -432,7 +421,7 @@ def _common(values: list[Any], default: Any) -> Any:
 
 def _bench_curve(path: str, size: int, warnings: list[str]) -> dict[int, tuple[float, str]]:
     """The best correct busbw (GB/s) at each size of an ``mpistrat bench`` result."""
-    from ..bench.files import read_json   # (only with --bench)
+    from ..bench.files import read_json  # (only with --bench)
 
     try:
         meta, points, _ = read_json(path)

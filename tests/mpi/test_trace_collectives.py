@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from _trace import inside, traced
 
 import mpistrat as ms
 from mpistrat import CollectiveMismatchError, trace
@@ -26,35 +27,16 @@ from mpistrat.trace import recorder
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
-_SLACK = 0.002  # µs: ts and dur are written with 3 decimals
 KINETO = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "Group size")
 MPISTRAT = ("algorithm", "bytes", "seq", "algbw (GB/s)", "busbw (GB/s)")
 LARGE = 1 << 14  # float32 elements: 64 KiB, above the exchange's 4 KiB
-
-
-def _traced(root, world, calls):
-    """Run ``calls()`` with tracing on (started and stopped over ``world``); this rank's
-    trace events (complete ones)."""
-    path = trace.start(root, comm=world)
-    try:
-        calls()
-    finally:
-        trace.stop()
-    with open(path) as f:
-        doc = json.load(f)
-    return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
-
-
-def _inside(event, outer):
-    return (outer["ts"] - _SLACK <= event["ts"]
-            and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"] + _SLACK)
 
 
 def _collectives(events):
     ops = sorted((e for e in events if e["cat"] == "cpu_op"), key=lambda e: e["ts"])
     for op in ops:
         op["inner"] = [e for e in events if e is not op and e["tid"] == op["tid"]
-                       and e["cat"] == "mpistrat_phase" and _inside(e, op)]
+                       and e["cat"] == "mpistrat_phase" and inside(e, op)]
     return ops
 
 
@@ -114,7 +96,7 @@ def test_every_collective_is_one_cpu_op_holding_its_agreement_and_phases(comm, r
         cdo.reduce("mean", large, large)
         cdo.broadcast(small, small)
 
-    ops = _collectives(_traced(root, world, calls))
+    ops = _collectives(traced(root, world, calls))
     names = [op["name"] for op in ops]
     assert names == ["all_reduce"] * 5 + ["MultiWorkerAllReduce.batch_reduce"] * 2 + \
         ["MultiWorkerAllReduce.reduce", "MultiWorkerAllReduce.broadcast"], names
@@ -166,7 +148,7 @@ def test_a_hierarchical_spec_over_two_virtual_nodes_records_its_stages(world, ro
     def calls():
         ms.all_reduce(value, "sum", "pscpu/pscpu", world, ranks_per_node=rpn)
 
-    (op,) = _collectives(_traced(root, world, calls))
+    (op,) = _collectives(traced(root, world, calls))
     _check_args(op, "allreduce", n, "float64", LARGE, 8 * LARGE)
     _agreement(op)
     assert op["args"]["algorithm"] == ("pscpu/pscpu" if n > 1 else "local")
@@ -185,7 +167,7 @@ def test_a_hierarchical_spec_over_two_virtual_nodes_records_its_stages(world, ro
     assert got == want, (got, topology.num_nodes, topology.local_size)
     (algorithm,) = [e for e in op["inner"] if e["name"] == "algorithm"] if n > 1 else [op]
     for stage in stages:  # (the stages are the algorithm's)
-        assert _inside(stage, algorithm)
+        assert inside(stage, algorithm)
 
 
 @pytest.mark.timeout(60)
@@ -200,11 +182,11 @@ def test_a_pipelined_hierarchical_call_records_each_stage_once(world, root):
     def calls():
         ms.all_reduce(value, "sum", "pscpu/pscpu", world, ranks_per_node=2)
 
-    events = _traced(root, world, calls)
+    events = traced(root, world, calls)
     (op,) = _collectives(events)
     _agreement(op)
     stages = [e for e in events if e["name"] in ("node stage", "cross-node stage")]
-    assert all(_inside(e, op) for e in stages)
+    assert all(inside(e, op) for e in stages)
     assert all(e["args"]["pieces"] == 2 for e in stages), stages
     want = ["node stage"] * (2 if topology.local_size > 1 else 0)
     if topology.local_rank < min(len(r) for r in topology.node_ranks):
@@ -223,7 +205,7 @@ def test_after_a_failed_collective_the_next_is_traced_as_usual(comm, root):
                 ms.all_reduce(np.ones(shape, np.float32), comm=comm)
         ms.all_reduce(np.ones(4, np.float32), comm=comm)
 
-    ops = _collectives(_traced(root, MPI.COMM_WORLD, calls))
+    ops = _collectives(traced(root, MPI.COMM_WORLD, calls))
     assert [op["cat"] for op in ops] == ["cpu_op"] * len(ops)
     assert len(ops) == (2 if comm.size > 1 else 1)
     _check_args(ops[-1], "allreduce", comm.size, "float32", 4, 16)

@@ -9,8 +9,6 @@ each ``ZeRO step`` with the node's barrier inside. Every file is read back with
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +16,7 @@ pytest.importorskip("torch.distributed")
 
 import torch.distributed as dist  # noqa: E402
 from _torch_group import default_group  # noqa: E402
+from _trace import inside, traced  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -27,7 +26,6 @@ from mpistrat.runtime.agreement import DOORS  # noqa: E402
 
 torch.set_num_threads(1)
 
-_SLACK = 0.002  # µs: ts and dur are written with 3 decimals
 KINETO = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "Group size",
           "algorithm", "bytes", "seq", "algbw (GB/s)", "busbw (GB/s)")
 STEPS = 3
@@ -39,26 +37,9 @@ def pg():
         yield group
 
 
-def _traced(root, calls):
-    world = MPI.COMM_WORLD
-    path = trace.start(root, comm=world)
-    try:
-        calls()
-    finally:
-        trace.stop()
-    with open(path) as f:
-        doc = json.load(f)
-    return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
-
-
-def _inside(event, outer):
-    return (outer["ts"] - _SLACK <= event["ts"]
-            and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"] + _SLACK)
-
-
 def _within(events, outer, name=None):
     return [e for e in events if e is not outer and e["tid"] == outer["tid"]
-            and _inside(e, outer) and (name is None or e["name"] == name)]
+            and inside(e, outer) and (name is None or e["name"] == name)]
 
 
 def _model(seed=0):
@@ -98,7 +79,7 @@ def test_torch_ddp_over_the_backend_records_one_cpu_op_per_collective(pg, root):
         dist.all_gather(gathered, flag)
         dist.barrier()
 
-    events = _traced(root, calls)
+    events = traced(root, MPI.COMM_WORLD, calls)
     ops = sorted((e for e in events if e["cat"] == "cpu_op"), key=lambda e: e["ts"])
     assert all(op["name"].startswith("torch.distributed.") for op in ops), \
         sorted({op["name"] for op in ops})
@@ -146,7 +127,7 @@ def test_mpistrat_ddp_and_zero_record_buckets_and_steps(root):
             ddp(_data(step)).sum().backward()
             optimizer.step()
 
-    events = _traced(root, calls)
+    events = traced(root, MPI.COMM_WORLD, calls)
     reduced = sorted((e for e in events if e["name"] == "bucket all_reduce"),
                      key=lambda e: e["ts"])
     assert len(reduced) == STEPS * len(buckets) and len(buckets) > 1

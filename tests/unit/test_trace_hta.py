@@ -14,12 +14,11 @@ import os
 import threading
 
 import pytest
+from test_trace_files import MS, header
 
 from mpistrat.trace import recorder
 from mpistrat.trace.summary import summarize
 from mpistrat.trace.writer import TraceWriter
-
-from test_trace_files import MS, header
 
 TraceAnalysis = pytest.importorskip(
     "hta.trace_analysis", reason="HolisticTraceAnalysis is not installed (it is in the "

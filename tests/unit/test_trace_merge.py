@@ -11,13 +11,12 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from test_trace_files import MS, write_job
 
 from mpistrat.cli import cli
 from mpistrat.trace import TraceError
 from mpistrat.trace.merge import MAX_DRIFT, default_output, merge
 from mpistrat.trace.view import prepare
-
-from test_trace_files import MS, write_job
 
 
 def _load(path):

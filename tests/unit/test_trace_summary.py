@@ -11,6 +11,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from test_trace_files import MS, header, write_job
 
 from mpistrat.bench.files import write_json
 from mpistrat.bench.results import Point
@@ -18,8 +19,6 @@ from mpistrat.cli import cli
 from mpistrat.trace import TraceError
 from mpistrat.trace.summary import bus_factor, summarize
 from mpistrat.trace.writer import TraceWriter
-
-from test_trace_files import MS, header, write_job
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason="matplotlib is not installed")
