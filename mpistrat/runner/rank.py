@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -134,10 +136,33 @@ def start_trace(world: Any, directory: str, steps: str | None) -> None:
     restart = os.environ.get("MPISTRAT_ELASTIC_RESTART", "0")
     if restart.isdigit() and int(restart) > 0:
         directory = os.path.join(directory, f"restart-{int(restart)}")
+    elif world.Get_rank() == 0:
+        _clear_old_relaunches(directory)
     try:
         trace.start(directory, steps, comm=world)
     except trace.TraceError as exc:
         raise RunSetupError(f"mpistrat run --trace: {exc}") from None
+
+
+def _clear_old_relaunches(directory: str) -> None:
+    """An earlier job's ``restart-K`` folders in a trace directory: their rank files go
+    (so that none is read as this job's), and the folders too once empty; anything else
+    in them is left alone."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return  # (not there yet: trace.start makes it, or says why it cannot)
+    for name in names:
+        folder = os.path.join(directory, name)
+        if not re.fullmatch(r"restart-\d+", name) or os.path.islink(folder) \
+                or not os.path.isdir(folder):
+            continue
+        for inner in os.listdir(folder):
+            if re.fullmatch(r"rank-\d+\.json", inner):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, inner))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _end_parameter_servers(failed: bool) -> None:

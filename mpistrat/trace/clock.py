@@ -4,8 +4,9 @@ Rank 0 exchanges ping-pongs with every other rank in turn — :data:`ROUNDS`, an
 to :data:`MAX_ROUNDS`) until one round trip is under :data:`GOOD_TRIP_NS`, since a busy
 core can delay any one of them by milliseconds; the round with the shortest round trip
 gives the offset (the peer's clock read at the midpoint of the round trip), uncertain by
-half that round trip. Every wait polls against a deadline, so
-a rank that never comes makes the measurement fail (None), never hang.
+half that round trip. The ranks waiting for their turn poll idly (sleeping between polls),
+so that they leave the cores to the pair being measured. Every wait polls against a
+deadline, so a rank that never comes makes the measurement fail (None), never hang.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ GOOD_TRIP_NS = 50_000
 _TAG = 0x7ACE
 
 
-def _wait(request: Any, deadline: float) -> bool:
+def _wait(request: Any, deadline: float, idle: bool = False) -> bool:
+    """Poll ``request`` until done (True) or the deadline (False, cancelled); ``idle``:
+    between polls, give the core away (a rank waiting for its turn must not slow the
+    pair being measured)."""
     while not request.Test():
         if time.monotonic() > deadline:
             request.Cancel()
             return False
+        if idle:
+            time.sleep(0.0002)
     return True
 
 
@@ -46,6 +52,9 @@ def measure(comm: Any, seconds: float = 10.0) -> tuple[int, int] | None:
     if rank == 0:
         results = np.zeros((size, 2), dtype=np.int64)
         for peer in range(1, size):
+            # the peer's turn: it waits for this idly, then answers the pings at once
+            if not _wait(comm.Isend(ping, dest=peer, tag=_TAG + 2), deadline):
+                return None
             best = (0, 1 << 62)
             for round_ in range(MAX_ROUNDS):
                 # the ping says whether another round follows (0: this is the last)
@@ -69,12 +78,15 @@ def measure(comm: Any, seconds: float = 10.0) -> tuple[int, int] | None:
                 return None
         return 0, 0
     more = np.ones(1, dtype=np.int64)
+    if not _wait(comm.Irecv(more, source=0, tag=_TAG + 2), deadline, idle=True):
+        return None
+    more[0] = 1
     while more[0]:
         if not _wait(comm.Irecv(more, source=0, tag=_TAG), deadline):
             return None
         stamp[0] = monotonic_ns()
         if not _wait(comm.Isend(stamp, dest=0, tag=_TAG), deadline):
             return None
-    if not _wait(comm.Irecv(result, source=0, tag=_TAG + 1), deadline):
+    if not _wait(comm.Irecv(result, source=0, tag=_TAG + 1), deadline, idle=True):
         return None
     return int(result[0]), int(result[1])

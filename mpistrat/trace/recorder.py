@@ -105,7 +105,8 @@ class Recorder:
         self.sink = sink
         self.flush_events = flush_events
         self.flush_ns = int(flush_seconds * 1e9)
-        self.handed = monotonic_ns()
+        self.handed = 0  # (the first step is handed over at once: a job that dies
+        #                    early still leaves it)
         self.buffer: list[tuple] = []
         self.step = 0
         self.source = 0

@@ -204,3 +204,22 @@ def test_subtract(a, cut, expected):
 
 def test_union_merges_overlaps_and_drops_empty():
     assert classify.union([(5, 7), (0, 2), (1, 3), (4, 4), (6, 9)]) == [(0, 3), (5, 9)]
+
+
+def test_a_new_job_clears_an_earlier_job_s_relaunch_folders(tmp_path):
+    # mpistrat run --trace DIR, launch 0: an earlier elastic job's DIR/restart-K rank files
+    # must not be read as this job's; anything else there stays
+    from mpistrat.runner.rank import _clear_old_relaunches
+
+    (tmp_path / "restart-2").mkdir()
+    (tmp_path / "restart-2" / "rank-0.json").write_text("{}")
+    (tmp_path / "restart-3").mkdir()
+    (tmp_path / "restart-3" / "rank-1.json").write_text("{}")
+    (tmp_path / "restart-3" / "notes.txt").write_text("mine")
+    (tmp_path / "restarts").mkdir()
+    (tmp_path / "restarts" / "rank-0.json").write_text("{}")
+    _clear_old_relaunches(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["restart-3", "restarts"]
+    assert [p.name for p in (tmp_path / "restart-3").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "restarts" / "rank-0.json").exists()
+    _clear_old_relaunches(str(tmp_path / "missing"))  # not there yet: nothing to do
