@@ -71,6 +71,7 @@ from .runtime.agreement import (
     FUSED_RANKS,
     agree_exchange,
     close_door,
+    dtype_of,
     exchange,
     open_door,
     phase,
@@ -474,10 +475,9 @@ def _traced(value: Any, op: Any, spec: Any, comm: Comm | None, check: bool, inpl
     finally:
         DOORS.direct = False
         arrays, extra = _traced_arrays(value)
-        dtypes = {str(a.dtype) for a in arrays}
         nelems = sum(int(a.size) for a in arrays)
         close_door(start, "all_reduce", "allreduce", comm.Get_size(),
-                   dtypes.pop() if len(dtypes) == 1 else "mixed", nelems, nelems,
+                   dtype_of(arrays), nelems, nelems,
                    sum(int(a.nbytes) for a in arrays), extra=extra)
 
 

@@ -48,6 +48,7 @@ from .runtime.agreement import (
     FUSED_RANKS,
     agree,
     close_door,
+    dtype_of,
     note_algorithm,
     open_door,
     phase,
@@ -334,7 +335,8 @@ def _traced_arrays(values: list[Any]) -> tuple[list[Any], int]:
             if isinstance(value, DistributedValues):
                 replicas = max(replicas, len(value.values))
                 value = value.values[0]
-            arrays.append(np.asarray(value) if np.isscalar(value)
+            arrays.append(value if type(value) is np.ndarray
+                          else np.asarray(value) if np.isscalar(value)
                           else value if is_native(value) else to_native(value, "trace"))
         except (TypeError, ValueError, IndexError):
             continue
@@ -541,13 +543,12 @@ class CrossDeviceOps(abc.ABC):
         finally:
             DOORS.direct = False
             arrays, replicas = _traced_arrays(values)
-            dtypes = {str(a.dtype) for a in arrays}
             nelems = sum(int(a.size) for a in arrays)
             collective = "broadcast" if method == "broadcast" else \
                 "reduce" if DOORS.algorithm == "reduce_to_one_device" else \
                 "allreduce_coalesced" if method == "batch_reduce" else "allreduce"
             close_door(start, f"{type(self).__name__}.{method}", collective,
-                       comm.Get_size(), dtypes.pop() if len(dtypes) == 1 else "mixed",
+                       comm.Get_size(), dtype_of(arrays),
                        nelems, nelems, sum(int(a.nbytes) for a in arrays),
                        extra={"replicas": replicas, "tensors": len(arrays)})
 

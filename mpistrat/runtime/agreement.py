@@ -49,7 +49,7 @@ from ._mpi import Comm, mpi
 
 __all__ = ["agree", "agree_exchange", "exchange", "Exchange", "signature_code", "FAILED",
            "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES", "DOORS", "open_door", "close_door",
-           "note_algorithm", "traced_agreement", "next_seq", "phase"]
+           "note_algorithm", "traced_agreement", "next_seq", "phase", "dtype_name", "dtype_of"]
 
 
 def agree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
@@ -466,6 +466,25 @@ DOORS = _Doors()
 _SEQ_KEY = "trace seq"
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``str(dtype)``, remembered (NumPy's costs microseconds a call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dtype] = name
+    return name
+
+
+def dtype_of(arrays: list[Any]) -> str:
+    """The one dtype of ``arrays`` as the trace writes it, or ``"mixed"``."""
+    names = {dtype_name(a.dtype) for a in arrays}
+    return names.pop() if len(names) == 1 else "mixed"
+
+
 def next_seq(comm: Comm) -> int:
     """The next collective's number on ``comm`` (counted while tracing only: the same on
     every rank, since every rank traces the same calls)."""
@@ -514,8 +533,8 @@ def close_door(start: int, name: str, collective: str, size: int, dtype: str,
     args = {"Collective name": collective, "dtype": dtype, "In msg nelems": nelems_in,
             "Out msg nelems": nelems_out, "Group size": size,
             "algorithm": algorithm or doors.algorithm or "local", "bytes": nbytes,
-            "seq": doors.seq, "algbw (GB/s)": round(algbw, 4),
-            "busbw (GB/s)": round(algbw * bus_factor(collective, size), 4)}
+            "seq": doors.seq, "algbw (GB/s)": algbw,
+            "busbw (GB/s)": algbw * bus_factor(collective, size)}
     if extra:
         args.update(extra)
     rec.add(start, duration, name, recorder.PHASE if doors.depth else recorder.COLLECTIVE,

@@ -52,7 +52,7 @@ from ..backends import get_backend
 from ..backends.torch_dtypes import NUMPY_DTYPES, numpy_dtype
 from ..ops import ReduceOp
 from ..runtime._mpi import Comm, world
-from ..runtime.agreement import agree, close_door, open_door
+from ..runtime.agreement import agree, close_door, dtype_name, open_door
 from ..runtime.shared import shared_empty
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
@@ -480,7 +480,7 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             if start:
                 close_door(start, "bucket all_reduce", "allreduce", self._size,
-                           str(bucket.array.dtype), bucket.array.size, bucket.array.size,
+                           dtype_name(bucket.array.dtype), bucket.array.size, bucket.array.size,
                            bucket.array.nbytes, "" if self._size > 1 else "local",
                            {"bucket": index, "buckets": len(self._buckets),
                             "parameters": len(bucket.params)})

@@ -45,8 +45,9 @@ def _quote(text: str) -> str:
 
 
 def _args(args: dict[str, Any]) -> str:
-    """``args`` as JSON: flat ints, strings and finite floats written directly (the
-    encoder costs several microseconds a dict), anything else through the encoder."""
+    """``args`` as JSON: flat ints, strings and finite floats (to six significant
+    digits) written directly (the encoder costs several microseconds a dict), anything
+    else through the encoder."""
     parts = []
     for key, value in args.items():
         kind = type(value)
@@ -55,7 +56,7 @@ def _args(args: dict[str, Any]) -> str:
         elif kind is str:
             text = _quote(value)
         elif kind is float and value == value and value not in _INFINITE:
-            text = repr(value)
+            text = format(value, ".6g")  # (bandwidths, ratios: six digits are plenty)
         elif kind is bool:
             text = "true" if value else "false"
         else:
