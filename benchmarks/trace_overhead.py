@@ -37,7 +37,7 @@ from _interleave import interleaved  # noqa: E402
 from elastic_snapshot import compute, digits_state, resnet50_state  # noqa: E402
 
 import mpistrat as ms  # noqa: E402
-from mpistrat.trace import recorder  # noqa: E402
+from mpistrat.runtime import recorder  # noqa: E402
 
 
 def main() -> None:

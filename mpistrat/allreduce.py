@@ -63,6 +63,7 @@ from .backends.interop import describe_type, is_writeable, restore, to_native
 from .backends.protocol import ArrayBackend
 from .errors import CollectiveMismatchError, TopologyError
 from .ops import ReduceOp
+from .runtime import recorder
 from .runtime._commcache import comm_cache
 from .runtime._mpi import Comm, world
 from .runtime.agreement import (
@@ -79,7 +80,6 @@ from .runtime.agreement import (
 )
 from .runtime.topology import env_ranks_per_node
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
-from .trace import recorder
 from .values import PerReplica
 
 __all__ = ["all_reduce", "CollectiveMismatchError", "FUSED_BYTES", "FUSED_RANKS"]

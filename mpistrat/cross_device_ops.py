@@ -41,6 +41,7 @@ from .communication import CommunicationImplementation, CommunicationOptions
 from .errors import BackendUnavailable, TopologyError
 from .ops import ReduceOp
 from .packing import PackPlan
+from .runtime import recorder
 from .runtime._mpi import Comm, world
 from .runtime.agreement import (
     DOORS,
@@ -54,7 +55,6 @@ from .runtime.agreement import (
     phase,
 )
 from .spec import AllReduceSpec, AllReduceSpecTuple, parse_spec
-from .trace import recorder
 from .values import Device, DistributedValues, Mirrored, PerReplica, interned, parse_device, single
 
 __all__ = [

@@ -20,19 +20,33 @@ from collections.abc import Callable
 from time import monotonic_ns
 from typing import Any
 
-from .algorithms import (AlgorithmInfo, Implementation, Shards, Source, agreed_join, get,
-                         gpu, halving_doubling, names, native, nccl, ring, shm, shuffle)
+from .algorithms import (
+    AlgorithmInfo,
+    Implementation,
+    Shards,
+    Source,
+    agreed_join,
+    get,
+    gpu,
+    halving_doubling,
+    names,
+    native,
+    nccl,
+    ring,
+    shm,
+    shuffle,
+)
 from .algorithms import register as add
 from .algorithms.hierarchical import hierarchical
 from .backends.protocol import ArrayBackend
 from .errors import BackendUnavailable
 from .layout import Layout, require_entry_fits
 from .ops import ReduceOp
+from .runtime import recorder
 from .runtime._mpi import Comm
 from .runtime.agreement import note_algorithm, phase
 from .runtime.topology import get_topology
 from .spec import check_entry
-from .trace import recorder
 
 __all__ = ["IMPLEMENTATIONS", "register", "implementation", "compose", "check_fits", "fit",
            "run"]

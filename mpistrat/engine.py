@@ -37,11 +37,10 @@ from . import algorithms, dispatch, packing
 from .backends import get_backend
 from .backends.protocol import ArrayBackend
 from .ops import ReduceOp
-from .runtime import shared
+from .runtime import recorder, shared
 from .runtime._mpi import Comm
 from .runtime.agreement import DOORS, phase
 from .spec import AllReduceSpec
-from .trace import recorder
 
 __all__ = ["Reducer", "Route", "SHARED_RESULT_BYTES", "structure", "cached_plan", "routes", "flat",
            "fitted_groups", "local_sum", "reduce_sources", "algorithm_reducer", "mean",

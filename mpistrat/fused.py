@@ -28,10 +28,10 @@ from . import algorithms, dispatch
 from .backends.numpy_backend import UFUNCS
 from .config import RANKS_PER_NODE
 from .ops import ReduceOp
+from .runtime import recorder
 from .runtime._mpi import Comm
 from .runtime.agreement import exchange, note_algorithm, phase, signature_code, traced_agreement
 from .spec import AllReduceSpecTuple
-from .trace import recorder
 
 __all__ = ["plan", "plan_batch", "layout", "grouping_env", "ALIGN"]
 

@@ -47,11 +47,11 @@ from typing import Any
 
 from ..backends.protocol import ArrayBackend
 from ..ops import ReduceOp
+from ..runtime import recorder
 from ..runtime._commcache import comm_cache
 from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import DOORS, phase
 from ..runtime.topology import get_topology
-from ..trace import recorder
 from ._chunks import even_bounds
 from .implementation import Implementation
 from .source import Source, agreed_join

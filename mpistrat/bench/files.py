@@ -288,3 +288,28 @@ def write_csv(path: str | os.PathLike, meta: Mapping[str, Any], points: Sequence
                 "speedup_over_native": record["speedup_over_native"],
             })
     write_text(path, buffer.getvalue())
+
+
+def read_busbw_curve(path: str | os.PathLike[str]) -> Any:
+    """The best correct busbw (GB/s) at each size of an ``mpistrat bench --json`` result,
+    for ``mpistrat trace summary --bench`` (a :class:`mpistrat.trace.summary.BenchCurve`).
+
+    Raises:
+        TraceError: the file is not an ``mpistrat bench`` result (the reason named).
+    """
+    from ..errors import TraceError
+    from ..trace.summary import BenchCurve
+
+    source = os.fspath(path)
+    try:
+        meta, points, _ = read_json(source)
+    except ValueError as exc:
+        raise TraceError(f"--bench: {exc}") from None
+    best: dict[int, tuple[float, str]] = {}
+    for point in points:
+        if point.correct and point.median > 0:
+            bw = point.busbw
+            if point.nbytes not in best or bw > best[point.nbytes][0]:
+                best[point.nbytes] = (bw, point.label)
+    ranks = meta.get("ranks")
+    return BenchCurve(best, ranks if isinstance(ranks, int) else None, source)

@@ -42,9 +42,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TopologyError
+from ..runtime import recorder
 from ..runtime._mpi import Comm, state_comm
 from ..runtime.agreement import agree
-from ..trace import recorder
 from . import _files
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
 

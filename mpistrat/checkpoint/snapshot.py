@@ -58,8 +58,8 @@ import numpy as np
 from .._atomic import write_atomically
 from ..elastic import hooks
 from ..elastic.env import ElasticEnv
+from ..runtime import recorder
 from ..runtime._mpi import Comm
-from ..trace import recorder
 from .checkpoint import (
     Checkpoint,
     _assign,

@@ -113,7 +113,12 @@ def summary(directory: str, bench_path: str | None, png: str | None, as_json: bo
     try:
         if png:
             require_matplotlib()
-        found = summarize(directory, bench=bench_path, max_bytes=max_mib << 20)
+        bench = None
+        if bench_path is not None:
+            from ..bench.files import read_busbw_curve
+
+            bench = read_busbw_curve(bench_path)
+        found = summarize(directory, bench=bench, max_bytes=max_mib << 20)
         if png:
             plot_breakdown(found, png)
     except (TraceError, BackendUnavailable, ValueError) as exc:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .._nest import map_structure
 from ..elastic.hooks import iteration_ended, iteration_started, step_boundary, take_resume
-from ..trace import recorder
+from ..runtime import recorder
 from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
 from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext

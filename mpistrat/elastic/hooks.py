@@ -12,7 +12,7 @@ step counts once), or the script calls :func:`mpistrat.elastic.step`. With snaps
 (no elastic job, or no :class:`~mpistrat.checkpoint.CheckpointManager` to take them), a
 boundary costs one branch, and one more for the trace (:mod:`mpistrat.trace`), whose
 steps it also marks: an input position's boundary as the input's
-(:data:`~mpistrat.trace.recorder.FROM_INPUT`), the script's as the script's. An iterator
+(:data:`~mpistrat.runtime.recorder.FROM_INPUT`), the script's as the script's. An iterator
 that waits for its batch marks the trace's step itself, before the wait (the wait belongs
 to the step it feeds), and passes ``traced=True``.
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..trace import recorder
+from ..runtime import recorder
 
 __all__ = ["set_taker", "taker", "step_boundary", "set_resume", "take_resume", "Position",
            "set_fence", "before_write", "iteration_started", "iteration_ended", "finished",

@@ -48,8 +48,7 @@ import cloudpickle
 from .._nest import flatten, pack_sequence_as
 from ..elastic import hooks
 from ..errors import CancelledError, CollectiveTimeoutError
-from ..runtime import stall
-from ..trace import recorder
+from ..runtime import recorder, stall
 from . import worker
 from .strategy import _COORDINATORS, ParameterServerStrategy
 from .worker import experimental_get_current_worker_index

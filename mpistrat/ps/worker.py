@@ -32,7 +32,7 @@ import cloudpickle
 
 from ..data.input_context import InputContext
 from ..errors import WorkerUnavailableError
-from ..trace import recorder
+from ..runtime import recorder
 
 __all__ = ["WorkerState", "execute", "current", "experimental_get_current_worker_index"]
 

@@ -41,11 +41,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError
-from ..trace import recorder
-from ..trace.bandwidth import bus_factor
-from . import stall
+from . import recorder, stall
 from ._commcache import comm_cache
 from ._mpi import Comm, mpi
+from .recorder import bus_factor
 
 __all__ = ["agree", "agree_exchange", "exchange", "Exchange", "signature_code", "FAILED",
            "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES", "DOORS", "open_door", "close_door",

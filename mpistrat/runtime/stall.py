@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from ..errors import CollectiveTimeoutError
-from ..trace import recorder
+from . import recorder
 from ._mpi import Comm, mpi
 
 __all__ = ["watch", "unwatch", "current", "allreduce_max", "Watch", "new_entry", "VERDICT_WAIT", "WHAT",

@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import context
 from .._nest import flatten, map_structure, pack_sequence_as
 from ..backends import get_backend, is_cuda_array
 from ..backends.interop import to_host, to_native
@@ -24,12 +23,11 @@ from ..communication import CommunicationOptions
 from ..cross_device_ops import ReductionToOneDevice
 from ..data import DistributedDataset, DistributedDatasetsFromFunction, make_numpy_dataset
 from ..ops import ReduceOp
-from ..runtime import stall
+from ..runtime import recorder, stall
 from ..runtime._mpi import Comm, mpi
 from ..runtime.agreement import agree
-from ..trace import recorder
-from ..values import (DistributedValues, Mirrored, PerReplica, components_of, regroup,
-                      select_replica)
+from ..values import DistributedValues, Mirrored, PerReplica, components_of, regroup, select_replica
+from . import context
 from .placement import HostPlacement, Placement
 from .replica import ReplicaContext, ValueContext, run_replicas
 from .variables import DistributedVariable, MirroredVariable

@@ -25,8 +25,8 @@ from .._nest import flatten, pack_sequence_as
 from ..backends import get_backend
 from ..backends.interop import is_writeable, to_native
 from ..ops import ReduceOp
+from ..runtime import recorder
 from ..runtime.agreement import agree
-from ..trace import recorder
 from ..values import DistributedValues, Mirrored, PerReplica, components_of, regroup, select_replica
 from . import context
 from .variables import DistributedVariable, Variable

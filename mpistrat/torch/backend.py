@@ -61,11 +61,11 @@ import torch
 import torch.distributed as dist
 
 from ..allreduce import all_reduce
+from ..runtime import recorder
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import DOORS, agree, close_door, note_algorithm, open_door
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
-from ..trace import recorder
 from .tensors import (
     Staged,
     apart,

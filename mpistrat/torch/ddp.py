@@ -51,12 +51,12 @@ from .. import dispatch
 from ..backends import get_backend
 from ..backends.torch_dtypes import NUMPY_DTYPES, numpy_dtype
 from ..ops import ReduceOp
+from ..runtime import recorder
 from ..runtime._mpi import Comm, world
 from ..runtime.agreement import agree, close_door, dtype_name, open_door
 from ..runtime.shared import shared_empty
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
-from ..trace import recorder
 
 __all__ = ["DistributedDataParallel", "broadcast_parameters",
            "broadcast_optimizer_state", "DEFAULT_BUCKET_BYTES", "FUSED_BYTES"]

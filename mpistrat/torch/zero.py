@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
+from ..runtime import recorder
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import agree, close_door, open_door
 from ..runtime.shared import node_empty
 from ..runtime.topology import get_topology
-from ..trace import recorder
 
 __all__ = ["ZeroRedundancyOptimizer"]
 

@@ -38,8 +38,8 @@ from time import monotonic_ns
 from typing import Any
 
 from ..errors import TraceError
-from . import recorder
-from .recorder import boundary, instant
+from ..runtime import recorder
+from ..runtime.recorder import boundary, instant
 
 __all__ = ["start", "stop", "step", "span", "tracing", "flush", "active", "parse_steps",
            "instant",

@@ -31,13 +31,13 @@ from collections import Counter
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
+from ..runtime.recorder import bus_factor
 from . import TraceError, classify
-from .bandwidth import bus_factor
 from .files import MAX_BYTES, RankTrace, event_tuples, ranges, read_directory
 from .merge import Clock, clock_of, max_skew
 
 __all__ = ["Breakdown", "StepRow", "RankTotals", "Straggler", "CollectiveStats", "Summary",
-           "summarize", "bus_factor"]
+           "BenchCurve", "summarize", "bus_factor"]
 
 _KERNEL_KIND = {name: key for key, name in (
     ("compute", classify.KERNEL_NAMES[classify.COMPUTE_STREAM]),
@@ -419,27 +419,25 @@ def _common(values: list[Any], default: Any) -> Any:
 # -- the bench's busbw --------------------------------------------------------------------------
 
 
-def _bench_curve(path: str, size: int, warnings: list[str]) -> dict[int, tuple[float, str]]:
-    """The best correct busbw (GB/s) at each size of an ``mpistrat bench`` result."""
-    from ..bench.files import read_json  # (only with --bench)
+@dataclass(frozen=True)
+class BenchCurve:
+    """What ``mpistrat bench`` measured, for the summary: the best correct busbw (GB/s)
+    at each size in bytes with the entry that reached it, the ranks it ran on, and where
+    it came from (:func:`mpistrat.bench.files.read_busbw_curve` reads one)."""
 
-    try:
-        meta, points, _ = read_json(path)
-    except ValueError as exc:
-        raise TraceError(f"--bench: {exc}") from None
-    ranks = meta.get("ranks")
-    if ranks is not None and ranks != size:
-        warnings.append(f"--bench {path}: measured on {ranks} ranks, the trace's run has "
-                        f"{size}: busbw ratios compare different world sizes")
-    best: dict[int, tuple[float, str]] = {}
-    for point in points:
-        if point.correct and point.median > 0:
-            bw = point.busbw
-            if point.nbytes not in best or bw > best[point.nbytes][0]:
-                best[point.nbytes] = (bw, point.label)
-    if not best:
-        warnings.append(f"--bench {path}: no correct measured point to compare with")
-    return best
+    best: dict[int, tuple[float, str]]
+    ranks: int | None
+    source: str
+
+
+def _bench_warnings(bench: BenchCurve, size: int) -> list[str]:
+    found = []
+    if bench.ranks is not None and bench.ranks != size:
+        found.append(f"--bench {bench.source}: measured on {bench.ranks} ranks, the trace's "
+                     f"run has {size}: busbw ratios compare different world sizes")
+    if not bench.best:
+        found.append(f"--bench {bench.source}: no correct measured point to compare with")
+    return found
 
 
 def _with_bench(stats: CollectiveStats, curve: dict[int, tuple[float, str]]) -> CollectiveStats:
@@ -468,22 +466,25 @@ def _with_bench(stats: CollectiveStats, curve: dict[int, tuple[float, str]]) -> 
 # -- the summary ----------------------------------------------------------------------------------
 
 
-def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str] | None = None,
+def summarize(directory: str | os.PathLike[str], *, bench: BenchCurve | None = None,
               max_bytes: int = MAX_BYTES) -> Summary:
     """Summarize the rank files of ``directory`` (see the module docstring).
 
     Args:
         directory: the directory of ``mpistrat run --trace DIR``.
-        bench: an ``mpistrat bench --json`` result to compare the collectives' busbw with.
+        bench: an ``mpistrat bench --json`` result to compare the collectives' busbw with
+            (:func:`mpistrat.bench.files.read_busbw_curve`).
         max_bytes: the largest rank file read.
 
     Raises:
-        TraceError: the directory holds no readable rank file, or two files of one rank;
-            the bench file is not an ``mpistrat bench`` result.
+        TraceError: the directory holds no readable rank file, or two files of one rank.
     """
     run = read_directory(directory, max_bytes=max_bytes)
     warnings: list[str] = []
-    curve = _bench_curve(os.fspath(bench), run.size, warnings) if bench is not None else None
+    curve = None
+    if bench is not None:
+        warnings += _bench_warnings(bench, run.size)
+        curve = bench.best
     matches = _Matches()
     ranks = [_read(trace, matches, warnings) for trace in run.traces()]  # (one at a time)
     warnings[:0] = run.warnings()
@@ -529,4 +530,4 @@ def summarize(directory: str | os.PathLike[str], *, bench: str | os.PathLike[str
                    missing=run.missing, steps=common, left_out_steps=left_out,
                    per_step=rows, totals=totals, stragglers=matches.stragglers(set(common)),
                    collectives=collectives, clocks=clocks, warnings=warnings,
-                   bench=None if bench is None else os.fspath(bench))
+                   bench=None if bench is None else bench.source)

@@ -20,10 +20,10 @@ from _trace import inside, traced
 import mpistrat as ms
 from mpistrat import CollectiveMismatchError, trace
 from mpistrat.algorithms.hierarchical import PIPELINE_BYTES
+from mpistrat.runtime import recorder
 from mpistrat.runtime._commcache import comm_cache
 from mpistrat.runtime.agreement import DOORS
 from mpistrat.runtime.topology import get_topology
-from mpistrat.trace import recorder
 
 MPI = pytest.importorskip("mpi4py.MPI")
 

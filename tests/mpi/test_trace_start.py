@@ -10,7 +10,7 @@ import os
 import pytest
 
 from mpistrat import trace
-from mpistrat.trace import recorder
+from mpistrat.runtime import recorder
 
 
 def _load(path):

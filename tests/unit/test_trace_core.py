@@ -15,7 +15,8 @@ import time
 import pytest
 
 from mpistrat import trace
-from mpistrat.trace import classify, recorder
+from mpistrat.runtime import recorder
+from mpistrat.trace import classify
 from mpistrat.trace.writer import TraceWriter
 
 
@@ -141,7 +142,7 @@ def test_lower_sources_count_no_more_once_a_higher_one_marks_steps(rank_file):
 def test_killed_process_leaves_a_file_that_parses(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, time
-        from mpistrat.trace import recorder
+        from mpistrat.runtime import recorder
         from mpistrat.trace.writer import TraceWriter
         w = TraceWriter({str(tmp_path / 'rank-0.json')!r}, {{"distributedInfo": {{"rank": 0}}}},
                         0, 0, 0)

@@ -16,7 +16,7 @@ import threading
 import pytest
 from test_trace_files import MS, header
 
-from mpistrat.trace import recorder
+from mpistrat.runtime import recorder
 from mpistrat.trace.summary import summarize
 from mpistrat.trace.writer import TraceWriter
 

@@ -11,8 +11,7 @@ import pytest
 
 from mpistrat import elastic, trace
 from mpistrat.elastic import hooks
-from mpistrat.runtime import stall
-from mpistrat.trace import recorder
+from mpistrat.runtime import recorder, stall
 from mpistrat.trace.writer import TraceWriter
 
 

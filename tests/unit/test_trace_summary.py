@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from test_trace_files import MS, header, write_job
 
-from mpistrat.bench.files import write_json
+from mpistrat.bench.files import read_busbw_curve, write_json
 from mpistrat.bench.results import Point
 from mpistrat.cli import cli
 from mpistrat.trace import TraceError
@@ -179,27 +179,27 @@ def _bench(path, seconds_by_size, ranks=3):
 def test_bench_busbw_at_the_same_size_and_the_ratio(tmp_path):
     write_job(tmp_path / "t", size=3, steps=3, nbytes=1 << 20)
     _bench(tmp_path / "exact.json", {1 << 20: {"ring": 2e-3, "rechd": 1e-3}})
-    (stats,) = summarize(tmp_path / "t", bench=tmp_path / "exact.json").collectives
+    (stats,) = summarize(tmp_path / "t", bench=read_busbw_curve(tmp_path / "exact.json")).collectives
     best = (1 << 20) / 1e-3 / 1e9 * 4 / 3
     assert stats.bench_busbw_GBps == pytest.approx(best) and stats.bench_label == "rechd"
     assert stats.bench_how == "exact"
     assert stats.ratio == pytest.approx(stats.busbw_GBps / best)
     # between two measured sizes: interpolated on a log scale of size (halfway here)
     _bench(tmp_path / "between.json", {1 << 19: {"ring": 1e-3}, 1 << 21: {"ring": 2e-3}})
-    (stats,) = summarize(tmp_path / "t", bench=tmp_path / "between.json").collectives
+    (stats,) = summarize(tmp_path / "t", bench=read_busbw_curve(tmp_path / "between.json")).collectives
     low, high = (1 << 19) / 1e-3 / 1e9 * 4 / 3, (1 << 21) / 2e-3 / 1e9 * 4 / 3
     assert stats.bench_busbw_GBps == pytest.approx((low + high) / 2)
     assert stats.bench_how == "interpolated 524288..2097152 B"
     # outside what was measured: nothing to compare with
     _bench(tmp_path / "small.json", {64: {"ring": 1e-5}})
-    (stats,) = summarize(tmp_path / "t", bench=tmp_path / "small.json").collectives
+    (stats,) = summarize(tmp_path / "t", bench=read_busbw_curve(tmp_path / "small.json")).collectives
     assert stats.bench_busbw_GBps is None
 
 
 def test_a_bench_of_another_world_size_is_flagged(tmp_path):
     write_job(tmp_path / "t", size=2, steps=2)
     _bench(tmp_path / "b.json", {1 << 20: {"ring": 1e-3}}, ranks=4)
-    found = summarize(tmp_path / "t", bench=tmp_path / "b.json")
+    found = summarize(tmp_path / "t", bench=read_busbw_curve(tmp_path / "b.json"))
     assert any("measured on 4 ranks, the trace's run has 2" in w for w in found.warnings)
 
 
@@ -219,7 +219,7 @@ def test_a_bad_bench_file_is_a_clear_error(tmp_path, content, message):
         content = json.dumps(document)
     (tmp_path / "b.json").write_text(content)
     with pytest.raises(TraceError, match=message):
-        summarize(tmp_path / "t", bench=tmp_path / "b.json")
+        summarize(tmp_path / "t", bench=read_busbw_curve(tmp_path / "b.json"))
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_the_command_s_errors_are_clear(tmp_path):
 def test_the_mark_where_the_window_ends_is_not_a_step(tmp_path):
     # the recorder marks the step after its window with a zero-length span (for HTA):
     # not a step of the summary, and no warning about it
-    from mpistrat.trace import recorder
+    from mpistrat.runtime import recorder
 
     for rank in range(2):
         writer = TraceWriter(str(tmp_path / f"rank-{rank}.json"), header(rank, 2), rank, 0, 0)

@@ -11,7 +11,9 @@ Events are kept as tuples in a list and formatted by the writer thread
 (:mod:`mpistrat.trace.writer`), never here. Step boundaries (:func:`boundary`) end one
 ``ProfilerStep#N`` span and start the next, turn recording on and off for the step window,
 and hand the buffer to the writer. This module imports only the standard library, so that
-every layer of mpistrat (the MPI runtime included) can record without an import cycle.
+every layer of mpistrat (the MPI runtime included) can record without an import cycle;
+the rest of tracing (starting it over MPI, the writer, the readers) is
+:mod:`mpistrat.trace`, above the layers it records.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 from time import monotonic_ns
 from typing import Any
 
-__all__ = ["on", "begin", "end", "instant", "boundary", "Recorder", "current",
+__all__ = ["bus_factor", "on", "begin", "end", "instant", "boundary", "Recorder", "current",
            "STEP", "USER", "COLLECTIVE", "PHASE", "INPUT", "CHECKPOINT", "PS", "FAILURE",
            "FROM_STRATEGY", "FROM_INPUT", "FROM_SCRIPT"]
 
@@ -175,3 +177,20 @@ def install(recorder: Recorder | None) -> None:
     """Make ``recorder`` this process's (None: tracing off)."""
     _active[:] = [recorder] if recorder is not None else []
     _set_on(recorder is not None and recorder.in_window(recorder.step))
+
+
+# -- the collectives' bus bandwidth, as nccl-tests define it (the spans carry it)
+
+def bus_factor(collective: str, size: int) -> float:
+    """busbw / algbw for ``collective`` (Kineto's ``Collective name``: ``allreduce``,
+    ``all_gather``, ``reduce_scatter_tensor``, ...) over ``size`` ranks: 2(n-1)/n for
+    all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for the others,
+    0 on one rank."""
+    kind = collective.lower().replace("_", "").replace("-", "")
+    if size <= 1:
+        return 0.0
+    if "allreduce" in kind:
+        return 2 * (size - 1) / size
+    if any(k in kind for k in ("allgather", "reducescatter", "alltoall")):
+        return (size - 1) / size
+    return 1.0
