@@ -1,8 +1,8 @@
 """Each rank's clock against rank 0's, measured over MPI (Cristian's method).
 
 Rank 0 exchanges ping-pongs with every other rank in turn — :data:`ROUNDS`, and more (up
-to :data:`MAX_ROUNDS`) until one round trip is under :data:`GOOD_TRIP_NS`, since a busy
-core can delay any one of them by milliseconds; the round with the shortest round trip
+to :data:`MAX_ROUNDS`, for at most :data:`PATIENCE_NS` more) until one round trip is
+under :data:`GOOD_TRIP_NS`, since a busy core can delay any one of them by milliseconds; the round with the shortest round trip
 gives the offset (the peer's clock read at the midpoint of the round trip), uncertain by
 half that round trip. The ranks waiting for their turn poll idly (sleeping between polls),
 so that they leave the cores to the pair being measured. Every wait polls against a
@@ -22,6 +22,7 @@ __all__ = ["ROUNDS", "measure"]
 ROUNDS = 8
 MAX_ROUNDS = 64
 GOOD_TRIP_NS = 50_000
+PATIENCE_NS = 20_000_000  # per rank, past the first ROUNDS: a busy machine's trips stay long
 _TAG = 0x7ACE
 
 
@@ -56,10 +57,11 @@ def measure(comm: Any, seconds: float = 10.0) -> tuple[int, int] | None:
             if not _wait(comm.Isend(ping, dest=peer, tag=_TAG + 2), deadline):
                 return None
             best = (0, 1 << 62)
+            began = monotonic_ns()
             for round_ in range(MAX_ROUNDS):
                 # the ping says whether another round follows (0: this is the last)
-                ping[0] = 0 if round_ == MAX_ROUNDS - 1 or (
-                    round_ >= ROUNDS - 1 and best[1] < GOOD_TRIP_NS) else 1
+                ping[0] = 0 if round_ == MAX_ROUNDS - 1 or round_ >= ROUNDS - 1 and (
+                    best[1] < GOOD_TRIP_NS or monotonic_ns() - began > PATIENCE_NS) else 1
                 before = monotonic_ns()
                 send = comm.Isend(ping, dest=peer, tag=_TAG)
                 recv = comm.Irecv(stamp, source=peer, tag=_TAG)
