@@ -93,11 +93,11 @@ class Recorder:
         max_events: events kept per step; more are counted as dropped.
         sink: called with each full buffer (a list it then owns) and the step it ends
             at, from the thread that ends the step; the writer queues it.
-        flush_events: hand the buffer over at a boundary once it holds this many, or
-        flush_seconds: once this long has passed since the last hand-over (a chunk is
-            whole steps; a rank killed mid-run loses what it recorded since). Handing
-            over every step instead cost a 0.3 ms step 2.6x where 1.35x in batches: the
-            writer thread woke for the GIL at every step.
+        flush_events: hand the buffer over at a boundary once it holds this many events.
+        flush_seconds: or once this long has passed since the last hand-over (a chunk
+            is whole steps; a rank killed mid-run loses what it recorded since). Not at
+            every step: a writer thread woken for the GIL at every step slows a short
+            step far more than batches do.
     """
 
     def __init__(self, steps: tuple[int, int | None], max_events: int,
