@@ -58,6 +58,15 @@ def _same_everywhere(value):
     assert all(v == values[0] for v in values), values
 
 
+def _train(ddp, optimizer):
+    """STEPS traced training steps of ``ddp`` (each marked with ``trace.step()``)."""
+    for step in range(STEPS):
+        trace.step()
+        optimizer.zero_grad()
+        ddp(_data(step)).sum().backward()
+        optimizer.step()
+
+
 @pytest.mark.timeout(120)
 def test_torch_ddp_over_the_backend_records_one_cpu_op_per_collective(pg, root):
     size = MPI.COMM_WORLD.size
@@ -67,11 +76,7 @@ def test_torch_ddp_over_the_backend_records_one_cpu_op_per_collective(pg, root):
     params = sum(p.numel() for p in model.parameters())
 
     def calls():
-        for step in range(STEPS):
-            trace.step()
-            optimizer.zero_grad()
-            ddp(_data(step)).sum().backward()
-            optimizer.step()
+        _train(ddp, optimizer)
         flag = torch.ones(3, dtype=torch.float64)
         dist.all_reduce(flag)
         dist.broadcast(flag, 0)
@@ -121,11 +126,7 @@ def test_mpistrat_ddp_and_zero_record_buckets_and_steps(root):
     buckets = ddp.buckets
 
     def calls():
-        for step in range(STEPS):
-            trace.step()
-            optimizer.zero_grad()
-            ddp(_data(step)).sum().backward()
-            optimizer.step()
+        _train(ddp, optimizer)
 
     events = traced(root, MPI.COMM_WORLD, calls)
     reduced = sorted((e for e in events if e["name"] == "bucket all_reduce"),
