@@ -28,6 +28,8 @@ __all__ = [
     "CancelledError",
     "WorkerUnavailableError",
     "TraceError",
+    "UnsupportedError",
+    "OutOfRangeError",
 ]
 
 
@@ -153,3 +155,14 @@ class WorkerUnavailableError(MpistratError, RuntimeError):
 class TraceError(MpistratError, ValueError):
     """A trace cannot be started (a bad step window, a directory that cannot be
     written), or a trace file cannot be read (not a trace, damaged, another job's)."""
+
+
+class UnsupportedError(MpistratError, RuntimeError):
+    """A ``tf.distribute`` name that exists here so that code naming it imports and its
+    ``isinstance`` checks work, but that cannot work over MPI (TPUs, Google Cloud or
+    Kubernetes discovery, TF's gRPC calls); the message names what to use instead."""
+
+
+class OutOfRangeError(MpistratError, IndexError):
+    """``get_next()`` on a distributed iterator whose input has ended on every worker (TF's
+    ``tf.errors.OutOfRangeError``); ``next()`` raises ``StopIteration`` instead."""
