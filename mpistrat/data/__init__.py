@@ -16,6 +16,7 @@ from .distribute import (
     make_numpy_dataset,
 )
 from .input_context import InputContext
+from .iterator import DistributedIterator, Optional
 from .options import (
     AutoShardPolicy,
     AutoShardWarning,
@@ -40,6 +41,8 @@ __all__ = [
     "InputContext",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "Optional",
     "batch_sizes_for_worker",
     "make_numpy_dataset",
 ]

@@ -2,8 +2,8 @@
 replicas (``N = W * R``), as ``experimental_distribute_dataset`` and
 ``distribute_datasets_from_function`` give it.
 
-Iterating a :class:`DistributedDataset` or :class:`DistributedDatasetsFromFunction` yields
-one value per global step: a nest shaped like one element whose leaves are
+Iterating a :class:`DistributedDataset` or :class:`DistributedDatasetsFromFunction` gives a
+:class:`~.iterator.DistributedIterator`, which yields one value per global step: a nest shaped like one element whose leaves are
 ``wrap([replica 0's array, ..., replica R-1's array])``. Each ``iter()`` is a new epoch.
 
 Workers step in lock-step through ``agree_any(local_has_data) -> bool``, a collective
@@ -30,6 +30,7 @@ from ..runtime import recorder
 from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
 from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
 from .input_context import InputContext
+from .iterator import DistributedIterator
 from .options import AutoShardPolicy, AutoShardWarning, InputOptions, InputReplicationMode
 from .rebatch import (
     _count,
@@ -129,8 +130,29 @@ class _DistributedInput(abc.ABC):
     def _spec_template(self) -> Any:
         """An empty per-replica batch made from the element spec, or None if unknown."""
 
-    def __iter__(self) -> Iterator[Any]:
-        return self._positioned(self._iterate(next(self._epochs)))
+    def __iter__(self) -> DistributedIterator:
+        """A new epoch: a :class:`DistributedIterator` (``next``, ``get_next``,
+        ``get_next_as_optional``)."""
+        return DistributedIterator(self._positioned(self._iterate(next(self._epochs))),
+                                   lambda: self.element_spec)
+
+    @property
+    @abc.abstractmethod
+    def element_spec(self) -> Any:
+        """The spec of one replica's part of an element: a nest of ``ArraySpec`` with the
+        batch dimension None, or None when it is not known before the first element."""
+
+    def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        """``reduce_func(state, element)`` over one epoch's steps, from ``initial_state``
+        (TF's ``DistributedDataset.reduce``); ``element`` holds every local replica's part,
+        as in a loop over the dataset. Collective, like iterating."""
+        if not callable(reduce_func):
+            raise TypeError(f"reduce_func must be callable (state, element) -> state, got "
+                            f"{type(reduce_func).__name__}")
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
 
     def _positioned(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``, each handed out at a step boundary of an elastic job
@@ -426,6 +448,19 @@ class DistributedDatasetsFromFunction(_DistributedInput):
             empty = empty_like(present[0])
             yield [empty if element is end else element for element in group]
 
+    @property
+    def element_spec(self) -> Any:
+        """The spec of the per-replica batches ``dataset_fn`` made (batch dimension None:
+        a worker whose pipelines ended before the others' gets empty batches), or None
+        if unknown."""
+        for _, dataset in self._pipelines:
+            spec = dataset.element_spec
+            if spec is not None:
+                return map_structure(
+                    lambda s: ArraySpec((None, *s.shape[1:]) if s.shape else s.shape,
+                                        s.dtype), spec)
+        return None
+
     def _spec_template(self) -> Any:
         for _, dataset in self._pipelines:
             template = _template_from_spec(dataset.element_spec)
@@ -437,3 +472,7 @@ class DistributedDatasetsFromFunction(_DistributedInput):
         mode = self._options.experimental_replication_mode.name
         return (f"<DistributedDatasetsFromFunction worker {self._worker}/{self._workers} x "
                 f"{self._replicas} replicas, {mode}>")
+
+
+# TF's tf.distribute.DistributedDataset is the interface of both kinds of distributed input
+DistributedDataset.register(DistributedDatasetsFromFunction)
