@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CommunicationImplementation", "CollectiveCommunication", "CommunicationOptions"]
+__all__ = ["CommunicationImplementation", "CollectiveCommunication", "CommunicationOptions",
+           "CollectiveHints"]
 
 
 class CommunicationImplementation(enum.Enum):
@@ -67,3 +69,14 @@ class CommunicationOptions:
             )
         object.__setattr__(self, "implementation",
                            CommunicationImplementation.parse(self.implementation))
+
+
+def CollectiveHints(bytes_per_pack: int = 0,  # noqa: N802 (TF's name)
+                    timeout_seconds: float | None = None) -> CommunicationOptions:
+    """TF's ``tf.distribute.experimental.CollectiveHints``, deprecated there in favour of
+    :class:`CommunicationOptions`: returns ``CommunicationOptions(bytes_per_pack,
+    timeout_seconds)``, as TF's does, with a ``DeprecationWarning``."""
+    warnings.warn("CollectiveHints is deprecated (as in TF): use "
+                  "CommunicationOptions(bytes_per_pack=..., timeout_seconds=...)",
+                  DeprecationWarning, stacklevel=2)
+    return CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)

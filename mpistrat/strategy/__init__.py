@@ -15,6 +15,8 @@ from .context import (
 )
 from .mirrored import MirroredStrategy, MultiWorkerMirroredStrategy, OneDeviceStrategy
 from .replica import ReplicaContext, ValueContext
+from .run_options import RunOptions
+from .tpu import TPUStrategy
 from .variables import (
     DistributedVariable,
     MirroredVariable,
@@ -30,5 +32,5 @@ __all__ = [
     "get_replica_context", "get_cross_replica_context", "in_cross_replica_context",
     "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
     "DistributedVariable", "MirroredVariable", "SyncOnReadVariable",
-    "CentralStorageStrategy", "AggregatingVariable",
+    "CentralStorageStrategy", "AggregatingVariable", "RunOptions", "TPUStrategy",
 ]

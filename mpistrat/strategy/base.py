@@ -30,6 +30,7 @@ from ..values import DistributedValues, Mirrored, PerReplica, components_of, reg
 from . import context
 from .placement import HostPlacement, Placement
 from .replica import ReplicaContext, ValueContext, run_replicas
+from .run_options import RunOptions, check_run_options
 from .variables import DistributedVariable, MirroredVariable
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -290,7 +291,7 @@ class Strategy:
 
     # -- running
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-            kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
+            kwargs: dict[str, Any] | None = None, options: RunOptions | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` once per local replica, in a replica context.
 
         Each replica gets its component of every PerReplica/Mirrored argument
@@ -301,8 +302,12 @@ class Strategy:
         Traced (:mod:`mpistrat.trace`) as a span ``strategy.run`` holding one span per
         replica; each call is a step of the trace unless the input (a distributed
         dataset's batches) or the script marks the steps.
+
+        ``options`` is a :class:`RunOptions` or None; its fields are about TPU
+        compilation and change nothing here (see :mod:`.run_options`).
         """
         _require_cross_replica(self, "run")
+        check_run_options(options)
         if not callable(fn):
             raise TypeError(f"run() takes a function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
@@ -322,7 +327,8 @@ class Strategy:
                               "replicas": len(self._extended.worker_devices)})
 
     def experimental_run_v2(self, fn: Callable[..., Any], args: Sequence[Any] = (),
-                            kwargs: dict[str, Any] | None = None, options: Any = None) -> Any:
+                            kwargs: dict[str, Any] | None = None,
+                            options: RunOptions | None = None) -> Any:
         """Old name of :meth:`run`."""
         return self.run(fn, args, kwargs, options)
 
