@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..cross_device_ops import MultiWorkerAllReduce
-from ..strategy import MultiWorkerMirroredStrategy, experimental_set_strategy
+from ..strategy import MultiWorkerMirroredStrategy
+from ..strategy.context import set_launcher_strategy
 from ..strategy.mirrored import RING_SPEC
 from .options import RunOptions
 
@@ -41,8 +42,9 @@ def default_strategy(options: RunOptions) -> Any:
 
 
 def set_default_strategy(strategy: Any) -> None:
-    """Make ``strategy`` current for the whole process (None: the default strategy)."""
-    experimental_set_strategy(strategy)
+    """Make ``strategy`` current for the whole process (None: the default strategy); a
+    script's own strategy takes over inside its ``scope()``."""
+    set_launcher_strategy(strategy)
 
 
 def check_target(options: RunOptions, cwd: str | None = None) -> str | None:

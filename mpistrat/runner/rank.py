@@ -185,8 +185,8 @@ def _run_script(options: RunOptions, strategy_factory: Callable[[RunOptions], An
             set_strategy(strategy)
         if options.num_ps is not None:
             os.environ[NUM_PS_ENV] = str(options.num_ps)
-            if options.local_replicas is not None:  # (the workers' replicas)
-                os.environ[LOCAL_REPLICAS] = str(options.local_replicas)
+        if options.local_replicas is not None:  # (also for the script's own strategies)
+            os.environ[LOCAL_REPLICAS] = str(options.local_replicas)
         # a parameter-server job ends when the coordinator's script does: its workers and
         # ps serve until then, so they are released before the ranks end together (after
         # a failure with functions still running, the job's abort ends them)

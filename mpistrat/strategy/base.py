@@ -272,7 +272,8 @@ class Strategy:
             raise RuntimeError(f"Must not nest tf.distribute.Strategy scopes: the default "
                                f"strategy's scope cannot be entered inside "
                                f"{current.strategy!r}'s")
-        if current.strategy is not self and not getattr(current.strategy, "_is_default", False):
+        if current.strategy is not self and not getattr(current.strategy, "_is_default", False) \
+                and not current.yields:
             raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {self!r} is "
                                f"not {current.strategy!r}; leave the other strategy's scope "
                                f"first")

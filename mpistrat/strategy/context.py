@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["get_strategy", "has_strategy", "in_cross_replica_context", "get_replica_context",
-           "get_cross_replica_context", "experimental_set_strategy"]
+           "get_cross_replica_context", "experimental_set_strategy", "set_launcher_strategy"]
 
 
 @dataclass(frozen=True)
 class _Entry:
     strategy: Any
     replica_context: Any  # None: cross-replica context of ``strategy``
+    yields: bool = False  # set by the launcher: another strategy's scope() may open inside
 
 
 _local = threading.local()
@@ -112,6 +113,16 @@ def experimental_set_strategy(strategy: Any) -> None:
     _base.clear()
     if strategy is not None and not getattr(strategy, "_is_default", False):
         _base.append(_Entry(strategy, None))
+
+
+def set_launcher_strategy(strategy: Any) -> None:
+    """What ``mpistrat run`` does with the strategy it makes from its options: like
+    :func:`experimental_set_strategy`, except that a script which builds its own strategy
+    and enters its ``scope()`` (as TF scripts do) gets that one inside the scope instead of
+    TF's "mixing strategies" error, since the script never asked for the launcher's."""
+    experimental_set_strategy(strategy)
+    if _base:
+        _base[0] = _Entry(_base[0].strategy, None, yields=True)
 
 
 class _installed:

@@ -265,3 +265,23 @@ def test_distribute_policy_is_ignored_with_one_worker(two):
     dist = two.experimental_distribute_dataset(Dataset.range(4).batch(4).with_options(options))
     assert dist.auto_shard_policy is None
     assert [[p.tolist() for p in b.values] for b in dist] == [[[0, 1], [2, 3]]]
+
+
+def test_the_launchers_strategy_gives_way_to_a_scripts_own_scope_and_a_set_one_does_not():
+    from mpistrat.strategy.context import set_launcher_strategy
+
+    launcher, own = ms.OneDeviceStrategy("/cpu:0"), ms.OneDeviceStrategy("/cpu:0")
+    try:
+        set_launcher_strategy(launcher)
+        assert ms.get_strategy() is launcher
+        with own.scope():  # what `mpistrat run` gives a TF script that builds its own
+            assert ms.get_strategy() is own and ms.in_cross_replica_context()
+            assert own.run(lambda: ms.get_replica_context().num_replicas_in_sync) == 1
+        assert ms.get_strategy() is launcher
+        ms.experimental_set_strategy(launcher)  # the user's own call: TF's rule holds
+        with pytest.raises(RuntimeError, match="Mixing different"):
+            with own.scope():
+                pass
+    finally:
+        ms.experimental_set_strategy(None)
+    assert not ms.has_strategy()
