@@ -84,6 +84,8 @@ from .cluster import (  # noqa: E402
 from .data import (  # noqa: E402
     AutoShardPolicy,
     Dataset,
+    DistributedDataset,
+    DistributedIterator,
     InputContext,
     InputOptions,
     InputReplicationMode,
@@ -96,9 +98,11 @@ from .strategy import (  # noqa: E402
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ReplicaContext,
+    RunOptions,
     Strategy,
     StrategyExtended,
     SyncOnReadVariable,
+    TPUStrategy,
     ValueContext,
     Variable,
     VariableAggregation,
@@ -116,12 +120,13 @@ __all__ += [
     "TFConfigClusterResolver", "SlurmClusterResolver", "ClusterInfo", "resolve_cluster",
     "check_against_world", "should_checkpoint",
     "Dataset", "Options", "AutoShardPolicy", "InputOptions", "InputReplicationMode",
-    "InputContext",
+    "InputContext", "DistributedDataset", "DistributedIterator",
     "Strategy", "StrategyExtended", "MultiWorkerMirroredStrategy", "MirroredStrategy",
     "OneDeviceStrategy", "ReplicaContext", "ValueContext", "get_strategy", "has_strategy",
     "get_replica_context", "get_cross_replica_context", "in_cross_replica_context",
     "experimental_set_strategy", "Variable", "VariableSynchronization", "VariableAggregation",
-    "MirroredVariable", "SyncOnReadVariable", "CentralStorageStrategy",
+    "MirroredVariable", "SyncOnReadVariable", "CentralStorageStrategy", "RunOptions",
+    "TPUStrategy",
 ]
 
 from .checkpoint import (  # noqa: E402
@@ -172,6 +177,12 @@ _PS_NAMES = {
 }
 __all__ += list(_PS_NAMES)
 
+# tf.distribute's submodules: tfd.experimental.X, tfd.cluster_resolver.X (and, loaded on
+# first use, tfd.coordinator.X)
+from . import cluster_resolver, experimental  # noqa: E402
+
+__all__ += ["cluster_resolver", "experimental", "coordinator"]
+
 
 def __getattr__(name: str) -> object:
     if name in _PS_NAMES:
@@ -180,10 +191,10 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(_PS_NAMES[name]), name)
         globals()[name] = value
         return value
-    if name == "coordinator":  # tf.distribute.coordinator
+    if name == "coordinator":  # tf.distribute.coordinator (loads the parameter-server code)
         import importlib
 
-        module = importlib.import_module("mpistrat.ps.coordinator")
+        module = importlib.import_module("mpistrat.coordinator")
         globals()[name] = module
         return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

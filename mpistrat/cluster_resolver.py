@@ -1,0 +1,17 @@
+"""``tf.distribute.cluster_resolver`` under mpistrat: ``import mpistrat as tfd`` then
+``tfd.cluster_resolver.TFConfigClusterResolver()``, as in TF. The resolvers live in
+:mod:`mpistrat.cluster` (see docs/cluster_resolvers.md); ``MPIClusterResolver``, the
+default, is mpistrat's own."""
+
+from __future__ import annotations
+
+from .cluster import (
+    ClusterResolver,
+    MPIClusterResolver,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+)
+
+__all__ = ["ClusterResolver", "SimpleClusterResolver", "SlurmClusterResolver",
+           "TFConfigClusterResolver", "MPIClusterResolver"]
