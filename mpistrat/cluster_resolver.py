@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from .cluster import (
     ClusterResolver,
+    GCEClusterResolver,
+    KubernetesClusterResolver,
     MPIClusterResolver,
     SimpleClusterResolver,
     SlurmClusterResolver,
     TFConfigClusterResolver,
+    TPUClusterResolver,
+    UnionResolver,
 )
 
-__all__ = ["ClusterResolver", "SimpleClusterResolver", "SlurmClusterResolver",
-           "TFConfigClusterResolver", "MPIClusterResolver"]
+__all__ = ["ClusterResolver", "GCEClusterResolver", "KubernetesClusterResolver",
+           "SimpleClusterResolver", "SlurmClusterResolver", "TFConfigClusterResolver",
+           "TPUClusterResolver", "UnionResolver", "MPIClusterResolver"]

@@ -3,7 +3,11 @@
 * :class:`MPIClusterResolver` (the default): the workers are the ranks of a communicator;
 * :class:`TFConfigClusterResolver`: the cluster and task of ``TF_CONFIG``;
 * :class:`SlurmClusterResolver`: the tasks of a Slurm step, from ``SLURM_*``;
-* :class:`SimpleClusterResolver`: a cluster given in code.
+* :class:`SimpleClusterResolver`: a cluster given in code;
+* :class:`UnionResolver`: the union of other resolvers' clusters.
+
+TF's ``GCEClusterResolver``, ``KubernetesClusterResolver`` and ``TPUClusterResolver`` are
+named but raise ``UnsupportedError`` (they need services an MPI job does not have).
 
 :func:`resolve_cluster` turns any of them into this rank's :class:`ClusterInfo`,
 checked collectively against the MPI communicator. The TF rules on tasks and workers
@@ -33,6 +37,8 @@ from .resolve import (
 )
 from .slurm import SlurmClusterResolver, SlurmStep, read_slurm_step
 from .tfconfig import TF_CONFIG, TFConfig, TFConfigClusterResolver, parse_tf_config
+from .union import UnionResolver
+from .unsupported import GCEClusterResolver, KubernetesClusterResolver, TPUClusterResolver
 
 __all__ = [
     "ClusterSpec", "normalize_cluster_spec", "format_master_url",
@@ -41,7 +47,8 @@ __all__ = [
     "ClusterResolver", "SimpleClusterResolver", "MPIClusterResolver",
     "TFConfigClusterResolver", "TF_CONFIG", "TFConfig", "parse_tf_config",
     "SlurmClusterResolver", "SlurmStep", "read_slurm_step", "expand_hostlist",
-    "expand_tasks_per_node",
+    "expand_tasks_per_node", "UnionResolver", "GCEClusterResolver", "KubernetesClusterResolver",
+    "TPUClusterResolver",
     "ClusterInfo", "match_world", "check_against_world", "resolve_cluster",
     "should_checkpoint",
 ]
