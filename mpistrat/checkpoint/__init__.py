@@ -6,7 +6,8 @@ atomically, and restored identically on every rank.
 * :class:`CheckpointManager`, :func:`latest_checkpoint` — numbered checkpoints in a
   directory, the newest complete save found on restart;
 * :class:`PreemptionCheckpointHandler` — save and stop together when Slurm (or anyone)
-  signals that the job must end.
+  signals that the job must end (mpistrat's form and TF's, with :class:`TerminationConfig`);
+  :class:`PreemptionWatcher` only notes the notice.
 
 On disk a checkpoint ``PATH`` is ``PATH.json`` (a manifest, the commit record) and
 ``PATH.<sha256[:16]>.npz`` (NumPy arrays, named for their SHA-256, which the manifest
@@ -20,8 +21,14 @@ from __future__ import annotations
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
 from .checkpoint import Checkpoint, Scalar
 from .manager import CheckpointManager, latest_checkpoint
-from .preemption import PREEMPTION_EXIT_STATUS, PreemptionCheckpointHandler
+from .preemption import (
+    PREEMPTION_EXIT_STATUS,
+    PreemptionCheckpointHandler,
+    PreemptionWatcher,
+    TerminationConfig,
+)
 
 __all__ = ["Checkpoint", "Scalar", "CheckpointManager", "latest_checkpoint",
-           "PreemptionCheckpointHandler", "PREEMPTION_EXIT_STATUS",
+           "PreemptionCheckpointHandler", "PREEMPTION_EXIT_STATUS", "TerminationConfig",
+           "PreemptionWatcher",
            "CheckpointNotFoundError", "CheckpointCorruptError"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checkpoint import PreemptionCheckpointHandler
+from ..checkpoint import PreemptionCheckpointHandler, PreemptionWatcher, TerminationConfig
 from ..communication import (
     CollectiveCommunication,
     CollectiveHints,
@@ -28,7 +28,8 @@ from . import partitioners, rpc
 __all__ = [
     "CentralStorageStrategy", "CollectiveCommunication", "CollectiveHints",
     "CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy",
-    "ParameterServerStrategy", "PreemptionCheckpointHandler", "TPUStrategy", "ValueContext",
+    "ParameterServerStrategy", "PreemptionCheckpointHandler", "PreemptionWatcher", "TPUStrategy",
+    "TerminationConfig", "ValueContext",
     "coordinator", "partitioners", "rpc",
 ]
 
