@@ -6,9 +6,7 @@ restores on every rank together with ``total_run_calls``."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 
 import numpy as np
 import pytest
@@ -16,15 +14,6 @@ import pytest
 from mpistrat.checkpoint import Checkpoint, PreemptionCheckpointHandler, Scalar, TerminationConfig
 
 MPI = pytest.importorskip("mpi4py.MPI")
-
-
-@pytest.fixture
-def shared_dir(world):
-    path = world.bcast(tempfile.mkdtemp(prefix="mpistrat-preempt-") if world.rank == 0 else None)
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _train(world, directory, config, notify_at):
@@ -53,29 +42,29 @@ def notify():
     os.kill(os.getpid(), signal.SIGUSR1)
 
 
-def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(world, shared_dir):
-    exits, handler = _train(world, shared_dir, TerminationConfig(), notify_at=4)
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(world, root):
+    exits, handler = _train(world, root, TerminationConfig(), notify_at=4)
     everyone = world.allgather((exits, handler.saved_path, handler.total_run_calls))
     assert len({repr(e) for e in everyone}) == 1, everyone
     saved_at = exits[0]
     assert 4 <= saved_at <= 5  # (the notice may reach the flag one step late)
-    assert handler.saved_path == os.path.join(shared_dir, f"ckpt-{saved_at}")
+    assert handler.saved_path == os.path.join(root, f"ckpt-{saved_at}")
     weights, step = np.zeros(2), Scalar(0)
     resumed = PreemptionCheckpointHandler(None, Checkpoint(comm=world, weights=weights, step=step),
-                                          shared_dir)
+                                          root)
     resumed.close()
     assert resumed.total_run_calls == saved_at == step.value
     assert weights.tolist() == [saved_at * world.size] * 2
 
 
-def test_a_termination_watcher_on_one_rank_stops_every_rank(world, shared_dir):
+def test_a_termination_watcher_on_one_rank_stops_every_rank(world, root):
     calls = []
 
     def watcher():
         calls.append(1)
         return world.rank == 0 and len(calls) > 3
 
-    exits, handler = _train(world, shared_dir, TerminationConfig(termination_watcher_fn=watcher),
+    exits, handler = _train(world, root, TerminationConfig(termination_watcher_fn=watcher),
                             notify_at=-1)
     assert world.allgather(exits) == [[3]] * world.size
-    assert handler.saved_path == os.path.join(shared_dir, "ckpt-3")
+    assert handler.saved_path == os.path.join(root, "ckpt-3")
