@@ -30,6 +30,9 @@ class UnionResolver(ClusterResolver):
     Raises:
         ValueError: no resolver, or an unknown keyword argument.
         TypeError: an argument that is not a ClusterResolver.
+
+    :meth:`cluster_spec` raises ``KeyError`` (TF's error) for a task index that two
+    resolvers both give, naming the task, both addresses and both resolvers.
     """
 
     def __init__(self, *resolvers: ClusterResolver, **kwargs: Any) -> None:
@@ -59,8 +62,24 @@ class UnionResolver(ClusterResolver):
         return self._resolvers
 
     def cluster_spec(self) -> ClusterSpec:
-        """Every resolver's jobs merged (see the class)."""
-        specs = [(type(r).__name__, r.cluster_spec().as_dict()) for r in self._resolvers]
+        """Every resolver's jobs merged (see the class); asks each resolver every time.
+
+        Raises:
+            KeyError: two resolvers give the same task index of a job.
+        """
+        specs: list[tuple[str, dict[str, Any]]] = []
+        failure: Exception | None = None
+        for i, resolver in enumerate(self._resolvers):
+            # Every resolver is asked even after one failed: one may be collective (the
+            # MPIClusterResolver's first cluster_spec), and a rank that skipped it because
+            # an earlier resolver failed there would leave the other ranks waiting in it.
+            try:
+                specs.append((f"resolver {i} ({type(resolver).__name__})",
+                              resolver.cluster_spec().as_dict()))
+            except Exception as exc:  # re-raised below, once every resolver was asked
+                failure = exc if failure is None else failure
+        if failure is not None:
+            raise failure
         dense = {job for _, spec in specs for job in spec}
         dense -= {job for _, spec in specs for job, tasks in spec.items()
                   if isinstance(tasks, dict)}
@@ -75,9 +94,11 @@ class UnionResolver(ClusterResolver):
                 items = tasks.items() if isinstance(tasks, dict) else enumerate(tasks)
                 for index, address in items:
                     if index in target:
-                        raise ValueError(
-                            f"UnionResolver: task {job}:{index} is given twice, by "
-                            f"{owner[job, index]} ({target[index]}) and by {name} ({address}); "
+                        # KeyError, as TF's UnionResolver raises for a task given twice
+                        raise KeyError(
+                            f"UnionResolver: task {job}:{index} is given twice, as "
+                            f"{target[index]} by {owner[job, index]} and as {address} by "
+                            f"{name}; "
                             f"give each task of a job with sparse indices once, or list the "
                             f"job's tasks as plain lists so they are numbered one after another"
                         )

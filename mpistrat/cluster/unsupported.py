@@ -49,13 +49,22 @@ class KubernetesClusterResolver(_Unsupported):
 
 
 class TPUClusterResolver(_Unsupported):
-    """TF's resolver of Cloud TPUs. Raises :class:`~mpistrat.errors.UnsupportedError`:
-    there are no TPUs over MPI."""
+    """TF's resolver of Cloud TPUs. Raises :class:`~mpistrat.errors.UnsupportedError`,
+    and so does :meth:`connect`: there are no TPUs over MPI."""
 
     def __init__(self, tpu: Any = None, zone: Any = None, project: Any = None,
                  job_name: str = "worker", coordinator_name: Any = None,
                  coordinator_address: Any = None, credentials: str = "default",
                  service: Any = None, discovery_url: Any = None) -> None:
-        _refuse("TPUClusterResolver", "finds Cloud TPUs through Google Cloud's API (there "
-                "are no TPUs over MPI)",
-                f"GPUs or CPU replicas with MultiWorkerMirroredStrategy and {_DEFAULT}")
+        _refuse_tpu("TPUClusterResolver")
+
+    @staticmethod
+    def connect(tpu: Any = None, zone: Any = None, project: Any = None) -> NoReturn:
+        """TF's ``TPUClusterResolver.connect()`` (find the TPUs and initialise them):
+        raises :class:`~mpistrat.errors.UnsupportedError`, as the constructor does."""
+        _refuse_tpu("TPUClusterResolver.connect()")
+
+
+def _refuse_tpu(name: str) -> NoReturn:
+    _refuse(name, "finds Cloud TPUs through Google Cloud's API (there are no TPUs over MPI)",
+            f"GPUs or CPU replicas with MultiWorkerMirroredStrategy and {_DEFAULT}")
