@@ -30,6 +30,7 @@ __all__ = [
     "TraceError",
     "UnsupportedError",
     "OutOfRangeError",
+    "DuplicateTaskError",
 ]
 
 
@@ -166,3 +167,12 @@ class UnsupportedError(MpistratError, RuntimeError):
 class OutOfRangeError(MpistratError, IndexError):
     """``get_next()`` on a distributed iterator whose input has ended on every worker (TF's
     ``tf.errors.OutOfRangeError``); ``next()`` raises ``StopIteration`` instead."""
+
+
+class DuplicateTaskError(MpistratError, KeyError, ValueError):
+    """A cluster in which one task of a job is given twice (``UnionResolver`` merging two
+    resolvers that both name it). A ``KeyError`` as in TF, and a ``ValueError`` as every
+    bad input here."""
+
+    def __str__(self) -> str:  # (KeyError's own would quote the message)
+        return str(self.args[0]) if self.args else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import DuplicateTaskError
 from .base import ClusterResolver, coerce_task_id
 from .cluster_spec import ClusterSpec, format_master_url
 
@@ -31,7 +32,8 @@ class UnionResolver(ClusterResolver):
         ValueError: no resolver, or an unknown keyword argument.
         TypeError: an argument that is not a ClusterResolver.
 
-    :meth:`cluster_spec` raises ``KeyError`` (TF's error) for a task index that two
+    :meth:`cluster_spec` raises :class:`~mpistrat.errors.DuplicateTaskError` (a ``KeyError``,
+    TF's error, and a ``ValueError``) for a task index that two
     resolvers both give, naming the task, both addresses and both resolvers.
     """
 
@@ -65,7 +67,8 @@ class UnionResolver(ClusterResolver):
         """Every resolver's jobs merged (see the class); asks each resolver every time.
 
         Raises:
-            KeyError: two resolvers give the same task index of a job.
+            DuplicateTaskError: (a ``KeyError`` and a ``ValueError``) two resolvers give the
+                same task index of a job.
         """
         specs: list[tuple[str, dict[str, Any]]] = []
         failure: Exception | None = None
@@ -94,8 +97,8 @@ class UnionResolver(ClusterResolver):
                 items = tasks.items() if isinstance(tasks, dict) else enumerate(tasks)
                 for index, address in items:
                     if index in target:
-                        # KeyError, as TF's UnionResolver raises for a task given twice
-                        raise KeyError(
+                        # a KeyError, as TF's UnionResolver raises for a task given twice
+                        raise DuplicateTaskError(
                             f"UnionResolver: task {job}:{index} is given twice, as "
                             f"{target[index]} by {owner[job, index]} and as {address} by "
                             f"{name}; "

@@ -64,8 +64,10 @@ def test_a_task_given_twice_is_tfs_key_error_naming_the_task_addresses_and_resol
                           simple({"worker": {1: "c:1"}}))
     with pytest.raises(KeyError, match=r"task worker:1 is given twice, as b:1 by resolver 0 "
                                        r"\(SimpleClusterResolver\) and as c:1 by resolver 2 "
-                                       r"\(SimpleClusterResolver\); give each task"):
+                                       r"\(SimpleClusterResolver\); give each task") as info:
         union.cluster_spec()
+    assert isinstance(info.value, ValueError)  # (and a KeyError, as TF's)
+    assert str(info.value).startswith("UnionResolver: task")  # (not quoted as KeyError's)
     # the same under resolve_cluster (checked collectively, so every rank raises it)
     MPI = pytest.importorskip("mpi4py.MPI")
     first = simple({"worker": ["a:1", "b:1"]}, task_type="worker", task_id=0)
