@@ -3,8 +3,9 @@ replicas (``N = W * R``), as ``experimental_distribute_dataset`` and
 ``distribute_datasets_from_function`` give it.
 
 Iterating a :class:`DistributedDataset` or :class:`DistributedDatasetsFromFunction` gives a
-:class:`~.iterator.DistributedIterator`, which yields one value per global step: a nest shaped like one element whose leaves are
-``wrap([replica 0's array, ..., replica R-1's array])``. Each ``iter()`` is a new epoch.
+:class:`~.iterator.DistributedIterator`, which yields one value per global step: a nest
+shaped like one element whose leaves are ``wrap([replica 0's array, ..., replica R-1's
+array])``. Each ``iter()`` is a new epoch.
 
 Workers step in lock-step through ``agree_any(local_has_data) -> bool``, a collective
 "does any worker still have data", called exactly once per step on every worker and once
@@ -71,6 +72,15 @@ def _as_dataset(value: Any, what: str) -> Dataset:
             f"Dataset.from_tensor_slices(arrays).batch(global_batch_size)"
         )
     return _Iterable(value)
+
+
+def _any_batch_size(spec: Any) -> Any:
+    """``spec`` (a nest of ``ArraySpec``, or None) with the batch dimension None: what a
+    replica receives, whose batches may be smaller or empty at the end."""
+    if spec is None:
+        return None
+    return map_structure(
+        lambda s: ArraySpec((None, *s.shape[1:]) if s.shape else s.shape, s.dtype), spec)
 
 
 def _template_from_spec(spec: Any) -> Any:
@@ -337,9 +347,7 @@ class DistributedDataset(_DistributedInput):
     def element_spec(self) -> Any:
         """The per-replica element spec (batch dimension None), or None if unknown."""
         spec = self._dataset.element_spec
-        if spec is None or self._mode == "pass":
-            return spec
-        return map_structure(lambda s: ArraySpec((None, *s.shape[1:]), s.dtype), spec)
+        return spec if self._mode == "pass" else _any_batch_size(spec)
 
     def __len__(self) -> int:
         """The number of global steps, when it is known in advance."""
@@ -453,13 +461,8 @@ class DistributedDatasetsFromFunction(_DistributedInput):
         """The spec of the per-replica batches ``dataset_fn`` made (batch dimension None:
         a worker whose pipelines ended before the others' gets empty batches), or None
         if unknown."""
-        for _, dataset in self._pipelines:
-            spec = dataset.element_spec
-            if spec is not None:
-                return map_structure(
-                    lambda s: ArraySpec((None, *s.shape[1:]) if s.shape else s.shape,
-                                        s.dtype), spec)
-        return None
+        specs = (dataset.element_spec for _, dataset in self._pipelines)
+        return _any_batch_size(next((spec for spec in specs if spec is not None), None))
 
     def _spec_template(self) -> Any:
         for _, dataset in self._pipelines:
