@@ -167,10 +167,14 @@ class CheckpointManager:
             if not due:
                 return
         before, after = _SNAPSHOT_HOOKS[0] if _SNAPSHOT_HOOKS else (None, None)
-        if before is not None:
+        waited = 0.0
+        if before is not None:  # (a parameter-server job's drain of its workers)
+            started = time.perf_counter()
             before()
+            waited = time.perf_counter() - started
         store = self._store()
         store.take(position, self._boundaries)
+        store.last_cost += waited  # (what auto weighs: the workers idled meanwhile)
         self._last_snapshot = time.perf_counter()
         if after is not None:
             after(store)
