@@ -460,6 +460,24 @@ def all_reduce(
     return _unplanned(comm, door, key, value, op, spec, check, inplace, out, ranks_per_node)
 
 
+def plan_of(value: np.ndarray, op: Any, spec: Any, comm: Comm, *, inplace: bool = False,
+            check: bool = True) -> Callable[..., Any] | None:
+    """The plan an earlier :func:`all_reduce` of a NumPy array shaped like ``value``, with
+    these arguments, made (small calls get one), or None.
+
+    ``plan(array)`` makes that call again for ``array`` (the same shape and dtype,
+    writeable when ``inplace``) — its agreement included — and returns the result, or
+    returns None without communicating when the plan no longer applies (the node grouping
+    it agreed on changed): then call :func:`all_reduce`. For a caller that repeats one
+    call (the torch backend's ``dist.all_reduce``): it skips this module's lookup of the
+    plan on every call. The plan records no trace span of its own: call
+    :func:`all_reduce` while :mod:`mpistrat.trace` records."""
+    try:
+        return _door(comm).plans.get((value.shape, value.dtype, op, spec, inplace, check))
+    except TypeError:  # an unhashable spec (a list): never planned
+        return None
+
+
 def _traced(value: Any, op: Any, spec: Any, comm: Comm | None, check: bool, inplace: bool,
             out: Any, ranks_per_node: int | None) -> Any:
     """:func:`all_reduce` while tracing: the call, recorded as one span ``all_reduce``

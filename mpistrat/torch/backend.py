@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..allreduce import all_reduce
+from ..allreduce import all_reduce, plan_of
 from ..runtime import recorder
 from ..runtime._mpi import Comm, mpi, world
 from ..runtime.agreement import DOORS, agree, close_door, note_algorithm, open_door
@@ -129,7 +129,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._device_spec: Any = None
         # the last fast all_reduce: (tensor, op, data_ptr, shape, its NumPy view, the
         # engine's op, its work), so that a call on the same tensor skips their making
-        self._last: tuple = (None,) * 7
+        self._last: tuple = (None,) * 8
 
     # --- identity -----------------------------------------------------------------------
 
@@ -290,9 +290,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
             if tensor is hit[0] and red == hit[1] and opts.timeout == _UNSET_TIMEOUT \
                     and tensor.data_ptr() == hit[2] and tensor.shape == hit[3]:
                 # the same tensor as the last call, its storage and shape unchanged: its
-                # NumPy view, op and finished work are still good (a work's result is
-                # the tensor itself, whichever call finished it)
-                all_reduce(hit[4], hit[5], self._spec, self._comm, inplace=True)
+                # NumPy view, op, plan (a small call's) and finished work are still good
+                # (a work's result is the tensor itself, whichever call finished it)
+                plan = hit[7]
+                if plan is None or recorder.on or plan(hit[4]) is None:
+                    all_reduce(hit[4], hit[5], self._spec, self._comm, inplace=True)
                 return hit[6]
             if red == _SUM_OP:  # (a pybind enum hashes slowly: SUM is tested first)
                 op = "sum" if tensor.dtype in _SUMMABLE else None
@@ -305,7 +307,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 # (kept as its RedOpType: a ReduceOp compares with one 6x faster than
                 # with another ReduceOp)
                 self._last = (tensor, red.op, tensor.data_ptr(), tensor.shape, array, op,
-                              done)
+                              done, plan_of(array, op, self._spec, self._comm, inplace=True))
                 return done
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, opts)

@@ -846,6 +846,23 @@ def test_all_reduce_against_broadcast_raises_on_every_rank(pg):
               "op=SUM", "broadcast root=0")
 
 
+@pytest.mark.parametrize("other", ["shape", "op", "broadcast"])
+def test_a_repeated_call_on_its_cached_plan_still_agrees(pg, other):
+    """A tensor all-reduced again and again takes the backend's cached plan (its third
+    call on rank 0 here): a different call on the other ranks still raises on every
+    rank."""
+    _needs_a_peer()
+    t = torch.ones(5)
+    for _ in range(2):  # (the first call makes the plan, the second finds it)
+        dist.all_reduce(t)
+    elsewhere = {"shape": lambda: dist.all_reduce(torch.ones(6)),
+                 "op": lambda: dist.all_reduce(t, op=R.MAX),
+                 "broadcast": lambda: dist.broadcast(torch.ones(5), src=0)}[other]
+    names = {"shape": ("shape=(5,)", "shape=(6,)"), "op": ("op=SUM", "op=MAX"),
+             "broadcast": ("op=SUM", "broadcast root=0")}[other]
+    _mismatch(lambda: dist.all_reduce(t), elsewhere, *names)
+
+
 def test_broadcasts_from_different_roots_raise_on_every_rank(pg):
     _needs_a_peer()
     _mismatch(lambda: dist.broadcast(torch.ones(3), src=0),
