@@ -19,7 +19,8 @@ Variants, each on its own copy of the same model with SGD (momentum 0.9):
   ``torch.distributed`` (:mod:`mpistrat.torch.backend`): a group made by
   ``dist.new_group(backend="mpistrat")`` beside gloo's default group, given to DDP as
   ``process_group=`` (torch's buckets, hooks and overlap; each bucket's all-reduce through
-  mpistrat's engine);
+  mpistrat's engine); ``torch-ddp-mpistrat@SPEC`` the same over a group made with
+  ``MPISTRAT_TORCH_SPEC=SPEC`` (e.g. ``@native``, the MPI library's own all-reduce);
 * ``mpistrat``: :class:`mpistrat.torch.DistributedDataParallel` (``--spec``, default its
   own choice; one variant per ``--bucket-bytes`` size); ``mpistrat-hooks`` the same with
   every gradient through its hook, also where the model would take the fused pass at
@@ -146,18 +147,28 @@ def _gloo_group(comm: Any) -> None:
                             rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
-_MPISTRAT_GROUP: list[Any] = []
+_MPISTRAT_GROUP: dict[str | None, Any] = {}
 
 
-def _mpistrat_group(comm: Any) -> Any:
+def _mpistrat_group(comm: Any, spec: str | None = None) -> Any:
     """A group of the ``"mpistrat"`` backend (registered by ``import mpistrat.torch``) over
-    every rank of gloo's default group, which it joins first (made once, collectively)."""
+    every rank of gloo's default group, which it joins first (made once per ``spec``,
+    collectively; ``spec``: the group's ``MPISTRAT_TORCH_SPEC``, None: the environment's)."""
     import torch.distributed as dist
 
-    if not _MPISTRAT_GROUP:
+    if spec not in _MPISTRAT_GROUP:
         _gloo_group(comm)
-        _MPISTRAT_GROUP.append(dist.new_group(backend=mt.BACKEND_NAME))
-    return _MPISTRAT_GROUP[0]
+        before = os.environ.get("MPISTRAT_TORCH_SPEC")
+        if spec is not None:
+            os.environ["MPISTRAT_TORCH_SPEC"] = spec
+        try:
+            _MPISTRAT_GROUP[spec] = dist.new_group(backend=mt.BACKEND_NAME)
+        finally:
+            if before is None:
+                os.environ.pop("MPISTRAT_TORCH_SPEC", None)
+            else:
+                os.environ["MPISTRAT_TORCH_SPEC"] = before
+    return _MPISTRAT_GROUP[spec]
 
 
 class Variant:
@@ -171,9 +182,10 @@ class Variant:
         if name == "ddp":
             _gloo_group(comm)
             model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        elif name == "torch-ddp-mpistrat":
+        elif name.split("@")[0] == "torch-ddp-mpistrat":
+            spec = name.split("@", 1)[1] if "@" in name else None
             model = nn.parallel.DistributedDataParallel(
-                model, broadcast_buffers=False, process_group=_mpistrat_group(comm))
+                model, broadcast_buffers=False, process_group=_mpistrat_group(comm, spec))
         elif name.startswith("mpistrat"):
             fused = mt.FUSED_BYTES
             if name.startswith("mpistrat-hooks"):  # every model through the hooks
