@@ -745,11 +745,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
         if not 0 <= dstRank < self._size:
             raise ValueError(f"send: destination {dstRank} is not a rank of the group "
                              f"(0 to {self._size - 1})")
+        t = recorder.begin()
         source = Staged(tensor).work
         data = byte_view(source)
         request = self._p2p.Isend(data, dest=dstRank, tag=tag)
+        traced = self._posted(t, "send", tensor, dstRank, tag) if t else None
         return Work(tensors, request, buffer=data,
-                     what=f"send to rank {dstRank} (tag {tag})", timeout=self._timeout)
+                     what=f"send to rank {dstRank} (tag {tag})", timeout=self._timeout,
+                     traced=traced)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803
         if not 0 <= srcRank < self._size:
@@ -761,12 +764,30 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return self._receive(tensors, mpi().ANY_SOURCE, tag)
 
     def _receive(self, tensors: list[torch.Tensor], source: int, tag: int) -> Work:
+        t = recorder.begin()
         staged = Staged(tensors[0], read=False)
         request = self._p2p.Irecv(byte_view(staged.work), source=source, tag=tag)
         peer = f"rank {source}" if source >= 0 else "any rank"
+        traced = self._posted(t, "recv", tensors[0], source, tag) if t else None
         return Work(tensors, request, finish=staged.done,
                      source=source if source >= 0 else -1,
-                     what=f"recv from {peer} (tag {tag})", timeout=self._timeout)
+                     what=f"recv from {peer} (tag {tag})", timeout=self._timeout,
+                     traced=traced)
+
+    def _posted(self, start: int, what: str, tensor: torch.Tensor, peer: int,
+                tag: int) -> dict[str, Any]:
+        """Record a send or receive posted at ``start`` (the span ``torch.distributed.send``
+        or ``recv``, a ``cpu_op`` with Kineto's args, ``peer`` -1 for any rank); returns
+        the args, which its work's ``wait()`` records again when it has to wait."""
+        nelems = tensor.numel()
+        args = {"Collective name": what, "dtype": str(tensor.dtype).removeprefix("torch."),
+                "In msg nelems": nelems if what == "send" else 0,
+                "Out msg nelems": nelems if what == "recv" else 0,
+                "Group size": self._size, "bytes": nelems * tensor.element_size(),
+                "peer": peer if peer >= 0 else -1, "tag": tag,
+                "Process Group Name": self._name, "Process Group Description": self._desc}
+        recorder.end(start, f"torch.distributed.{what}", recorder.COLLECTIVE, args)
+        return args
 
 
 def _flat_tensors(items: Any) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveTimeoutError
+from ..runtime import recorder
 from ..runtime._mpi import mpi
 
 __all__ = ["Work", "Done", "timeout_seconds", "DEFAULT_TIMEOUT"]
@@ -21,11 +22,13 @@ __all__ = ["Work", "Done", "timeout_seconds", "DEFAULT_TIMEOUT"]
 
 class Work(dist._Work):
     """The work of a send or a receive: an MPI request that ``wait()``,
-    ``is_completed()`` or a waiter on ``get_future()`` completes."""
+    ``is_completed()`` or a waiter on ``get_future()`` completes. Posted while tracing
+    (``traced``: the post's span args), a ``wait()`` that finds it incomplete is recorded
+    as the span ``torch.distributed.send wait`` (or ``recv wait``)."""
 
     def __init__(self, result: Any, request: Any, *, finish: Callable[[], None] | None = None,
                  buffer: Any = None, source: int = -1, what: str = "",
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, traced: dict[str, Any] | None = None) -> None:
         super().__init__()
         self._result = result
         self._request = request  # None once complete
@@ -34,6 +37,7 @@ class Work(dist._Work):
         self._source = source
         self._what = what  # "recv from rank 1 (tag 0)", for the timeout's message
         self._timeout = timeout  # the group's, for a wait() without one
+        self._traced = traced
         self._lock = threading.Lock()
         # made on the first get_future() (a plain send or receive never asks)
         self._future: torch.futures.Future | None = None
@@ -41,9 +45,15 @@ class Work(dist._Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if self._request is None:
             return True
+        t = recorder.begin() if self._traced is not None else 0
         with self._lock:  # (the caller and a future's thread may both wait)
             if self._request is not None:
                 self._wait(timeout)
+        if t:
+            args = self._traced
+            assert args is not None  # (t only when traced)
+            recorder.end(t, f"torch.distributed.{args['Collective name']} wait",
+                         recorder.COLLECTIVE, {**args, "peer": self._source})
         return True
 
     def _wait(self, timeout: datetime.timedelta | None) -> None:

@@ -151,3 +151,60 @@ def test_mpistrat_ddp_and_zero_record_buckets_and_steps(root):
         (agreement,) = _within(events, barrier, "agreement")
         assert agreement["args"]["seq"] == barrier["args"]["seq"]
     _same_everywhere([(op["name"], op["args"]["seq"]) for op in reduced])
+
+
+@pytest.mark.timeout(120)
+def test_sends_and_receives_record_their_post_and_the_wait(pg, root):
+    """A ring of ``dist.send``/``dist.recv`` (blocking: each waits) and of
+    ``isend``/``irecv`` with a late ``wait()``: every post is a ``cpu_op``
+    ``torch.distributed.send``/``recv`` with Kineto's args, the peer and the tag; every
+    wait that had to wait is ``... wait``, naming the peer (the actual sender for a
+    receive from any rank)."""
+    world = MPI.COMM_WORLD
+    size, rank = world.size, world.rank
+    if size < 2:
+        pytest.skip("a send needs a peer")
+    right, left = (rank + 1) % size, (rank - 1) % size
+    got = torch.zeros(5, dtype=torch.float64)
+
+    def calls():
+        trace.step()
+        if rank % 2 == 0:  # (even ranks send first: no deadlock at any size)
+            dist.send(torch.full((5,), float(rank), dtype=torch.float64), right, tag=7)
+            dist.recv(got, left, tag=7)
+        else:
+            dist.recv(got, left, tag=7)
+            dist.send(torch.full((5,), float(rank), dtype=torch.float64), right, tag=7)
+        world.Barrier()
+        request = dist.irecv(got, tag=9)  # from any rank
+        if rank == 0:
+            world.Barrier()  # (the receive is posted everywhere before the sends)
+        sent = dist.isend(torch.full((5,), 1.0, dtype=torch.float64), right, tag=9)
+        if rank != 0:
+            world.Barrier()
+        request.wait()
+        sent.wait()
+
+    events = traced(root, world, calls)
+    ops = sorted((e for e in events if e["name"].startswith(("torch.distributed.send",
+                                                             "torch.distributed.recv"))),
+                 key=lambda e: e["ts"])
+    posts = [(e["name"], e["args"]["peer"], e["args"]["tag"]) for e in ops
+             if not e["name"].endswith(" wait")]
+    first = [("torch.distributed.send", right, 7), ("torch.distributed.recv", left, 7)]
+    assert posts[:2] == (first if rank % 2 == 0 else first[::-1]), posts
+    assert sorted(posts[2:]) == [("torch.distributed.recv", -1, 9),
+                                 ("torch.distributed.send", right, 9)], posts
+    for e in ops:
+        assert e["cat"] == "cpu_op"
+        args = e["args"]
+        assert args["Collective name"] == e["name"].split(".")[-1].split()[0], e
+        assert args["dtype"] == "float64" and args["bytes"] == 40, e
+        assert args["Group size"] == size and args["Process Group Name"] == pg.group_name
+        assert (args["In msg nelems"], args["Out msg nelems"]) == \
+            ((5, 0) if args["Collective name"] == "send" else (0, 5)), e
+    waits = [e for e in ops if e["name"] == "torch.distributed.recv wait"]
+    # the blocking receive waited for its sender; the one from any rank names it
+    assert any(e["args"]["tag"] == 7 and e["args"]["peer"] == left for e in waits), waits
+    assert all(e["args"]["peer"] == left for e in waits if e["args"]["tag"] == 9), waits
+    assert torch.equal(got, torch.ones(5, dtype=torch.float64))
