@@ -543,13 +543,15 @@ class CrossDeviceOps(abc.ABC):
         finally:
             DOORS.direct = False
             arrays, replicas = _traced_arrays(values)
-            nelems = sum(int(a.size) for a in arrays)
+            nelems = nbytes = 0
+            for a in arrays:
+                nelems += int(a.size)
+                nbytes += int(a.nbytes)
             collective = "broadcast" if method == "broadcast" else \
                 "reduce" if DOORS.algorithm == "reduce_to_one_device" else \
                 "allreduce_coalesced" if method == "batch_reduce" else "allreduce"
             close_door(start, f"{type(self).__name__}.{method}", collective,
-                       comm.Get_size(), dtype_of(arrays),
-                       nelems, nelems, sum(int(a.nbytes) for a in arrays),
+                       comm.Get_size(), dtype_of(arrays), nelems, nelems, nbytes,
                        extra={"replicas": replicas, "tensors": len(arrays)})
 
     # -- hooks for subclasses

@@ -186,11 +186,21 @@ def bus_factor(collective: str, size: int) -> float:
     ``all_gather``, ``reduce_scatter_tensor``, ...) over ``size`` ranks: 2(n-1)/n for
     all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for the others,
     0 on one rank."""
+    found = _BUS_FACTORS.get((collective, size))
+    if found is not None:
+        return found
     kind = collective.lower().replace("_", "").replace("-", "")
     if size <= 1:
-        return 0.0
-    if "allreduce" in kind:
-        return 2 * (size - 1) / size
-    if any(k in kind for k in ("allgather", "reducescatter", "alltoall")):
-        return (size - 1) / size
-    return 1.0
+        found = 0.0
+    elif "allreduce" in kind:
+        found = 2 * (size - 1) / size
+    elif any(k in kind for k in ("allgather", "reducescatter", "alltoall")):
+        found = (size - 1) / size
+    else:
+        found = 1.0
+    if len(_BUS_FACTORS) < 256:  # (every traced collective asks: remembered)
+        _BUS_FACTORS[collective, size] = found
+    return found
+
+
+_BUS_FACTORS: dict[tuple[str, int], float] = {}

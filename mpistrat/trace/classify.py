@@ -21,6 +21,7 @@ compute — so its temporal breakdown and overlap work on a CPU job, and agree w
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 __all__ = ["STREAM_NAMES", "COMPUTE_STREAM", "COMM_STREAM", "WAIT_STREAM", "steps",
@@ -75,6 +76,18 @@ def total(intervals: list[Interval]) -> int:
     return sum(stop - start for start, stop in intervals)
 
 
+def _reaching(items: list[tuple], starts: list[int], reach: int, start: int,
+              stop: int) -> list[tuple]:
+    """The ``items`` (sorted by their start, ``starts``; none longer than ``reach``) that
+    overlap ``[start, stop)``."""
+    return [i for i in items[bisect_left(starts, start - reach):bisect_left(starts, stop)]
+            if i[1] > start]
+
+
+def _clip(items: list[tuple], start: int, stop: int) -> list[Interval]:
+    return union([(max(i[0], start), min(i[1], stop)) for i in items])
+
+
 def steps(events: list[tuple]) -> list[dict[str, Any]]:
     """Each step's intervals, from event tuples ``(start, dur, name, cat, args, thread)``
     (the recorder's, or a file's events as tuples): a dict per ``ProfilerStep`` with
@@ -89,29 +102,42 @@ def steps(events: list[tuple]) -> list[dict[str, Any]]:
     waits = sorted((e[0], e[0] + e[1], e[5], e[3]) for e in events
                    if e[1] > 0 and ((e[3] == "mpistrat_phase" and e[2] == "agreement")
                                     or e[3] == "input"))
+    # (each step looks only at the items that can reach into it: those starting at most
+    # the longest item's length before it, found by bisection: a buffer of many steps
+    # costs each step its own events, not every event of the buffer)
     found = []
+    collective_starts = [c[0] for c in collectives]
+    wait_starts = [w[0] for w in waits]
+    collective_reach = max((c[1] - c[0] for c in collectives), default=0)
+    wait_reach = max((w[1] - w[0] for w in waits), default=0)
     for mark in marks:
         start, stop, thread = mark[0], mark[0] + mark[1], mark[5]
-
-        def inside(items: list[tuple]) -> list[tuple]:
-            return [i for i in items if i[0] < stop and i[1] > start]
-
-        def clip(items: list[tuple]) -> list[Interval]:
-            return union([(max(i[0], start), min(i[1], stop)) for i in items])
-
-        here = inside(collectives)
-        waited = [w for w in inside(waits) if w[2] == thread]
-        waiting = clip([w for w in waited if w[3] != "input"])
-        pipeline = subtract(clip([w for w in waited if w[3] == "input"]), waiting)
-        blocked = union(waiting + pipeline)
-        communication = subtract(clip(here), blocked)
-        own = subtract(clip([c for c in here if c[2] == thread]), blocked)
+        here = _reaching(collectives, collective_starts, collective_reach, start, stop)
+        waited = [w for w in _reaching(waits, wait_starts, wait_reach, start, stop)
+                  if w[2] == thread]
+        waiting: list[Interval] = []
+        pipeline: list[Interval] = []
+        if waited:
+            waiting = _clip([w for w in waited if w[3] != "input"], start, stop)
+            pipeline = subtract(_clip([w for w in waited if w[3] == "input"], start, stop),
+                                waiting)
+        blocked = union(waiting + pipeline) if pipeline else waiting
+        communication: list[Interval] = []
+        own: list[Interval] = []
+        elsewhere: list[Interval] = []
+        if here:
+            communication = subtract(_clip(here, start, stop), blocked)
+            mine = [c for c in here if c[2] == thread]
+            if mine:
+                own = subtract(_clip(mine, start, stop), blocked)
+            if len(mine) < len(here):
+                elsewhere = subtract(_clip([c for c in here if c[2] != thread], start, stop),
+                                     blocked)
         compute = subtract([(start, stop)], union(own + blocked))
-        elsewhere = subtract(clip([c for c in here if c[2] != thread]), blocked)
         found.append({"step": (mark[4] or {}).get("step"), "start": start, "stop": stop,
                       "thread": thread, "compute": compute, "communication": communication,
                       "waiting": waiting, "input": pipeline,
-                      "hidden": overlap(elsewhere, compute)})
+                      "hidden": overlap(elsewhere, compute) if elsewhere else []})
     return found
 
 

@@ -44,24 +44,37 @@ def _quote(text: str) -> str:
     return found
 
 
+_KEYS: dict[Any, str] = {}  # args keys seen, as '"key": '
+
+
+def _key(key: Any) -> str:
+    found = _KEYS.get(key)
+    if found is None:
+        found = _quote(str(key)) + ": "
+        if len(_KEYS) < _MAX_QUOTED and type(key) is str and len(key) <= 200:
+            _KEYS[key] = found
+    return found
+
+
 def _args(args: dict[str, Any]) -> str:
     """``args`` as JSON: flat ints, strings and finite floats (to six significant
     digits) written directly (the encoder costs several microseconds a dict), anything
     else through the encoder."""
     parts = []
+    keys = _KEYS
     for key, value in args.items():
         kind = type(value)
         if kind is int:
             text = str(value)
         elif kind is str:
-            text = _quote(value)
+            text = _QUOTED.get(value) or _quote(value)
         elif kind is float and value == value and value not in _INFINITE:
             text = format(value, ".6g")  # (bandwidths, ratios: six digits are plenty)
         elif kind is bool:
             text = "true" if value else "false"
         else:
             text = _ENCODE(value if kind is not float else str(value))
-        parts.append(f"{_quote(str(key))}: {text}")
+        parts.append((keys.get(key) or _key(key)) + text)
     return "{" + ", ".join(parts) + "}"
 
 
@@ -141,7 +154,7 @@ class TraceWriter:
 
     def _write(self, events: list[tuple]) -> None:
         lines = [self._format(e) for e in events]
-        lines += [self._format(k) for k in classify.kernels(events)]
+        lines += [self._kernel(k) for k in classify.kernels(events)]
         for ident, name in self._new_threads(events):
             lines.append(self._meta("thread_name", ident, {"name": name}))
         if not lines:
@@ -167,6 +180,16 @@ class TraceWriter:
             self._threads[ident] = name
             found.append((ident, name))
         return found
+
+    def _kernel(self, event: tuple) -> str:
+        """:meth:`_format` of a classification's kernel (args ``stream``, ``device`` 0
+        and ``step``, written directly: a step's kernels are most of what is written)."""
+        start, dur, name, _, args, stream = event
+        step = args["step"]
+        return (f'{{"ph": "X", "cat": "kernel", "name": {_quote(name)}, "pid": {self.rank}, '
+                f'"tid": {stream}, "ts": {(start + self.shift) / 1000:.3f}, '
+                f'"dur": {dur / 1000:.3f}, "args": {{"stream": {stream}, "device": 0, '
+                f'"step": {step if type(step) is int else _ENCODE(step)}}}}}')
 
     def _format(self, event: tuple) -> str:
         start, dur, name, cat, args, thread = event

@@ -192,6 +192,64 @@ def test_classification_of_a_step():
     assert by_stream == {7: 60, 8: 35, 9: 25}
 
 
+def _classified_by_definition(events, mark):
+    """One step's intervals straight from the definitions (every event of the buffer
+    looked at): the reference for :func:`classify.steps`."""
+    start, stop, thread = mark[0], mark[0] + mark[1], mark[5]
+
+    def clip(items):
+        return classify.union([(max(e[0], start), min(e[0] + e[1], stop)) for e in items
+                               if e[0] < stop and e[0] + e[1] > start and e[1] > 0])
+
+    waiting = clip([e for e in events if e[3] == "mpistrat_phase" and e[2] == "agreement"
+                    and e[5] == thread])
+    pipeline = classify.subtract(clip([e for e in events if e[3] == "input"
+                                       and e[5] == thread]), waiting)
+    blocked = classify.union(waiting + pipeline)
+    calls = [e for e in events if e[3] == "cpu_op"]
+    own = classify.subtract(clip([e for e in calls if e[5] == thread]), blocked)
+    compute = classify.subtract([(start, stop)], classify.union(own + blocked))
+    elsewhere = classify.subtract(clip([e for e in calls if e[5] != thread]), blocked)
+    return {"compute": compute, "communication": classify.subtract(clip(calls), blocked),
+            "waiting": waiting, "input": pipeline,
+            "hidden": classify.overlap(elsewhere, compute)}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_buffer_of_many_steps_is_classified_as_each_step_alone(seed):
+    """Many steps in one buffer, with collectives on another thread that span several
+    steps (a long bucket reduction) and agreements, input waits and calls that cross a
+    step's edges: each step's intervals are those of its definition."""
+    import random
+
+    rng = random.Random(seed)
+    events, t = [], 0
+    for step in range(rng.randint(1, 40)):
+        length = rng.randint(50, 400)
+        events.append((t, length, f"ProfilerStep#{step}", "user_annotation",
+                       {"step": step}, 1))
+        for _ in range(rng.randint(0, 6)):
+            at = t + rng.randint(-30, length)
+            cat, name = rng.choice([("cpu_op", "all_reduce"), ("input", "input wait"),
+                                    ("mpistrat_phase", "agreement"),
+                                    ("mpistrat_phase", "pack")])
+            events.append((at, rng.randint(0, 80), name, cat, None, 1))
+        if rng.random() < 0.3:  # another thread's long reduction, over several steps
+            events.append((t + rng.randint(0, length), rng.randint(100, 3000),
+                           "bucket all_reduce", "cpu_op", None, 2))
+        t += length + rng.randint(0, 20)
+    rng.shuffle(events)  # (the recorder appends a span when it ends, not when it starts)
+    found = classify.steps(events)
+    marks = sorted((e for e in events if e[2].startswith("ProfilerStep#")),
+                   key=lambda e: e[4]["step"])
+    assert [f["step"] for f in sorted(found, key=lambda f: f["step"])] == \
+        [m[4]["step"] for m in marks]
+    for mark in marks:
+        (got,) = [f for f in found if f["step"] == mark[4]["step"]]
+        want = _classified_by_definition(events, mark)
+        assert {key: got[key] for key in want} == want, mark
+
+
 @pytest.mark.parametrize("a, cut, expected", [
     ([(0, 10)], [], [(0, 10)]),
     ([(0, 10)], [(0, 10)], []),
