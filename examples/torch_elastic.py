@@ -1,13 +1,15 @@
 """Elastic data-parallel training of a PyTorch MLP: a lost rank costs one step.
 
     mpistrat run -n 4 --min-ranks 2 --timeout 20 examples/torch_elastic.py \\
-        --checkpoint-dir /tmp/ckpt [--optimizer sgd|zero] [--epochs 3]
+        --checkpoint-dir /tmp/ckpt [--optimizer sgd|zero] [--epochs 3] [--workers N]
 
 The loop is an ordinary torch loop over a ``DataLoader``; three things make it elastic:
 
 * ``mpistrat.torch.DistributedBatchSampler`` cuts each epoch (its order fixed by the seed
   and the epoch) into the same global batches at any number of ranks, hands this rank its
-  share, and marks a step boundary before each batch;
+  share, and marks a step boundary before each batch (``mpistrat.torch.DataLoader``, which
+  is torch's, tells it how far ``--workers`` worker processes load ahead of the loop, so
+  the boundary still falls where the loop takes its batch);
 * a ``CheckpointManager`` over ``Checkpoint(model=net, optimizer=opt, epoch=...)``: in an
   elastic job it snapshots the model and the optimizer into each host's RAM at every
   boundary, and after a relaunch ``restore_or_initialize()`` restores the newest snapshot
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_SELF if args.reference else MPI.COMM_WORLD
@@ -81,7 +84,7 @@ def main() -> None:
     data = dataset()
     sampler = mt.DistributedBatchSampler(len(data), GLOBAL_BATCH, shuffle=True, seed=0,
                                          comm=comm)
-    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    loader = mt.DataLoader(data, batch_sampler=sampler, num_workers=args.workers)
     epoch_var = ms.checkpoint.Scalar(0)
     first_step = 0
     if not args.reference:

@@ -15,7 +15,8 @@ Elastic training (``mpistrat run --min-ranks``): a ``CheckpointManager`` over a
 ``Checkpoint(model=net, optimizer=opt, ...)`` snapshots the module's and the optimizer's
 state (:mod:`mpistrat.checkpoint` takes torch tensors and objects with ``state_dict()``),
 and :class:`DistributedBatchSampler` marks the step boundaries and resumes the input at
-the same global batch on fewer ranks: :mod:`mpistrat.torch.sampler`.
+the same global batch on fewer ranks (with :class:`DataLoader`, torch's, telling it how
+far worker processes load ahead): :mod:`mpistrat.torch.sampler`.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from .ddp import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from .sampler import DistributedBatchSampler
+from .sampler import DataLoader, DistributedBatchSampler
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "DistributedBatchSampler",
-           "broadcast_parameters",
+           "DataLoader", "broadcast_parameters",
            "broadcast_optimizer_state", "DEFAULT_BUCKET_BYTES", "FUSED_BYTES",
            "BACKEND_NAME", "ProcessGroupMPI", "register", "use_instead_of_gloo"]
 

@@ -13,12 +13,15 @@ each time the loader asks it for a batch, with the position ``(kind, i)``: ``i``
 batches of this epoch handed out, and trained on, before. That is the only place a torch
 training loop with this sampler marks a boundary (mpistrat.torch's DistributedDataParallel
 marks none), so each step counts once; they are the steps of ``mpistrat run --trace``
-too (the loader's loading of the batch, which follows, is in its step). It is exact
-when the loader asks for batch ``i`` only once step ``i - 1`` is done: ``num_workers=0``
-(the default). Worker processes make the loader ask for batches ahead
-(``prefetch_factor``), so there give ``mark_steps=False`` and call
-:func:`mpistrat.elastic.step` yourself — the snapshot then holds no input position and a
-restore replays the epoch from its start.
+too (the loader's loading of the batch, which follows, is in its step). With
+``num_workers=0`` (torch's default) the loader asks for batch ``i`` when the loop asks for
+it, once step ``i - 1`` is done, so the boundary is exact. Worker processes make the loader
+ask ahead (``num_workers * prefetch_factor`` batches): then load through
+:class:`DataLoader` (torch's, which tells the sampler each batch the loop takes): the
+sampler marks the boundary when the loop asks for its batch, and :attr:`global_size` and
+:attr:`loss_scale` follow the batch the loop trains on, not the one loaded ahead. With
+``mark_steps=False`` the sampler marks none: call :func:`mpistrat.elastic.step` yourself —
+the snapshot then holds no input position and a restore replays the epoch from its start.
 
 **Resuming.** After a relaunch, :meth:`mpistrat.checkpoint.CheckpointManager.
 restore_or_initialize` restores the snapshot's position, and the first iteration of a
@@ -41,6 +44,7 @@ just handed out``): DistributedDataParallel's mean over the ranks then makes the
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +52,7 @@ import torch
 from ..elastic import hooks
 from ..runtime._mpi import Comm, world
 
-__all__ = ["DistributedBatchSampler", "share"]
+__all__ = ["DistributedBatchSampler", "DataLoader", "share"]
 
 
 def share(count: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -109,6 +113,8 @@ class DistributedBatchSampler(torch.utils.data.Sampler[list[int]]):
                              f"{global_batch_size} (drop_last=True)")
         self.epoch = 0
         self.global_size = global_batch_size
+        self._first = 0  # the global batch this iteration started at (a restored position)
+        self._loader_marks = False  # a DataLoader with workers marks the boundaries
 
     @property
     def kind(self) -> str:
@@ -155,15 +161,87 @@ class DistributedBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise ValueError(f"the restored input position is global batch {skip}, but an "
                              f"epoch has {steps}: the sampler is not the one the snapshot "
                              f"was taken with")
+        self._first = skip
+        loader_marks = self._loader_marks
         for index in range(skip, steps):
             batch = order[index * self.global_batch_size:(index + 1) * self.global_batch_size]
-            if self.mark_steps:
-                hooks.step_boundary((self.kind, index))
-            self.global_size = len(batch)
+            if not loader_marks:
+                if self.mark_steps:
+                    hooks.step_boundary((self.kind, index))
+                self.global_size = len(batch)
             start, stop = share(len(batch), self.size, self.rank)
             yield [int(i) for i in batch[start:stop]]
+
+    def _taking(self, taken: int) -> None:
+        """The loop asks :class:`DataLoader` for the batch after the ``taken`` it took in
+        this iteration: global batch ``first + taken`` (batches reach the loop in order):
+        its boundary and its size."""
+        index = self._first + taken
+        if index < len(self):
+            if self.mark_steps:
+                hooks.step_boundary((self.kind, index))
+            self.global_size = min(self.global_batch_size,
+                                   self.dataset_size - index * self.global_batch_size)
 
     def __repr__(self) -> str:
         return (f"DistributedBatchSampler(dataset_size={self.dataset_size}, "
                 f"global_batch_size={self.global_batch_size}, rank {self.rank} of "
                 f"{self.size}, epoch={self.epoch})")
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch's ``DataLoader``, unchanged but for one thing: given a
+    :class:`DistributedBatchSampler` as ``batch_sampler`` and worker processes, which
+    load batches ahead of the loop, its iterator tells the sampler each batch the loop
+    takes, so that the sampler's step boundaries (an elastic job's snapshots, the trace's
+    steps) and its :attr:`~DistributedBatchSampler.loss_scale` follow the loop (the
+    module docstring). Without worker processes, or with another sampler, it is torch's
+    as it is.
+
+    Raises:
+        ValueError: ``in_order=False`` with such a sampler and workers (batches could
+            reach the loop out of order, and the sampler would not know which it trains).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        sampler = self.batch_sampler
+        if isinstance(sampler, DistributedBatchSampler) and self.num_workers:
+            if getattr(self, "in_order", True) is False:
+                raise ValueError("DataLoader(in_order=False) hands batches to the loop out "
+                                 "of order, so a DistributedBatchSampler cannot tell which "
+                                 "it trains; leave in_order=True")
+            sampler._loader_marks = True
+
+    def __iter__(self) -> Any:
+        found = super().__iter__()
+        sampler = self.batch_sampler
+        if isinstance(sampler, DistributedBatchSampler) and self.num_workers:
+            return _Taking(found, sampler)
+        return found
+
+
+class _Taking:
+    """torch's iterator of a :class:`DataLoader` with workers, telling its sampler
+    (:meth:`DistributedBatchSampler._taking`) before each batch it hands the loop; every
+    other attribute is the iterator's."""
+
+    def __init__(self, iterator: Any, sampler: DistributedBatchSampler) -> None:
+        self._iterator = iterator
+        self._sampler = sampler
+        self._taken = 0
+
+    def __iter__(self) -> _Taking:
+        return self
+
+    def __next__(self) -> Any:
+        self._sampler._taking(self._taken)
+        batch = next(self._iterator)
+        self._taken += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)

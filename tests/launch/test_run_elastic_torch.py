@@ -4,8 +4,9 @@ over the module and the optimizer): the last rank kills itself (SIGKILL) in a st
 first launch; the job ends well on 3 ranks, resumed from the snapshot taken before that
 step (not the checkpoint on disk), so one step is redone; the final weights are one
 process's on the same global batches, and every sample was applied exactly once per
-epoch. With torch.optim.SGD (momentum) and with ZeroRedundancyOptimizer (Adam), whose
-state, sharded over 4 ranks, is re-split over 3."""
+epoch. With torch.optim.SGD (momentum) and a DataLoader of 2 worker processes, which load
+4 batches ahead of the loop, and with ZeroRedundancyOptimizer (Adam), whose state, sharded
+over 4 ranks, is re-split over 3, and no worker processes."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ SCRIPT = ROOT / "examples" / "torch_elastic.py"
 EPOCHS, KILL_STEP = 3, 13
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "zero"])
-def test_a_lost_rank_costs_one_step_of_a_torch_loop(mpistrat_cmd, tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, workers", [("sgd", 2), ("zero", 0)])
+def test_a_lost_rank_costs_one_step_of_a_torch_loop(mpistrat_cmd, tmp_path, optimizer,
+                                                    workers):
     reference = subprocess.run(
         [sys.executable, str(SCRIPT), "--reference", "--optimizer", optimizer, "--epochs",
          str(EPOCHS), "--out", str(tmp_path / "reference.npz")],
@@ -36,7 +38,8 @@ def test_a_lost_rank_costs_one_step_of_a_torch_loop(mpistrat_cmd, tmp_path, opti
     result = subprocess.run(
         [*mpistrat_cmd, "run", "-n", "4", "--min-ranks", "2", "--timeout", "20",
          "--snapshot-every", "1", str(SCRIPT), "--optimizer", optimizer, "--epochs",
-         str(EPOCHS), "--kill-step", str(KILL_STEP), "--checkpoint-dir",
+         str(EPOCHS), "--kill-step", str(KILL_STEP), "--workers", str(workers),
+         "--checkpoint-dir",
          str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.npz")],
         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
     out = result.stdout + result.stderr

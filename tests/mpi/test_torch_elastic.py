@@ -390,6 +390,48 @@ def test_the_sampler_marks_a_boundary_before_each_batch(world):
     assert seen == [(sampler.kind, i) for i in range(3)]
 
 
+@pytest.mark.parametrize("workers, prefetch, resume", [(0, None, 0), (2, 2, 0), (2, 3, 5),
+                                                     (1, 1, 0), (2, 4, 2)])
+def test_with_worker_processes_the_sampler_follows_the_batch_the_loop_takes(
+        world, workers, prefetch, resume):
+    """torch's DataLoader with worker processes asks the sampler for batches ahead of the
+    loop; through mpistrat.torch.DataLoader every boundary the sampler marks says exactly
+    the batches the loop has taken (those trained), and its global_size is the size of the
+    batch the loop trains on, whatever the workers, the prefetch and a restored
+    position."""
+    steps, size = 12, 8
+    data = torch.utils.data.TensorDataset(torch.arange(size * steps - 3))  # (last: 5)
+    sampler = mt.DistributedBatchSampler(len(data), size, shuffle=False, comm=MPI.COMM_SELF)
+    options = {} if prefetch is None else {"prefetch_factor": prefetch}
+    loader = mt.DataLoader(data, batch_sampler=sampler, num_workers=workers, **options)
+    taken, marks, sizes = [], [], []
+    hooks.set_taker(lambda position: marks.append((position, len(taken))))
+    try:
+        if resume:
+            hooks.set_resume((sampler.kind, resume))
+        for (batch,) in loader:
+            taken.append(int(batch[0]) // size)
+            sizes.append((len(batch), sampler.global_size))
+    finally:
+        hooks.set_taker(None)
+    assert taken == list(range(resume, steps))
+    # each boundary (kind, i) comes when the loop has taken batches resume .. i - 1
+    assert marks == [((sampler.kind, i), i - resume) for i in range(resume, steps)], marks
+    assert all(got == want for got, want in sizes), sizes
+    assert sizes[-1] == (5, 5)
+
+
+def test_the_data_loader_refuses_batches_out_of_order():
+    import inspect
+
+    if "in_order" not in inspect.signature(torch.utils.data.DataLoader).parameters:
+        pytest.skip("this torch has no DataLoader(in_order=...)")
+    sampler = mt.DistributedBatchSampler(16, 8, comm=MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="in_order=False"):
+        mt.DataLoader(torch.utils.data.TensorDataset(torch.arange(16)),
+                      batch_sampler=sampler, num_workers=1, in_order=False)
+
+
 def test_bad_sampler_arguments_say_what_to_give(world):
     with pytest.raises(ValueError, match="global_batch_size must be an integer >= 1"):
         mt.DistributedBatchSampler(10, 0, comm=world)
