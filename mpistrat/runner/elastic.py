@@ -28,7 +28,10 @@ ps variables back (:mod:`mpistrat.ps.elastic`).
 
 A relaunch across hosts gets a hydra host file of its own (``HYDRA_HOST_FILE``, in a
 private temporary directory): the hosts of the previous launch, in their order, with the
-ranks each had, the lost ones left out. :func:`run_elastic` returns every launch's
+ranks each had, the lost ones left out. When the job's own host file is known, a relaunch
+grows back towards the first launch's size into its free slots, and onto hosts lost in
+earlier launches that answer again (:mod:`mpistrat.runner.probe` probes them in the
+background; not inside Slurm, whose allocation does not take a node back). :func:`run_elastic` returns every launch's
 :class:`LaunchRecord` (sizes, hosts, status, what was lost, and when), for tests and
 benchmarks.
 
@@ -59,12 +62,15 @@ from .._atomic import write_atomically
 from ..checkpoint.snapshot import remove_job
 from ..elastic.env import ElasticEnv
 from ..launch.hugepages import malloc_hugepages_env
+from ..errors import MpistratError, RunSetupError
+from ..launch.mpiexec import find_launcher
 from . import auth
 from .hosts import name_ranks
 from .launch import host_file, launch_command, self_launch
 from .launch import job_hosts as _job_hosts
 from .monitor import JobMonitor, RankRecord, bind_address, vanished_records
 from .options import RunOptions
+from .probe import HostProber, hydra_probe, probe_every
 
 __all__ = ["ElasticOptions", "Decision", "LaunchRecord", "ElasticResult", "decide",
            "run_elastic", "host_file_text", "host_file_capacity", "DEFAULT_MAX_RESTARTS",
@@ -406,9 +412,31 @@ def host_file_text(hosts: Sequence[tuple[str, int]]) -> str:
 Launch = Callable[[list[str]], int]
 
 
+def _prober(capacity: Sequence[tuple[str, int]] | None,
+            mpiexec: str | None) -> HostProber | None:
+    """What probes the hosts the job loses (hydra over a host file, outside Slurm), or
+    None.
+
+    Raises:
+        RunSetupError: ``MPISTRAT_ELASTIC_PROBE_EVERY`` is not a number of seconds > 0.
+    """
+    if not capacity or os.environ.get("SLURM_JOB_ID"):
+        return None
+    try:
+        every = probe_every()
+    except ValueError as exc:
+        raise RunSetupError(f"mpistrat run: {exc}") from None
+    try:
+        launcher = find_launcher(mpiexec)
+    except MpistratError:
+        return None  # (the launch itself says so)
+    return HostProber(hydra_probe(launcher.path), every) if launcher.flavour == "mpich" \
+        else None
+
+
 def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | None = None, *,
                 launch: Launch | None = None, job_hosts: Callable[[], list[str] | None]
-                | None = None) -> ElasticResult:
+                | None = None, prober: HostProber | None = None) -> ElasticResult:
     """Run ``options`` on ``elastic.ranks`` ranks, launching the job again on what is left
     each time ranks are lost (:func:`decide`), until it ends otherwise.
 
@@ -416,7 +444,9 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
     was lost, on how many ranks and hosts it goes on, how long after the loss), and why it
     stops when it stops after a loss. ``launch`` runs an ``mpiexec`` command line
     (default :func:`~mpistrat.runner.launch.self_launch`), ``job_hosts`` tells where
-    ``mpiexec`` will start ranks (default :func:`~mpistrat.runner.launch.job_hosts`).
+    ``mpiexec`` will start ranks (default :func:`~mpistrat.runner.launch.job_hosts`),
+    ``prober`` which hosts lost earlier answer again (default: hydra's, see
+    :mod:`mpistrat.runner.probe`, when the host file is known).
     """
     launch = self_launch if launch is None else launch
     job_hosts = _job_hosts if job_hosts is None else job_hosts
@@ -428,6 +458,8 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
     saved = {name: os.environ.get(name) for name in (_HOST_FILE, _OVERLAP)}
     # the host file's slots: a relaunch may grow back into the free ones
     capacity = host_file_capacity(saved[_HOST_FILE])
+    if prober is None:
+        prober = _prober(capacity, mpiexec)
     directory: str | None = None
     try:
         while True:
@@ -447,9 +479,12 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                 monitor.finish(status)  # (a failure's summary; waits for the last closes)
             with monitor.lock:
                 records = dict(monitor.records)
+            # hosts lost in earlier launches whose last probe answered may be taken back
+            answering = set(prober.answering()) if prober is not None else set()
             decision = decide(records, size, status, signals=tuple(monitor.signals),
                               sizes=sizes, options=elastic, capacity=capacity,
-                              excluded=[item for item in lost if "/" not in item])
+                              excluded=[item for item in lost
+                                        if "/" not in item and item not in answering])
             vanished = vanished_records(records)
             lost_at = vanished[0].closed if vanished else None
             record = LaunchRecord(len(sizes) - 1, size, decision.hosts, status, decision,
@@ -468,10 +503,20 @@ def run_elastic(options: RunOptions, elastic: ElasticOptions, mpiexec: str | Non
                 os.environ[_HOST_FILE] = path
             if os.environ.get("SLURM_JOB_ID"):  # a Slurm allocation (module docstring)
                 os.environ[_OVERLAP] = "1"
+            back = [host for host, _ in decision.survivors if host in answering]
+            if back:
+                _say(f"mpistrat run: {', '.join(back)}, lost before, "
+                     f"answer{'s' if len(back) == 1 else ''} again: taken back")
+                lost = [item for item in lost if item not in back]
             _say(f"{decision.message} after {time.time() - record.loss:.1f} s")
             sizes.append(decision.size)
             lost += decision.lost
+            if prober is not None:
+                prober.forget(back)
+                prober.watch(decision.lost_hosts)
     finally:
+        if prober is not None:
+            prober.close()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

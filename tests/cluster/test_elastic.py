@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,14 +43,15 @@ FAULT_STEP = 20
 EPOCHS = 3  # 16 steps an epoch: the fault falls in the second
 
 
-def _training(cluster, tmp_path: Path, ranks: int, min_ranks: int) -> Job:
+def _training(cluster, tmp_path: Path, ranks: int, min_ranks: int, epochs: int = EPOCHS,
+              env: dict[str, str] | None = None) -> Job:
     """``mpistrat run -n RANKS --min-ranks MIN_RANKS`` of the training, once it has done
     step FAULT_STEP (a context manager: everything of it ends with the block)."""
     argv = [VENV_BIN / "mpistrat", "run", "-n", str(ranks), "--min-ranks", str(min_ranks),
             "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
             "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "result.npz",
-            "--epochs", str(EPOCHS), "--step-sleep", "0.1"]
-    job = Job(cluster, argv, tmp_path)
+            "--epochs", str(epochs), "--step-sleep", "0.1"]
+    job = Job(cluster, argv, tmp_path, env=env)
     try:
         job.wait_for(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output)), 120,
                      f"step {FAULT_STEP}")
@@ -185,3 +187,37 @@ def test_a_relaunch_grows_into_the_free_slots_of_the_host_left(cluster, tmp_path
     result = np.load(tmp_path / "result.npz")
     np.testing.assert_allclose(result["w"], result["reference"], rtol=1e-9, atol=1e-12)
     assert np.array_equal(result["seen"], np.full(len(result["seen"]), float(EPOCHS)))
+
+
+@pytest.mark.timeout(300)
+def test_a_host_lost_earlier_that_answers_again_is_taken_back(cluster, tmp_path):
+    """node2's processes killed at step FAULT_STEP: the job goes on on node1's 2 ranks
+    while mpistrat run probes node2 (every second here), which answers (the host is up,
+    its processes were killed); then a rank of node1's relaunch is killed: the next
+    relaunch takes node2 back, on 4 ranks again, and the run ends with one process's
+    model, every sample applied once per epoch."""
+    epochs = 6
+    with _training(cluster, tmp_path, 4, 2, epochs,
+                   env={"MPISTRAT_ELASTIC_PROBE_EVERY": "1"}) as job:
+        first = set(_training_ranks(cluster, "node1"))
+        kill_host(cluster, "node2")
+        job.wait_for(lambda: len(LAUNCH.findall(job.output)) == 2
+                     and steps(job.output)[-1][0] > int(LAUNCH.findall(job.output)[1][3]),
+                     TIMEOUT + 60, "a step of the relaunch on node1")
+        time.sleep(3)  # (node2 probed at least twice)
+        relaunched = sorted(set(_training_ranks(cluster, "node1")) - first)
+        assert relaunched, job.output
+        os.kill(relaunched[-1], signal.SIGKILL)
+        job.process.wait(120)
+    output = job.output
+    assert job.process.returncode == 0, output
+    assert "mpistrat run: lost host node2 (ranks 2, 3); restart 1 of 3 on 2 ranks " \
+           "(node1:2)" in output, output
+    assert "mpistrat run: node2, lost before, answers again: taken back" in output, output
+    assert re.search(r"mpistrat run: lost rank \d \(node1\); restart 2 of 3 on 4 ranks "
+                     r"\(node1:2, node2:2\)", output), output
+    launches = LAUNCH.findall(output)
+    assert [(int(n), int(r)) for n, r, _, _ in launches] == [(0, 4), (1, 2), (2, 4)], output
+    result = np.load(tmp_path / "result.npz")
+    np.testing.assert_allclose(result["w"], result["reference"], rtol=1e-9, atol=1e-12)
+    assert np.array_equal(result["seen"], np.full(len(result["seen"]), float(epochs)))

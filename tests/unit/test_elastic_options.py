@@ -406,3 +406,110 @@ def test_the_host_file_capacity_is_read_as_hydra_reads_it(tmp_path):
     assert elastic.host_file_capacity(str(path)) is None
     assert elastic.host_file_capacity(str(tmp_path / "none")) is None
     assert elastic.host_file_capacity(None) is None
+
+
+# -- taking back a host lost earlier that answers again
+
+
+class _Prober:
+    """A stand-in for mpistrat.runner.probe.HostProber: the hosts it says answer."""
+
+    def __init__(self, answering=()):
+        self.answers = list(answering)
+        self.calls = []
+
+    def answering(self):
+        return list(self.answers)
+
+    def watch(self, hosts):
+        self.calls.append(("watch", tuple(hosts)))
+
+    def forget(self, hosts):
+        self.calls.append(("forget", tuple(hosts)))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_a_host_lost_earlier_that_answers_again_is_taken_back(monkeypatch, capsys,
+                                                              tmp_path):
+    """-n 4 over node1:2, node2:2: node2 lost (restart 1 on node1's 2 ranks, node2
+    probed from then on); node2 answers again, and when a rank of node1 is lost the
+    relaunch takes node2 back: 4 ranks again, not 1."""
+    monkeypatch.setenv("HYDRA_HOST_FILE", str(tmp_path / "mine"))
+    (tmp_path / "mine").write_text("node1:2\nnode2:2\n")
+    prober = _Prober()
+    plan = [(TWO_HOSTS, "lose node2"), (("node1", "node1"), "lose node1"),
+            (TWO_HOSTS, "finish")]
+    seen = []
+    inner = _stand_in(plan, seen)
+
+    def launch(argv):
+        if len(seen) == 1:  # (node2 answers while the job runs on node1)
+            prober.answers = ["node2"]
+        return inner(argv)
+
+    result = run_elastic(RunOptions(target="train.py", timeout=5.0),
+                         ElasticOptions(4, 2, timeout=5.0), launch=launch,
+                         job_hosts=lambda: None, prober=prober)
+    assert result.status == 0 and result.sizes == (4, 2, 4)
+    assert [s["host_file"] for s in seen] == [
+        "node1:2\nnode2:2\n", "node1:2\n", "node1:2\nnode2:2\n"]
+    assert [_genv(s["argv"], LOST_ENV) for s in seen] == ["", "node2", "node1/0"]
+    err = capsys.readouterr().err
+    assert "mpistrat run: node2, lost before, answers again: taken back\n" \
+           "mpistrat run: lost rank 0 (node1); restart 2 of 3 on 4 ranks " \
+           "(node1:2, node2:2) after " in err, err
+    assert prober.calls == [("forget", ()), ("watch", ("node2",)),
+                            ("forget", ("node2",)), ("watch", ()), ("close",)]
+
+
+def test_a_host_lost_earlier_that_does_not_answer_stays_out(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("HYDRA_HOST_FILE", str(tmp_path / "mine"))
+    (tmp_path / "mine").write_text("node1:2\nnode2:2\n")
+    plan = [(TWO_HOSTS, "lose node2"), (("node1", "node1"), "lose node1"),
+            (("node1", "node1"), "finish")]
+    result = run_elastic(RunOptions(target="train.py", timeout=5.0),
+                         ElasticOptions(4, 1, timeout=5.0), launch=_stand_in(plan, []),
+                         job_hosts=lambda: None, prober=_Prober())
+    assert result.sizes == (4, 2, 2)  # (node1's free slot taken again; node2 never)
+    assert "taken back" not in capsys.readouterr().err
+
+
+def test_the_prober_probes_in_the_background_and_kills_a_probe_past_its_timeout():
+    from mpistrat.runner.probe import HostProber
+
+    commands = {"up": ["true"], "down": ["false"], "hung": ["sleep", "30"]}
+    prober = HostProber(lambda host: commands[host], every=0.05, timeout=0.3)
+    try:
+        started = time.monotonic()
+        assert not prober.probe("hung") and time.monotonic() - started < 5
+        assert prober.probe("up") and not prober.probe("down")
+        assert prober.answering() == []
+        prober.watch(["down", "up"])
+        assert prober.answering() == []  # (none answers before its first probe)
+        _until(lambda: prober.answering() == ["up"])
+        commands["up"] = ["false"]  # it fails again
+        _until(lambda: prober.answering() == [])
+        prober.forget(["up", "down"])
+    finally:
+        prober.close()
+    # the job's end never waits for a probe of a host that does not answer
+    hung = HostProber(lambda host: commands[host], every=0.01, timeout=60)
+    hung.watch(["hung"])
+    _until(lambda: hung._running is not None)
+    started = time.monotonic()
+    hung.close()
+    assert time.monotonic() - started < 3 and hung._running is None
+
+
+@pytest.mark.parametrize("text, seconds", [("", 15.0), ("2.5", 2.5), ("0", None),
+                                           ("-1", None), ("soon", None), ("inf", None)])
+def test_the_probe_interval_comes_from_the_environment(text, seconds):
+    from mpistrat.runner.probe import PROBE_EVERY_ENV, probe_every
+
+    if seconds is not None:
+        assert probe_every({PROBE_EVERY_ENV: text}) == seconds
+    else:
+        with pytest.raises(ValueError, match=f"{PROBE_EVERY_ENV}=.*a number > 0"):
+            probe_every({PROBE_EVERY_ENV: text})
