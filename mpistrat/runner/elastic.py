@@ -31,9 +31,9 @@ private temporary directory): the hosts of the previous launch, in their order, 
 ranks each had, the lost ones left out. When the job's own host file is known, a relaunch
 grows back towards the first launch's size into its free slots, and onto hosts lost in
 earlier launches that answer again (:mod:`mpistrat.runner.probe` probes them in the
-background; not inside Slurm, whose allocation does not take a node back). :func:`run_elastic` returns every launch's
-:class:`LaunchRecord` (sizes, hosts, status, what was lost, and when), for tests and
-benchmarks.
+background; not inside Slurm, whose allocation does not take a node back).
+:func:`run_elastic` returns every launch's :class:`LaunchRecord` (sizes, hosts, status,
+what was lost, and when), for tests and benchmarks.
 
 Inside a Slurm allocation (``sbatch --no-kill``, so that Slurm keeps the job when it
 marks the lost node down) hydra starts its proxies with ``srun``, one job step per
@@ -61,8 +61,8 @@ from dataclasses import dataclass, field, replace
 from .._atomic import write_atomically
 from ..checkpoint.snapshot import remove_job
 from ..elastic.env import ElasticEnv
-from ..launch.hugepages import malloc_hugepages_env
 from ..errors import MpistratError, RunSetupError
+from ..launch.hugepages import malloc_hugepages_env
 from ..launch.mpiexec import find_launcher
 from . import auth
 from .hosts import name_ranks
