@@ -114,7 +114,7 @@ class DistributedBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = 0
         self.global_size = global_batch_size
         self._first = 0  # the global batch this iteration started at (a restored position)
-        self._loader_marks = False  # a DataLoader with workers marks the boundaries
+        self._loader_marks = False  # the next iteration's boundaries: a DataLoader's
 
     @property
     def kind(self) -> str:
@@ -162,7 +162,9 @@ class DistributedBatchSampler(torch.utils.data.Sampler[list[int]]):
                              f"epoch has {steps}: the sampler is not the one the snapshot "
                              f"was taken with")
         self._first = skip
-        loader_marks = self._loader_marks
+        # (this iteration's batches reach the loop through a DataLoader with workers, which
+        # marks the boundaries: said for this iteration only, see DataLoader.__iter__)
+        loader_marks, self._loader_marks = self._loader_marks, False
         for index in range(skip, steps):
             batch = order[index * self.global_batch_size:(index + 1) * self.global_batch_size]
             if not loader_marks:
@@ -211,14 +213,18 @@ class DataLoader(torch.utils.data.DataLoader):
                 raise ValueError("DataLoader(in_order=False) hands batches to the loop out "
                                  "of order, so a DistributedBatchSampler cannot tell which "
                                  "it trains; leave in_order=True")
-            sampler._loader_marks = True
 
     def __iter__(self) -> Any:
-        found = super().__iter__()
         sampler = self.batch_sampler
-        if isinstance(sampler, DistributedBatchSampler) and self.num_workers:
-            return _Taking(found, sampler)
-        return found
+        if not (isinstance(sampler, DistributedBatchSampler) and self.num_workers):
+            return super().__iter__()
+        # (the iteration torch's iterator starts, asking for its first batches ahead,
+        # leaves the boundaries to this loader's iterator)
+        sampler._loader_marks = True
+        try:
+            return _Taking(super().__iter__(), sampler)
+        finally:
+            sampler._loader_marks = False
 
 
 class _Taking:

@@ -419,6 +419,14 @@ def test_with_worker_processes_the_sampler_follows_the_batch_the_loop_takes(
     assert marks == [((sampler.kind, i), i - resume) for i in range(resume, steps)], marks
     assert all(got == want for got, want in sizes), sizes
     assert sizes[-1] == (5, 5)
+    # the sampler iterated directly afterwards marks its own boundaries again
+    marks.clear()
+    hooks.set_taker(lambda position: marks.append((position, 0)))
+    try:
+        assert len(list(sampler)) == steps
+    finally:
+        hooks.set_taker(None)
+    assert [m[0] for m in marks] == [(sampler.kind, i) for i in range(steps)]
 
 
 def test_the_data_loader_refuses_batches_out_of_order():
