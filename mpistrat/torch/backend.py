@@ -63,7 +63,14 @@ import torch.distributed as dist
 from ..allreduce import all_reduce, plan_of
 from ..runtime import recorder
 from ..runtime._mpi import Comm, mpi, world
-from ..runtime.agreement import DOORS, agree, close_door, note_algorithm, open_door
+from ..runtime.agreement import (
+    DOORS,
+    agree,
+    close_door,
+    dtype_name,
+    note_algorithm,
+    open_door,
+)
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
 from .tensors import (
@@ -185,7 +192,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             ins, outs = _flat_tensors(inputs), _flat_tensors(outputs)
             nbytes = max(sum(t.numel() * t.element_size() for t in ins),
                          sum(t.numel() * t.element_size() for t in outs))
-            dtypes = {str(t.dtype).removeprefix("torch.") for t in ins or outs}
+            dtypes = {dtype_name(t.dtype) for t in ins or outs}
             close_door(start, f"torch.distributed.{what}", collective, self._size,
                        dtypes.pop() if len(dtypes) == 1 else "mixed" if dtypes else "",
                        sum(t.numel() for t in ins), sum(t.numel() for t in outs), nbytes,
@@ -780,7 +787,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         or ``recv``, a ``cpu_op`` with Kineto's args, ``peer`` -1 for any rank); returns
         the args, which its work's ``wait()`` records again when it has to wait."""
         nelems = tensor.numel()
-        args = {"Collective name": what, "dtype": str(tensor.dtype).removeprefix("torch."),
+        args = {"Collective name": what, "dtype": dtype_name(tensor.dtype),
                 "In msg nelems": nelems if what == "send" else 0,
                 "Out msg nelems": nelems if what == "recv" else 0,
                 "Group size": self._size, "bytes": nelems * tensor.element_size(),
