@@ -10,8 +10,9 @@ The loop is an ordinary torch loop over a ``DataLoader``; three things make it e
   share, and marks a step boundary before each batch (``mpistrat.torch.DataLoader``, which
   is torch's, tells it how far ``--workers`` worker processes load ahead of the loop, so
   the boundary still falls where the loop takes its batch);
-* a ``CheckpointManager`` over ``Checkpoint(model=net, optimizer=opt, epoch=...)``: in an
-  elastic job it snapshots the model and the optimizer into each host's RAM at every
+* a ``CheckpointManager`` over ``Checkpoint(model=net, optimizer=opt, epoch=...,
+  rng=global_generators())``: in an elastic job it snapshots the model, the optimizer
+  and the random generators (torch's, NumPy's, ``random``'s) into each host's RAM at every
   boundary, and after a relaunch ``restore_or_initialize()`` restores the newest snapshot
   and the sampler's position, so the relaunch, on the ranks left, takes up the global
   batch that was in progress;
@@ -89,7 +90,8 @@ def main() -> None:
     first_step = 0
     if not args.reference:
         manager = ms.CheckpointManager(
-            ms.Checkpoint(comm=comm, model=net, optimizer=opt, epoch=epoch_var),
+            ms.Checkpoint(comm=comm, model=net, optimizer=opt, epoch=epoch_var,
+                          rng=ms.checkpoint.global_generators()),
             args.checkpoint_dir or "/tmp/mpistrat-torch-elastic", max_to_keep=2)
         restored = manager.restore_or_initialize()
         snapshot = manager.restored_snapshot

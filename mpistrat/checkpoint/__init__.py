@@ -2,7 +2,7 @@
 atomically, and restored identically on every rank.
 
 * :class:`Checkpoint` — named state (variables, arrays, :class:`Scalar` counters, random
-  generators): ``save``/``write`` and ``restore``;
+  generators, :func:`global_generators`): ``save``/``write`` and ``restore``;
 * :class:`CheckpointManager`, :func:`latest_checkpoint` — numbered checkpoints in a
   directory, the newest complete save found on restart;
 * :class:`PreemptionCheckpointHandler` — save and stop together when Slurm (or anyone)
@@ -19,6 +19,7 @@ rank, before any object changes.
 from __future__ import annotations
 
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
+from ._random import global_generators
 from .checkpoint import Checkpoint, Scalar
 from .manager import CheckpointManager, latest_checkpoint
 from .preemption import (
@@ -28,7 +29,7 @@ from .preemption import (
     TerminationConfig,
 )
 
-__all__ = ["Checkpoint", "Scalar", "CheckpointManager", "latest_checkpoint",
+__all__ = ["Checkpoint", "Scalar", "global_generators", "CheckpointManager", "latest_checkpoint",
            "PreemptionCheckpointHandler", "PREEMPTION_EXIT_STATUS", "TerminationConfig",
            "PreemptionWatcher",
            "CheckpointNotFoundError", "CheckpointCorruptError"]

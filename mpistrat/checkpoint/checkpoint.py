@@ -3,8 +3,9 @@
 The objects are named keyword arguments, as in ``tf.train.Checkpoint``; each may be a
 dict, list or tuple of further objects. A leaf is anything with ``numpy()`` and
 ``assign(value)`` (mpistrat's variables, :class:`Scalar`), a NumPy array or a
-``torch.Tensor`` (restored in place), a ``numpy.random.Generator`` (its state is saved,
-so shuffles resume too), or a *stateful* object with ``state_dict()`` and
+``torch.Tensor`` (restored in place), a random generator (a ``numpy.random.Generator``,
+``RandomState``, ``random.Random`` or ``torch.Generator``: its state is saved, so shuffles
+and dropout resume too; :func:`global_generators` gives the process's global ones), or a *stateful* object with ``state_dict()`` and
 ``load_state_dict()`` (a ``torch.nn.Module``, a ``torch.optim.Optimizer``,
 :class:`mpistrat.torch.ZeroRedundancyOptimizer`, whose state is gathered on the rank
 that writes, collectively, first): its state_dict is expanded into arrays and a JSON tree
@@ -45,7 +46,7 @@ from ..errors import TopologyError
 from ..runtime import recorder
 from ..runtime._mpi import Comm, state_comm
 from ..runtime.agreement import agree
-from . import _files
+from . import _files, _random
 from ._files import CheckpointCorruptError, CheckpointNotFoundError
 
 __all__ = ["Checkpoint", "Scalar", "CheckpointNotFoundError", "CheckpointCorruptError"]
@@ -121,7 +122,8 @@ def _leaves(objects: Mapping[str, Any]) -> list[tuple[str, Any]]:
             raise TypeError(
                 f"cannot checkpoint {name!r}: a {type(obj).__name__} ({obj!r:.60}); give an "
                 f"object with numpy() and assign() (an mpistrat Variable), a NumPy array, a "
-                f"torch.Tensor, a numpy.random.Generator, an object with state_dict() and "
+                f"torch.Tensor, a random generator (numpy.random.Generator, RandomState, "
+                f"random.Random, torch.Generator), an object with state_dict() and "
                 f"load_state_dict() (a torch module or optimizer), or wrap numbers in "
                 f"mpistrat.checkpoint.Scalar so restore() can update them in place")
         else:
@@ -147,7 +149,7 @@ def _torch() -> Any:
 def _kind(obj: Any) -> str | None:
     if isinstance(obj, np.ndarray):
         return "array"
-    if isinstance(obj, np.random.Generator):
+    if _random.is_generator(obj):
         return "generator"
     if _is_tensor(obj):
         return "tensor"
@@ -224,7 +226,7 @@ class Checkpoint:
         for name, obj in self._leaves:
             kind = _kind(obj)
             if kind == "generator":
-                parts.append(f"{name}:generator:{type(obj.bit_generator).__name__}")
+                parts.append(f"{name}:generator:{_random.family(obj)}")
             elif kind == "stateful":
                 parts.append(f"{name}:stateful:{_torch().signature(obj)}")
             else:
@@ -362,7 +364,7 @@ class Checkpoint:
             kind = _kind(obj)
             if kind == "generator":
                 entries.append({"name": name, "kind": kind,
-                                "state": _jsonable(obj.bit_generator.state)})
+                                "state": _random.get_state(obj)})
                 continue
             if kind == "stateful":
                 tree, parts = _torch().expand(obj, name)
@@ -459,7 +461,7 @@ class Checkpoint:
         # every collective is done: an object that refuses its value fails on its own rank
         for (_, obj), step, value in zip(self._leaves, plan, received):
             if step[0] == "generator":
-                obj.bit_generator.state = step[1]
+                _random.set_state(obj, step[1])
             elif step[0] == "stateful":
                 _torch().load(obj, step[1], value)
             else:
@@ -506,12 +508,9 @@ class Checkpoint:
                 continue
             if kind == "generator":
                 assert entry.state is not None
-                ours = type(obj.bit_generator).__name__
-                if entry.state["bit_generator"] != ours:
-                    raise ValueError(f"checkpoint entry {name!r} holds a "
-                                     f"{entry.state['bit_generator']} state, the object uses "
-                                     f"{ours}; create the generator with the bit generator it "
-                                     f"was saved with")
+                why = _random.mismatch(obj, entry.state)
+                if why is not None:
+                    raise ValueError(f"checkpoint entry {name!r} {why}")
                 plan.append(("generator", entry.state))
                 continue
             assert entry.dtype is not None and entry.shape is not None and entry.value is not None
@@ -610,8 +609,8 @@ def _check_entries(raw: list[Any], arrays: dict[str, np.ndarray],
         if kind not in _KINDS:
             raise bad(i, '"kind"', kind, f"one of {list(_KINDS)}")
         if kind == "generator":
-            found[name] = _Entry(kind, state=_check_state(entry.get("state"),
-                                                          lambda v, e: bad(i, '"state"', v, e)))
+            found[name] = _Entry(kind, state=_random.check_state(
+                entry.get("state"), lambda v, e: bad(i, '"state"', v, e)))
             continue
         if kind == "stateful":
             described = entry.get("arrays")
@@ -694,24 +693,6 @@ def _member(member: np.ndarray, dtype: np.dtype, shape: tuple[int, ...],
     return np.asarray(value, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
 
 
-def _check_state(state: Any, bad: Callable[[Any, str], Exception]) -> dict[str, Any]:
-    """A generator entry's state, checked by setting it on a fresh bit generator of the
-    class it names (so it sets on every rank's generator of that class too)."""
-    if not isinstance(state, dict):
-        raise bad(state, "a bit generator's state (an object)")
-    name = state.get("bit_generator")
-    cls = getattr(np.random, name, None) if isinstance(name, str) and name.isidentifier() \
-        else None
-    if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)) or \
-            cls is np.random.BitGenerator:
-        raise bad(name, "the name of a NumPy bit generator (PCG64, MT19937, ...) in "
-                        "\"bit_generator\"")
-    try:
-        cls().state = state
-    except Exception as exc:  # noqa: BLE001 - NumPy's checks raise several types
-        raise bad(state, f"a state {name} accepts ({type(exc).__name__}: {exc})") from None
-    return state
-
 
 def _is_ml_dtype(dtype: np.dtype) -> bool:
     return dtype.type.__module__.split(".")[0] == "ml_dtypes"
@@ -746,7 +727,3 @@ def _parse_dtype(name: Any) -> np.dtype:
         raise ValueError(f"the canonical name of one of {_DTYPES}")
     return dtype
 
-
-def _jsonable(state: Any) -> Any:
-    """A bit generator's state as JSON (its big integers and arrays included)."""
-    return json.loads(json.dumps(state, default=lambda o: o.tolist()))

@@ -60,11 +60,11 @@ from ..elastic import hooks
 from ..elastic.env import ElasticEnv
 from ..runtime import recorder
 from ..runtime._mpi import Comm
+from . import _random
 from .checkpoint import (
     Checkpoint,
     _assign,
     _describe,
-    _jsonable,
     _kind,
     _on_chief,
     _parse_dtype,
@@ -251,7 +251,7 @@ class SnapshotStore:
         for name, obj in self.checkpoint._leaves:
             kind = _kind(obj)
             if kind == "generator":
-                generators[name] = _jsonable(obj.bit_generator.state)
+                generators[name] = _random.get_state(obj)
             elif kind != "stateful":
                 values.append(_host_value(obj))
         # (a slot's first snapshot creates and faults in its memory: not what the next
@@ -395,12 +395,13 @@ class SnapshotStore:
             return self._layout
         entries: list[dict[str, Any]] = []
         offset, arrays = 0, iter(values)
-        generators = 0
+        generators = 0  # (the room their states take in the commit record)
         for name, obj in self.checkpoint._leaves:
             kind = _kind(obj)
             if kind in ("generator", "stateful"):
                 entries.append({"name": name, "kind": kind})
-                generators += kind == "generator"
+                if kind == "generator":
+                    generators += max(1024, 2 * len(json.dumps(_random.get_state(obj))))
                 continue
             value = next(arrays)[0]
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -408,7 +409,7 @@ class SnapshotStore:
                             "shape": list(value.shape), "offset": offset,
                             "nbytes": int(value.nbytes)})
             offset += value.nbytes
-        header = -(-(2048 + 16 * len(entries) + 1024 * generators) // 4096) * 4096
+        header = -(-(2048 + 16 * len(entries) + generators) // 4096) * 4096
         for entry in entries:
             if "offset" in entry:
                 entry["offset"] += header
@@ -537,7 +538,7 @@ class SnapshotStore:
                   for name, tree, part in record["states"]}
         for (name, obj), entry, value in zip(self.checkpoint._leaves, entries, received):
             if entry["kind"] == "generator":
-                obj.bit_generator.state = record["generators"][name]
+                _random.set_state(obj, record["generators"][name])
             elif entry["kind"] == "stateful":
                 _torch().load(obj, *states[name])
             else:
@@ -682,10 +683,14 @@ class SnapshotStore:
         for name, obj in self.checkpoint._leaves:
             if _kind(obj) == "generator":
                 state = generators.get(name) if isinstance(generators, dict) else None
-                if not isinstance(state, dict) or state.get("bit_generator") != \
-                        type(obj.bit_generator).__name__:
-                    raise ValueError(f"generator {name!r} has no "
-                                     f"{type(obj.bit_generator).__name__} state")
+
+                def bad(value: Any, expected: str, name: str = name) -> ValueError:
+                    return ValueError(f"generator {name!r} has {_short(value)}, expected "
+                                      f"{expected}")
+
+                why = _random.mismatch(obj, _random.check_state(state, bad))
+                if why is not None:
+                    raise ValueError(f"generator {name!r} {why}")
         states: list[tuple[str, Any, list[Any]]] = []
         if any(_kind(obj) == "stateful" for _, obj in self.checkpoint._leaves):
             states = _check_states(record, layout, data, self.checkpoint._leaves)

@@ -251,6 +251,36 @@ def test_round_trip_restores_every_kind_of_leaf_on_every_rank(comm):
             shutil.rmtree(root, ignore_errors=True)
 
 
+def test_the_global_generators_resume_on_every_rank(world, root):
+    """``random``'s, NumPy's global and torch's default generator in a snapshot: after a
+    relaunch that reseeds them (differently on each rank), every rank draws what the
+    writer would have drawn next."""
+    import random
+
+    torch = pytest.importorskip("torch")
+    seed = 10 + world.rank  # (seeded per rank: the restore gives every rank the writer's)
+    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+    random.random(), np.random.randn(), torch.rand(3)
+    step = Scalar(0)
+    checkpoint = Checkpoint(comm=world, step=step, rng=ms.checkpoint.global_generators())
+    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
+                          comm=world, root=root)
+    step.assign(3)
+    store.take((KIND, 3))
+
+    def draw():
+        return [random.random(), random.gauss(0, 1), float(np.random.rand()),
+                float(np.random.randn()), *torch.rand(2).tolist()]
+
+    expected = world.bcast(draw() if world.rank == 0 else None)
+    random.seed(99 + world.rank), np.random.seed(99), torch.manual_seed(world.rank)
+    step.assign(0)
+    info = _outcome_everywhere(world, store)
+    assert info is not None and int(step) == 3
+    assert draw() == expected
+    store.close()
+
+
 def test_nothing_to_restore_is_none_and_changes_nothing(world, root):
     state = State(world)
     state.set(5)
@@ -674,9 +704,19 @@ SLOT_ATTACKS = {
     "save counter true": (recommit(put(save_counter=True)), "save_counter is True"),
     "bad position": (recommit(put(position=[KIND, -1])), "position is"),
     "position not a pair": (recommit(put(position=KIND)), "position is"),
-    "no generator": (recommit(put(generators={})), "generator 'rng' has no PCG64 state"),
-    "another generator": (recommit(put(generators={"rng": {"bit_generator": "MT19937"}})),
-                          "generator 'rng' has no PCG64 state"),
+    "no generator": (recommit(put(generators={})),
+                     "generator 'rng' has None, expected a generator's state"),
+    "a state its generator refuses": (
+        recommit(put(generators={"rng": {"bit_generator": "MT19937"}})),
+        "generator 'rng' has .*, expected a state MT19937 accepts"),
+    "another generator's state": (
+        recommit(put(generators={"rng": json.loads(json.dumps(
+            np.random.SFC64(5).state, default=lambda o: o.tolist()))})),
+        "generator 'rng' holds a SFC64 state, the object is a PCG64"),
+    "a forged legacy state": (
+        recommit(put(generators={"rng": {"bit_generator": "RandomState", "key": "AAAA",
+                                         "pos": 0, "has_gauss": 0, "gauss": 0.0}})),
+        "generator 'rng' has 'AAAA', expected the base64 of 624 32-bit words"),
     "checksums missing": (recommit(lambda r: r["checksums"].pop()),
                           "its checksums are not one per value"),
     "checksum negative": (recommit(lambda r: r["checksums"].__setitem__(0, -1)),

@@ -675,7 +675,7 @@ def test_forged_entries(tmp_path, change, match):
 
 
 @pytest.mark.parametrize("state, match", [
-    ("x", r'"state" \'x\', expected a bit generator'),
+    ("x", r'"state" \'x\', expected a generator\'s state'),
     ({"bit_generator": "os"}, r'"state" \'os\', expected the name of a NumPy bit generator'),
     ({"bit_generator": "BitGenerator"}, "expected the name of a NumPy bit generator"),
     ({"bit_generator": "PCG64", "state": 5}, r"expected a state PCG64 accepts"),
@@ -751,7 +751,7 @@ def test_objects_that_differ_from_a_valid_checkpoint_are_a_value_error(tmp_path)
         Checkpoint(comm=SELF, v=np.zeros((3, 4), np.float32), step=Scalar(0),
                    rng=np.random.default_rng()).restore(path)
     assert type(info.value) is ValueError
-    with pytest.raises(ValueError, match="holds a PCG64 state, the object uses MT19937"):
+    with pytest.raises(ValueError, match="holds a PCG64 state, the object is a MT19937"):
         Checkpoint(comm=SELF, w=np.zeros((3, 4), np.float32), step=Scalar(0),
                    rng=np.random.Generator(np.random.MT19937())).restore(path)
 
