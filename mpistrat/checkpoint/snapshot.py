@@ -176,6 +176,9 @@ class SnapshotStore:
         self._thread: threading.Thread | None = None
         self._warned = False
         self._next_slot = 0
+        # each leaf's kind, once: an object keeps its kind (a torch one exists only once
+        # torch is imported), and take() runs at every step boundary
+        self._kinds = [(name, obj, _kind(obj)) for name, obj in self.checkpoint._leaves]
         self._background = 0.0  # seconds the last snapshot's background work took
         self.last_cost = 0.0  # seconds the last take() took here
         self.skipped: tuple[str, ...] = ()  # what the last restore() found and skipped
@@ -198,8 +201,8 @@ class SnapshotStore:
         """Whether :meth:`take` is collective: a stateful leaf holds its state in shares
         (a ZeroRedundancyOptimizer), gathered on every host's writer at each snapshot,
         so every rank takes every snapshot or none."""
-        return any(_kind(obj) == "stateful" and _torch().needs_gather(obj)
-                   for _, obj in self.checkpoint._leaves)
+        return any(kind == "stateful" and _torch().needs_gather(obj)
+                   for _, obj, kind in self._kinds)
 
     @property
     def layout_path(self) -> str:
@@ -248,8 +251,7 @@ class SnapshotStore:
         self.wait()  # (the previous snapshot is committed: snapshots commit in order)
         values: list[tuple[np.ndarray, bool]] = []
         generators: dict[str, Any] = {}
-        for name, obj in self.checkpoint._leaves:
-            kind = _kind(obj)
+        for name, obj, kind in self._kinds:
             if kind == "generator":
                 generators[name] = _random.get_state(obj)
             elif kind != "stateful":
@@ -371,8 +373,7 @@ class SnapshotStore:
         A sharded optimizer's state is gathered on every host's writer in turn, so
         this is collective when the checkpoint holds one (every rank is at the same
         step boundary)."""
-        leaves = [(name, obj) for name, obj in self.checkpoint._leaves
-                  if _kind(obj) == "stateful"]
+        leaves = [(name, obj) for name, obj, kind in self._kinds if kind == "stateful"]
         if not leaves:
             return []
         torch_leaves = _torch()
