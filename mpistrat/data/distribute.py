@@ -28,8 +28,18 @@ import numpy as np
 from .._nest import map_structure
 from ..elastic.hooks import iteration_ended, iteration_started, step_boundary, take_resume
 from ..runtime import recorder
-from ._pipeline import _Batch, _Files, _Iterable, _Shuffle
-from .dataset import UNKNOWN_CARDINALITY, ArraySpec, Dataset, _arrays, _chain, _Run
+from .dataset import (
+    UNKNOWN_CARDINALITY,
+    ArraySpec,
+    Dataset,
+    _arrays,
+    _Batch,
+    _chain,
+    _Files,
+    _Iterable,
+    _Run,
+    _Shuffle,
+)
 from .input_context import InputContext
 from .iterator import DistributedIterator
 from .options import AutoShardPolicy, AutoShardWarning, InputOptions, InputReplicationMode
