@@ -37,8 +37,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "ParameterServerStrategy":  # (the package's own lazy name: the same object)
-        value = getattr(importlib.import_module("mpistrat"), name)
+    if name == "ParameterServerStrategy":  # (where mpistrat's lazy name loads it from)
+        value = importlib.import_module("mpistrat.ps.strategy").ParameterServerStrategy
     elif name == "coordinator":
         value = importlib.import_module("mpistrat.experimental.coordinator")
     else:
