@@ -53,8 +53,10 @@ def _torch_generator() -> type | None:
 
 def is_generator(obj: Any) -> bool:
     """Whether ``obj`` is a generator leaf (module docstring)."""
-    if isinstance(obj, (np.random.Generator, np.random.RandomState, random.Random)):
+    if isinstance(obj, (np.random.Generator, np.random.RandomState)):
         return True
+    if isinstance(obj, random.Random):  # (SystemRandom has no state to save)
+        return not isinstance(obj, random.SystemRandom)
     cls = _torch_generator()
     return cls is not None and isinstance(obj, cls)
 

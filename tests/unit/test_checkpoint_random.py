@@ -183,3 +183,8 @@ def test_valid_states_pass_their_checks():
     for make in [np.random.RandomState, random.Random, np.random.default_rng]:
         state = json.loads(json.dumps(_random.get_state(make(3))))
         assert _random.check_state(state, bad) == state
+
+
+def test_a_generator_without_state_is_refused_at_construction():
+    with pytest.raises(TypeError, match="cannot checkpoint 'rng': a SystemRandom"):
+        Checkpoint(comm=SELF, rng=random.SystemRandom())
