@@ -47,7 +47,7 @@ __all__ = ["watch", "unwatch", "current", "allreduce_max", "Watch", "new_entry",
 _TAG = 0x5A8  # point-to-point tag of notes and verdicts, on the private communicator
 _MONITORS = 2  # ranks 0 and 1 of each communicator
 _ANNOUNCED = 0  # the key of announcements (a channel's key is never 0 in practice)
-_SPIN = 10e-3  # poll (yielding the core) without sleeping for this long: short waits
+SPIN = 10e-3  # poll (yielding the core) without sleeping for this long: short waits
 VERDICT_WAIT = 2.0  # seconds a timed-out non-monitor waits at most for the monitors' list
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mpistrat/
 # Code that runs collectives but is not one (the script's runner, the CLI, benchmark
@@ -233,8 +233,8 @@ class Watch:
         while not request.Test():
             now = entry[POLLED] = time.monotonic()
             waited = now - start
-            if waited < _SPIN:
-                _yield()
+            if waited < SPIN:
+                yield_core()
                 continue
             if waited >= note_at:
                 self._send_notes(channel, what)
@@ -419,7 +419,7 @@ class Watch:
         return error
 
 
-_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _to_stderr(text: str) -> None:
