@@ -29,9 +29,19 @@ How each call runs:
   ``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``all_to_all`` are MPI's own
   collectives over the tensors' bytes (every dtype travels, bfloat16 too).
 * Collectives complete before they return (their ``Work`` is finished, ``wait()`` is free
-  and ``get_future()`` is already done): the ranks' order of calls is the MPI order.
-  ``send``/``recv`` are non-blocking MPI requests that ``wait()`` completes, on a
-  communicator of their own so that their tags never meet a collective.
+  and ``get_future()`` is already done): the ranks' order of calls is the MPI order. A
+  work's result is gloo's: the call's tensors (``all_gather``'s and the root's
+  ``gather``'s output list, ``[]`` for a barrier). ``send``/``recv`` are non-blocking
+  MPI requests that ``wait()`` completes, on a communicator of their own so that their
+  tags never meet a collective.
+* The group's methods take every form torch's ``ProcessGroup`` takes (its C++
+  overloads): no options, one tensor instead of a list, ``op=``/``root=``/``timeout=``
+  (``group.allreduce(t)``, ``group.broadcast(t, root=0)``, ``group.gather(outs, t, 0)``).
+  Several tensors in ``allreduce``, ``broadcast`` and ``all_gather`` are c10d's
+  multi-device form, run as gloo runs it: ``allreduce`` reduces every tensor of every
+  rank into one result that each receives, ``broadcast`` sends the root's tensor
+  ``rootTensor`` to each, ``all_gather`` of n inputs fills each of its n output lists
+  with every rank's n inputs (independent tensors are ``allreduce_coalesced``'s).
 * A timeout given to ``init_process_group``/``new_group`` (other than torch's default of
   30 minutes) bounds every collective's agreement and every send's or receive's wait:
   past it the ranks that arrived raise :class:`~mpistrat.CollectiveTimeoutError` naming
@@ -108,7 +118,19 @@ _FAST = {(red, dtype): name for red, name in _ENGINE_OPS.items()
          if red != _RED.AVG or dtype.is_floating_point}
 _SUMMABLE = frozenset(dtype for _, dtype in _FAST)
 _SUM_OP = dist.ReduceOp.SUM
-_UNSET_TIMEOUT = dist.AllreduceOptions().timeout  # (a call without a timeout of its own)
+_ALLREDUCE_OPTIONS = dist.AllreduceOptions
+_UNSET_TIMEOUT = _ALLREDUCE_OPTIONS().timeout  # (a call without a timeout of its own)
+# (torch.distributed has no AllgatherOptions of its own: torch's C extension has)
+_ALLGATHER_OPTIONS = torch._C._distributed_c10d.AllgatherOptions
+# several tensors' all_reduce (c10d's multi-device form) combines them first, in list order
+_COMBINE: dict[Any, Callable[..., Any]] = {
+    _RED.SUM: torch.add, _RED.AVG: torch.add, _RED.PRODUCT: torch.mul,
+    _RED.MIN: torch.minimum, _RED.MAX: torch.maximum, _RED.BAND: torch.bitwise_and,
+    _RED.BOR: torch.bitwise_or, _RED.BXOR: torch.bitwise_xor}
+_COMBINE_BOOL: dict[Any, Callable[..., Any]] = {
+    _RED.SUM: torch.logical_or, _RED.AVG: torch.logical_or, _RED.MAX: torch.logical_or,
+    _RED.BOR: torch.logical_or, _RED.PRODUCT: torch.logical_and,
+    _RED.MIN: torch.logical_and, _RED.BAND: torch.logical_and, _RED.BXOR: torch.logical_xor}
 
 
 class ProcessGroupMPI(dist.ProcessGroup):
@@ -281,13 +303,19 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._reduce_arrays([host_view(t) for t in tensors], op)
         return []
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None, *rest: Any,
+                  **forms: Any) -> Done:
+        if opts.__class__ is not _ALLREDUCE_OPTIONS or tensors.__class__ is not list or \
+                rest or forms:
+            # no options, or torch's other forms: allreduce(tensor(s), op=SUM, timeout=None)
+            tensors = _listed(tensors)
+            opts = _options(_ALLREDUCE_OPTIONS, opts, rest, forms, ("op", "timeout"))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("all_reduce", "allreduce", tensors, tensors, "",
                                     lambda: self.allreduce(tensors, opts))
             DOORS.direct = False
-        opts = dist.AllreduceOptions() if opts is None else opts
+        opts = _ALLREDUCE_OPTIONS() if opts is None else opts
         if len(tensors) == 1 and self._timeout is None:
             # the common call (DDP's buckets, dist.all_reduce): straight into the engine,
             # whose own agreement checks the call on every rank (and carries a small
@@ -318,25 +346,63 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 return done
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, opts)
+        if len(tensors) > 1:
+            return self._allreduce_several(tensors, opts)
         return self._allreduce("all_reduce", tensors, opts)
+
+    def _allreduce_several(self, tensors: list[torch.Tensor], opts: Any) -> Done:
+        """``allreduce`` of several tensors, c10d's multi-device form (as gloo runs it):
+        every tensor of every rank reduced into one result, which every tensor receives.
+        Each rank combines its tensors in list order, then one all-reduce runs (AVG:
+        their sum, divided by the group's size, as gloo). Several independent tensors
+        are ``allreduce_coalesced``'s."""
+        first = tensors[0]
+
+        def describe() -> str:
+            for t in tensors[1:]:
+                if (t.dtype, t.shape, t.layout) != (first.dtype, first.shape, first.layout):
+                    raise ValueError(f"all_reduce of several tensors reduces them all into "
+                                     f"one result: they must have one dtype and shape, got "
+                                     f"{describe_tensors(tensors)}")
+            return f"all_reduce of {len(tensors)} op={self._op(opts, first.dtype)} " \
+                   f"{describe_tensors([first])}"
+        self._checked("all_reduce", opts, describe)
+        kind = getattr(opts.reduceOp, "op", opts.reduceOp)
+        combine = (_COMBINE_BOOL if first.dtype == torch.bool else _COMBINE)[kind]
+        with torch.no_grad():
+            combined = first.detach().clone()
+            for t in tensors[1:]:
+                combined = combine(combined, t.detach().to(combined.device))
+            self._allreduce("all_reduce", [combined], opts)
+            for t in tensors:
+                t.copy_(combined)
+        return Done(tensors)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Done:
         """SUM of sparse COO tensors (DDP's gradients of ``nn.Embedding(sparse=True)``):
         every rank's indices and values gathered, concatenated in rank order and
-        coalesced; the result replaces each tensor's contents."""
+        coalesced; the result replaces each tensor's contents. Several tensors (c10d's
+        multi-device form, as gloo) are all summed into one result that each receives."""
         def describe() -> str:
-            if (opts.reduceOp.op != _RED.SUM or len(tensors) != 1
-                    or tensors[0].layout != torch.sparse_coo):
-                raise TypeError("sparse all_reduce takes one sparse COO tensor and SUM")
-            return f"all_reduce sparse {tuple(tensors[0].shape)}:{tensors[0].dtype}"
+            if (opts.reduceOp.op != _RED.SUM
+                    or any(t.layout != torch.sparse_coo for t in tensors)
+                    or len({(tuple(t.shape), t.dtype) for t in tensors}) != 1):
+                raise TypeError("sparse all_reduce takes sparse COO tensors of one shape "
+                                "and dtype, and SUM")
+            return f"all_reduce sparse {len(tensors)}x{tuple(tensors[0].shape)}:" \
+                   f"{tensors[0].dtype}"
         self._checked("all_reduce", opts, describe)
         tensor = tensors[0]
-        mine = tensor.detach().coalesce().cpu()
+        mine = tensor.detach().cpu()
+        for other in tensors[1:]:
+            mine = mine + other.detach().cpu()
+        mine = mine.coalesce()
         indices = self._gather_rows(mine.indices().t().contiguous())
         values = self._gather_rows(mine.values().contiguous())
         total = torch.sparse_coo_tensor(indices.t(), values, tensor.shape).coalesce()
         with torch.no_grad():
-            tensor.copy_(total.to(tensor.device))
+            for t in tensors:
+                t.copy_(total.to(t.device))
         return Done(tensors)
 
     def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -380,7 +446,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
             self._device_spec = _spec_from_env(TORCH_CUDA_SPEC, "nccl")
         return self._device_spec
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None, *rest: Any,
+               **forms: Any) -> Done:
+        if tensors.__class__ is not list or rest or forms or \
+                not isinstance(opts, (dist.ReduceOptions, type(None))):
+            # torch's other form: reduce(tensor, root, op=SUM, timeout=None)
+            tensors = _listed(tensors)
+            opts = _options(dist.ReduceOptions, opts, rest, forms, ("root", "op", "timeout"))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("reduce", "reduce", tensors, tensors, "",
@@ -388,8 +460,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
             DOORS.direct = False
         opts = dist.ReduceOptions() if opts is None else opts
         root = opts.rootRank
-        tensor = tensors[0]
         self._check_root("reduce", root)
+        if len(tensors) != 1:
+            self._fail("reduce", ValueError(f"reduce takes one tensor, got {len(tensors)}"),
+                       opts)
+        tensor = tensors[0]
         work = tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         self._reduce(f"reduce root={root}", [work], opts)
         if self._comm.Get_rank() == root:
@@ -398,7 +473,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return Done(tensors)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None,
+                       *rest: Any, **forms: Any) -> Done:
+        if isinstance(output_tensors, torch.Tensor):
+            # torch's other form: reduce_scatter(output, inputs, op=SUM, timeout=None)
+            output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
+        if rest or forms or not isinstance(opts, (dist.ReduceScatterOptions, type(None))):
+            opts = _options(dist.ReduceScatterOptions, opts, rest, forms, ("op", "timeout"))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("reduce_scatter", "reduce_scatter", input_tensors,
@@ -456,11 +537,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
     # --- data movement ------------------------------------------------------------------
 
     def _one_per_rank(self, what: str, tensors: Sequence[torch.Tensor],
-                      like: torch.Tensor) -> None:
-        """Raise unless ``tensors`` holds one tensor per rank of ``like``'s size and
-        dtype."""
-        if len(tensors) != self._size:
-            raise ValueError(f"{what} must be one tensor per rank ({self._size}), got "
+                      like: torch.Tensor, each: int = 1) -> None:
+        """Raise unless ``tensors`` holds ``each`` tensors per rank of ``like``'s size
+        and dtype."""
+        if len(tensors) != self._size * each:
+            per = "one tensor" if each == 1 else f"{each} tensors"
+            raise ValueError(f"{what} must be {per} per rank ({self._size} ranks), got "
                              f"{len(tensors)}")
         for t in tensors:
             if t.numel() != like.numel() or t.dtype != like.dtype:
@@ -475,46 +557,91 @@ class ProcessGroupMPI(dist.ProcessGroup):
     def _fail(self, what: str, error: BaseException, opts: Any) -> None:
         self._agree(what, None, error, getattr(opts, "timeout", None))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Done:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None, *rest: Any,
+                  **forms: Any) -> Done:
+        if tensors.__class__ is not list or rest or forms or \
+                not isinstance(opts, (dist.BroadcastOptions, type(None))):
+            # torch's other form: broadcast(tensor, root, timeout=None)
+            tensors = _listed(tensors)
+            opts = _options(dist.BroadcastOptions, opts, rest, forms, ("root", "timeout"))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("broadcast", "broadcast", tensors, tensors, "MPI_Bcast",
                                     lambda: self.broadcast(tensors, opts))
             DOORS.direct = False
         opts = dist.BroadcastOptions() if opts is None else opts
-        root = opts.rootRank
+        root, index = opts.rootRank, opts.rootTensor
         self._check_root("broadcast", root)
-        self._checked("broadcast", opts, lambda: f"broadcast root={root} "
-                                                 f"{describe_tensors(tensors)}")
+
+        def describe() -> str:
+            # several tensors: c10d's multi-device form (as gloo runs it), the root's
+            # tensor rootTensor goes to every tensor of every rank
+            if not 0 <= index < len(tensors):
+                raise ValueError(f"broadcast: root tensor {index} is not one of the "
+                                 f"{len(tensors)} tensors")
+            like = tensors[index]
+            if any((t.dtype, t.shape) != (like.dtype, like.shape) for t in tensors):
+                raise ValueError(f"broadcast of several tensors sends the root's tensor "
+                                 f"{index} to each: they must have one dtype and shape, "
+                                 f"got {describe_tensors(tensors)}")
+            return f"broadcast root={root} of {len(tensors)} {describe_tensors([like])}"
+        self._checked("broadcast", opts, describe)
         is_root = self._comm.Get_rank() == root
-        for tensor in tensors:
-            staged = Staged(tensor, read=is_root)
-            if self._size > 1 and tensor.numel():
-                self._comm.Bcast(byte_view(staged.work), root=root)
-            if not is_root:
-                staged.done()
+        tensor = tensors[index]
+        staged = Staged(tensor, read=is_root)
+        if self._size > 1 and tensor.numel():
+            self._comm.Bcast(byte_view(staged.work), root=root)
+        if not is_root:
+            staged.done()
+        if len(tensors) > 1:
+            with torch.no_grad():
+                for other in tensors:
+                    if other is not tensor:
+                        other.copy_(tensor)
         return Done(tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
-                  input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
+                  input_tensors: list[torch.Tensor], opts: Any = None, *rest: Any,
+                  **forms: Any) -> Done:
+        if isinstance(input_tensors, torch.Tensor):
+            # torch's other form: allgather(outputs, input, timeout=None)
+            output_tensors, input_tensors = [list(output_tensors)], [input_tensors]
+        if rest or forms or not isinstance(opts, (_ALLGATHER_OPTIONS, type(None))):
+            opts = _options(_ALLGATHER_OPTIONS, opts, rest, forms, ("timeout",))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("all_gather", "allgather", input_tensors, output_tensors,
                                     "MPI_Allgather",
                                     lambda: self.allgather(output_tensors, input_tensors, opts))
             DOORS.direct = False
-        opts = dist.AllgatherOptions() if opts is None else opts
-        outputs, input = output_tensors[0], input_tensors[0]
+        opts = _ALLGATHER_OPTIONS() if opts is None else opts
+        # n inputs (c10d's multi-device form, as gloo runs it): each of the n output lists
+        # gets every rank's n inputs, rank by rank (outputs[i][r * n + j] = rank r's j)
+        n = len(input_tensors)
 
         def describe() -> str:
-            self._one_per_rank("all_gather's outputs", outputs, input)
-            return f"all_gather {describe_tensors([input])}"
+            if not n or len(output_tensors) != n:
+                raise ValueError(f"all_gather needs one output list per input tensor, got "
+                                 f"{len(output_tensors)} for {n}")
+            like = input_tensors[0]
+            for t in input_tensors[1:]:
+                if t.numel() != like.numel() or t.dtype != like.dtype:
+                    raise ValueError(f"all_gather's inputs must have one size and dtype, "
+                                     f"got {describe_tensors(input_tensors)}")
+            for outputs in output_tensors:
+                self._one_per_rank("all_gather's outputs", outputs, like, n)
+            return f"all_gather of {n} {describe_tensors([like])}"
         self._checked("all_gather", opts, describe)
-        gathered = self._gather_all(input)
+        numel = input_tensors[0].numel()
+        gathered = self._gather_all(input_tensors[0] if n == 1 else torch.cat(
+            [t.detach().reshape(-1).to("cpu") for t in input_tensors]))
         with torch.no_grad():
-            for k, t in enumerate(outputs):
-                t.copy_(gathered[k].view(t.shape))
-        return Done(output_tensors)
+            for outputs in output_tensors:
+                for k, t in enumerate(outputs):
+                    part = gathered[k // n, (k % n) * numel:(k % n + 1) * numel]
+                    t.copy_(part.view(t.shape))
+        # the work's result as gloo's: the output list (the lists, for several inputs)
+        return Done(output_tensors[0] if n == 1 else output_tensors)
 
     def _gather_all(self, input: torch.Tensor) -> torch.Tensor:
         source = Staged(input).work
@@ -530,7 +657,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                                     [output], "MPI_Allgather",
                                     lambda: self._allgather_base(output, input, opts))
             DOORS.direct = False
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = _ALLGATHER_OPTIONS() if opts is None else opts
 
         def describe() -> str:
             if output.numel() != input.numel() * self._size or output.dtype != input.dtype:
@@ -578,15 +705,25 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return Done(output_lists)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
-               input_tensors: list[torch.Tensor], opts: Any = None) -> Done:
+               input_tensors: list[torch.Tensor], opts: Any = None, *rest: Any,
+               **forms: Any) -> Done:
+        if isinstance(input_tensors, torch.Tensor):
+            # torch's other form: gather(outputs, input, root, timeout=None)
+            output_tensors, input_tensors = [list(output_tensors)], [input_tensors]
+        if rest or forms or not isinstance(opts, (dist.GatherOptions, type(None))):
+            opts = _options(dist.GatherOptions, opts, rest, forms, ("root", "timeout"))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("gather", "gather", input_tensors, output_tensors, "MPI_Gather",
                                     lambda: self.gather(output_tensors, input_tensors, opts))
             DOORS.direct = False
         opts = dist.GatherOptions() if opts is None else opts
-        root, input = opts.rootRank, input_tensors[0]
+        root = opts.rootRank
         self._check_root("gather", root)
+        if len(input_tensors) != 1:
+            self._fail("gather", ValueError(f"gather takes one input tensor, got "
+                                            f"{len(input_tensors)}"), opts)
+        input = input_tensors[0]
         is_root = self._comm.Get_rank() == root
 
         def describe() -> str:
@@ -604,10 +741,17 @@ class ProcessGroupMPI(dist.ProcessGroup):
                     t.copy_(gathered[k].view(t.shape))
         else:
             self._comm.Gather(byte_view(source), None, root=root)
-        return Done(output_tensors)
+        # the work's result as gloo's: the root's output list
+        return Done(output_tensors[0] if is_root else [])
 
     def scatter(self, output_tensors: list[torch.Tensor],
-                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Done:
+                input_tensors: list[list[torch.Tensor]], opts: Any = None, *rest: Any,
+                **forms: Any) -> Done:
+        if isinstance(output_tensors, torch.Tensor):
+            # torch's other form: scatter(output, inputs, root, timeout=None)
+            output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
+        if rest or forms or not isinstance(opts, (dist.ScatterOptions, type(None))):
+            opts = _options(dist.ScatterOptions, opts, rest, forms, ("root", "timeout"))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("scatter", "scatter", input_tensors, output_tensors,
@@ -615,8 +759,12 @@ class ProcessGroupMPI(dist.ProcessGroup):
                                     lambda: self.scatter(output_tensors, input_tensors, opts))
             DOORS.direct = False
         opts = dist.ScatterOptions() if opts is None else opts
-        root, output = opts.rootRank, output_tensors[0]
+        root = opts.rootRank
         self._check_root("scatter", root)
+        if len(output_tensors) != 1:
+            self._fail("scatter", ValueError(f"scatter takes one output tensor, got "
+                                             f"{len(output_tensors)}"), opts)
+        output = output_tensors[0]
         is_root = self._comm.Get_rank() == root
 
         def describe() -> str:
@@ -666,7 +814,10 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: Any = None) -> Done:
+                      opts: Any = None, **forms: Any) -> Done:
+        if forms or not isinstance(opts, (dist.AllToAllOptions, type(None))):
+            # torch's other form: alltoall_base(output, input, splits, splits, timeout)
+            opts = _options(dist.AllToAllOptions, opts, (), forms, ("timeout",))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("all_to_all_single", "alltoall_base", [input], [output],
@@ -734,7 +885,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._comm.Alltoallv([byte_view(send), counts_out, displ_out, MPI.BYTE],
                              [byte_view(receive), counts_in, displ_in, MPI.BYTE])
 
-    def barrier(self, opts: Any = None) -> Done:
+    def barrier(self, opts: Any = None, **forms: Any) -> Done:
+        if forms or not isinstance(opts, (dist.BarrierOptions, type(None))):
+            opts = _options(dist.BarrierOptions, opts, (), forms, ("timeout",))
         if recorder.on:  # (off: this one branch; on: the call again, inside its span)
             if not DOORS.direct:
                 return self._traced("barrier", "barrier", (), (), "agreement",
@@ -743,7 +896,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         opts = dist.BarrierOptions() if opts is None else opts
         # the agreement is itself a synchronising collective of every rank
         self._agree("barrier", "barrier", None, getattr(opts, "timeout", None))
-        return Done(None)
+        return Done([])
 
     # --- point to point -------------------------------------------------------------------
 
@@ -795,6 +948,41 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 "Process Group Name": self._name, "Process Group Description": self._desc}
         recorder.end(start, f"torch.distributed.{what}", recorder.COLLECTIVE, args)
         return args
+
+
+# torch's other forms of a call (ProcessGroup's overloads, as its C++ binding takes them:
+# allreduce(tensor, op=...), broadcast(tensor, root), gather(outputs, input, root) ...):
+# the option each of their arguments sets
+_FIELDS = {"op": "reduceOp", "root": "rootRank", "timeout": "timeout"}
+
+
+def _options(cls: Any, opts: Any, rest: tuple, forms: dict[str, Any],
+             names: tuple[str, ...]) -> Any:
+    """A call's options: ``opts`` when it is one (a ``cls``), else a new ``cls`` set
+    from the arguments of torch's other forms of the call: ``names`` (of ``op``,
+    ``root``, ``timeout``) in their order after the tensors, or by keyword."""
+    if not rest and not forms and (opts is None or isinstance(opts, cls)):
+        return opts
+    values = ([] if opts is None else [opts]) + list(rest)
+    if len(values) > len(names) or any(isinstance(v, cls) for v in values):
+        raise TypeError(f"unexpected arguments {values!r}: give a {cls.__name__} or "
+                        f"{', '.join(names)}")
+    given = dict(zip(names, values))
+    for key, value in forms.items():
+        if key not in names or key in given:
+            raise TypeError(f"unexpected argument {key}={value!r}: give a {cls.__name__} "
+                            f"or {', '.join(names)}")
+        given[key] = value
+    made = cls()
+    for key, value in given.items():
+        if value is not None:
+            setattr(made, _FIELDS[key], value)
+    return made
+
+
+def _listed(tensors: Any) -> list[torch.Tensor]:
+    """A call's tensors as a list (torch's other forms take one tensor)."""
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def _flat_tensors(items: Any) -> list[torch.Tensor]:

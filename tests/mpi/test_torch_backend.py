@@ -47,6 +47,16 @@ def pg():
         yield group
 
 
+def agreement_threads() -> int:
+    return sum(t.name == "mpistrat-agreement" for t in threading.enumerate())
+
+
+def idle_agreement_threads() -> int:
+    from mpistrat.runtime.agreement import _Blocking
+    with _Blocking._lock:
+        return len(_Blocking._idle)
+
+
 def seeded(*key) -> np.random.Generator:
     """A generator that every rank can make for any rank's inputs."""
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
@@ -943,12 +953,14 @@ def test_timeout_names_the_rank_that_did_not_come(pg):
             if isinstance(exc, CollectiveTimeoutError) and exc.missing != [0]:
                 problems.append(f"rank {rank}: missing {exc.missing}, expected [0]")
     WORLD.Barrier()
-    # the others' agreement thread ended with rank 0's late barrier
-    for thread in threading.enumerate():
-        if thread.name == "mpistrat-agreement":
-            thread.join(10)
-            if thread.is_alive():
-                problems.append(f"rank {rank}: an agreement thread is still waiting")
+    # the others' abandoned agreement returned with rank 0's late barrier: its thread is
+    # idle again, ready for the next timed call (none is still in a collective)
+    deadline = time.monotonic() + 10
+    while idle_agreement_threads() != agreement_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if idle_agreement_threads() != agreement_threads():
+        problems.append(f"rank {rank}: an agreement thread is still waiting "
+                        f"({idle_agreement_threads()} of {agreement_threads()} idle)")
     dist.destroy_process_group(timed)
     t = torch.full((3,), float(rank + 1))
     dist.all_reduce(t)
@@ -1089,3 +1101,159 @@ def test_the_same_tensor_resized_or_given_new_storage_is_reduced_whole(pg):
         if not torch.equal(u, torch.full((3,), want, dtype=torch.float64)):
             problems.append(f"{op}: {u.tolist()}, expected {want}")
     finish(WORLD, problems, [])
+
+
+# --- found by PyTorch's test_c10d_gloo.py (bin/torch-upstream-check --suite c10d-gloo) ---
+
+def _the_same(got, want) -> bool:
+    """``got`` holds the very tensors (or lists of them) of ``want``, in order."""
+    return len(got) == len(want) and all(
+        g is w or (isinstance(w, list) and _the_same(g, w)) for g, w in zip(got, want))
+
+
+def test_calls_without_options_and_torchs_other_forms(pg):
+    """The group's methods called as torch's ``ProcessGroup`` takes them (its C++
+    overloads): without options (all_gather's own options class is not in
+    ``torch.distributed``), with one tensor and ``op=``/``root=``/``timeout=``, or those
+    in the options' place."""
+    size, rank = WORLD.size, WORLD.rank
+    group, problems = dist.group.WORLD, []
+    wait = datetime.timedelta(seconds=60)
+
+    def expect(label, ok):
+        if not ok:
+            problems.append(label)
+
+    t = torch.full((3,), rank + 1.0)
+    value = group.allreduce(t).get_future().wait()
+    expect("allreduce(tensor)", torch.equal(t, torch.full((3,), size * (size + 1) / 2))
+           and value[0] is t)
+    t = torch.full((2,), rank + 1.0)
+    group.allreduce([t], R.MAX).wait()
+    expect("allreduce(tensors, op)", torch.equal(t, torch.full((2,), float(size))))
+    t = torch.full((2,), rank + 1.0)
+    group.allreduce(t, op=R.MIN, timeout=wait).wait()
+    expect("allreduce(tensor, op=, timeout=)", torch.equal(t, torch.ones(2)))
+    for root in range(size):
+        t = data(rank, (4,), salt=root)
+        group.broadcast(t, root).wait()
+        expect(f"broadcast(tensor, {root})", torch.equal(t, data(root, (4,), salt=root)))
+        t = data(rank, (4,), salt=root)
+        group.broadcast(t, root=root).wait()
+        expect(f"broadcast(tensor, root={root})", torch.equal(t, data(root, (4,), salt=root)))
+        t = torch.full((2,), rank + 1.0)
+        group.reduce(t, root, R.SUM).wait()
+        expect(f"reduce(tensor, {root}, SUM)", rank != root or
+               torch.equal(t, torch.full((2,), size * (size + 1) / 2)))
+        outputs = [torch.zeros(3) for _ in range(size)] if rank == root else []
+        value = group.gather(outputs, data(rank, (3,), salt=root), root).get_future().wait()
+        expect(f"gather(outputs, input, {root})", rank != root or (
+            all(torch.equal(o, data(r, (3,), salt=root)) for r, o in enumerate(outputs))
+            and _the_same(value, outputs)))
+        inputs = [data(root, (3,), salt=r) for r in range(size)] if rank == root else []
+        output = torch.zeros(3)
+        group.scatter(output, inputs, root).wait()
+        expect(f"scatter(output, inputs, {root})", torch.equal(output, data(root, (3,),
+                                                                             salt=rank)))
+    outputs = [torch.zeros(3) for _ in range(size)]
+    value = group.allgather(outputs, data(rank, (3,))).get_future().wait()
+    expect("allgather(outputs, input)", _the_same(value, outputs) and all(
+        torch.equal(o, data(r, (3,))) for r, o in enumerate(outputs)))
+    outputs = [[torch.zeros(3) for _ in range(size)]]
+    value = group.allgather(outputs, [data(rank, (3,))]).get_future().wait()
+    expect("allgather without options (gloo's result: the output list)",
+           _the_same(value, outputs[0]) and all(torch.equal(o, data(r, (3,)))
+                                       for r, o in enumerate(outputs[0])))
+    flat = torch.zeros(size * 3)
+    group._allgather_base(flat, data(rank, (3,))).wait()
+    expect("_allgather_base without options",
+           torch.equal(flat, torch.cat([data(r, (3,)) for r in range(size)])))
+    output = torch.zeros(2)
+    group.reduce_scatter(output, [torch.full((2,), float(r + rank)) for r in range(size)],
+                         R.MAX).wait()
+    expect("reduce_scatter(output, inputs, MAX)",
+           torch.equal(output, torch.full((2,), float(rank + size - 1))))
+    rows = torch.arange(size * 2.0).reshape(size, 2) + 100 * rank
+    got = torch.zeros(size, 2)
+    group.alltoall_base(got, rows, [], [], wait).wait()
+    expect("alltoall_base(..., timeout)", torch.equal(
+        got[:, 0], torch.tensor([100.0 * r + 2 * rank for r in range(size)])))
+    expect("barrier(timeout=)", group.barrier(timeout=wait).get_future().wait() == [])
+    try:
+        group.allreduce([torch.zeros(1)], R.SUM, R.MAX)
+        problems.append("allreduce with too many arguments did not raise")
+    except TypeError:
+        pass
+    finish(WORLD, problems, [])
+
+
+def test_several_tensors_are_reduced_into_one_as_gloo(pg):
+    """c10d's multi-device form (gloo's): every tensor of every rank's list is reduced
+    into one result that each receives; broadcast sends the root's tensor rootTensor to
+    every tensor; all_gather of n inputs fills each of the n output lists with every
+    rank's n inputs. A mismatch inside one list raises on every rank."""
+    size, rank = WORLD.size, WORLD.rank
+    group, problems = dist.group.WORLD, []
+
+    def options(kind, **fields):
+        opts = kind()
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        return opts
+
+    mine = [data(rank, (2, 3), "float64", k) for k in range(3)]
+    want = sum(data(r, (2, 3), "float64", k) for r in range(size) for k in range(3))
+    results = []
+    for op, expected in ((R.SUM, want), (R.AVG, want / size)):
+        tensors = [t.clone() for t in mine]
+        results.append(tensors[0])
+        value = group.allreduce(tensors, options(dist.AllreduceOptions, reduceOp=op))
+        value = value.get_future().wait()
+        if not all(torch.allclose(t, expected, rtol=1e-12, atol=0) for t in tensors) or \
+                not _the_same(value, tensors):
+            problems.append(f"allreduce of 3 tensors, {op}: {tensors[1].tolist()}, "
+                            f"expected {expected.tolist()}")
+    bits_in = [torch.tensor([1 << (rank % 8)], dtype=torch.int32),
+               torch.tensor([1 << (8 + rank % 8)], dtype=torch.int32)]
+    group.allreduce(bits_in, options(dist.AllreduceOptions, reduceOp=R.BOR)).wait()
+    expected = 0
+    for r in range(size):
+        expected |= (1 << (r % 8)) | (1 << (8 + r % 8))
+    if any(t.item() != expected for t in bits_in):
+        problems.append(f"BOR of 2 tensors: {[t.item() for t in bits_in]}, expected "
+                        f"{expected}")
+    sparse = [torch.sparse_coo_tensor([[rank % 5]], [1.0 + rank], (6,)),
+              torch.sparse_coo_tensor([[5]], [2.0], (6,))]
+    group.allreduce(sparse).wait()
+    dense = sum(torch.sparse_coo_tensor([[r % 5]], [1.0 + r], (6,)).to_dense()
+                for r in range(size)) + torch.tensor([0, 0, 0, 0, 0, 2.0 * size])
+    if not all(torch.equal(t.to_dense(), dense) for t in sparse):
+        problems.append(f"sparse allreduce of 2 tensors: {sparse[0].to_dense().tolist()}")
+    for root in range(size):
+        tensors = [data(rank, (5,), salt=k) for k in range(3)]
+        group.broadcast(tensors, options(dist.BroadcastOptions, rootRank=root,
+                                         rootTensor=2)).wait()
+        if not all(torch.equal(t, data(root, (5,), salt=2)) for t in tensors):
+            problems.append(f"broadcast of 3 tensors from root {root}: not its tensor 2")
+    inputs = [data(rank, (2,), salt=j) for j in range(2)]
+    outputs = [[torch.zeros(2) for _ in range(2 * size)] for _ in range(2)]
+    value = group.allgather(outputs, inputs).get_future().wait()
+    for i, listed in enumerate(outputs):
+        for r in range(size):
+            for j in range(2):
+                if not torch.equal(listed[r * 2 + j], data(r, (2,), salt=j)):
+                    problems.append(f"allgather of 2 inputs: outputs[{i}][{r * 2 + j}] is "
+                                    f"not rank {r}'s input {j}")
+    if not _the_same(value, outputs):
+        problems.append("allgather of 2 inputs: its work's result is not the output lists")
+    try:  # rank 0 alone has a wrong list: every rank raises
+        wrong = [torch.zeros(2), torch.zeros(3 if rank == 0 else 2)]
+        group.allreduce(wrong).wait()
+        problems.append(f"rank {rank}: a list of two shapes did not raise")
+    except (ValueError, CollectiveMismatchError):
+        pass
+    after = torch.ones(2)
+    dist.all_reduce(after)
+    if not torch.equal(after, torch.full((2,), float(size))):
+        problems.append(f"all_reduce after the error: {after.tolist()}")
+    finish(WORLD, problems, [(f"{k}", digest(bits(t))) for k, t in enumerate(results)])
