@@ -53,7 +53,7 @@ from ..backends.torch_dtypes import NUMPY_DTYPES, numpy_dtype
 from ..ops import ReduceOp
 from ..runtime import recorder
 from ..runtime._mpi import Comm, world
-from ..runtime.agreement import agree, close_door, dtype_name, open_door
+from ..runtime.agreement import agree, close_door, dtype_name, dtype_of, open_door
 from ..runtime.shared import shared_empty
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
@@ -158,8 +158,7 @@ def broadcast_parameters(source: Any, root: int = 0, comm: Comm | None = None) -
 
 def _dtypes(pairs: list[tuple[str, torch.Tensor]]) -> str:
     """The tensors' dtype as the trace writes it ("mixed" for several)."""
-    found = {str(t.dtype).removeprefix("torch.") for _, t in pairs}
-    return found.pop() if len(found) == 1 else "mixed" if found else ""
+    return dtype_of([t for _, t in pairs]) if pairs else ""
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
