@@ -154,13 +154,13 @@ def check_state(state: Any, bad: Callable[[Any, str], Exception]) -> dict[str, A
         if state["has_gauss"] not in (0, 1) or isinstance(state["has_gauss"], bool):
             raise bad(state["has_gauss"], "0 or 1 in \"has_gauss\"")
         _finite(state["gauss"], bad)
-        return state
+        return _sets(np.random.RandomState(), state, bad)
     if name == _PY:
         _fields(state, {"key", "pos", "gauss"}, bad)
         _mt_key(state, bad)
         if state["gauss"] is not None:
             _finite(state["gauss"], bad)
-        return state
+        return _sets(random.Random(), state, bad)
     if name == _TORCH:
         _fields(state, {"device", "state"}, bad)
         device = state["device"]
@@ -186,6 +186,17 @@ def check_state(state: Any, bad: Callable[[Any, str], Exception]) -> dict[str, A
         cls().state = state
     except Exception as exc:  # noqa: BLE001 - NumPy's checks raise several types
         raise bad(state, f"a state {name} accepts ({type(exc).__name__}: {exc})") from None
+    return state
+
+
+def _sets(fresh: Any, state: dict[str, Any],
+          bad: Callable[[Any, str], Exception]) -> dict[str, Any]:
+    """``state``, once a fresh generator of its kind has taken it (so every rank's does)."""
+    try:
+        set_state(fresh, state)
+    except Exception as exc:  # noqa: BLE001 - NumPy and random raise several types
+        raise bad(state, f"a state a {state['bit_generator']} accepts "
+                         f"({type(exc).__name__}: {exc})") from None
     return state
 
 

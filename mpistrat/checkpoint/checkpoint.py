@@ -5,8 +5,9 @@ dict, list or tuple of further objects. A leaf is anything with ``numpy()`` and
 ``assign(value)`` (mpistrat's variables, :class:`Scalar`), a NumPy array or a
 ``torch.Tensor`` (restored in place), a random generator (a ``numpy.random.Generator``,
 ``RandomState``, ``random.Random`` or ``torch.Generator``: its state is saved, so shuffles
-and dropout resume too; :func:`global_generators` gives the process's global ones), or a *stateful* object with ``state_dict()`` and
-``load_state_dict()`` (a ``torch.nn.Module``, a ``torch.optim.Optimizer``,
+and dropout resume too; :func:`global_generators` gives the process's global ones), or a
+*stateful* object with ``state_dict()`` and ``load_state_dict()`` (a
+``torch.nn.Module``, a ``torch.optim.Optimizer``,
 :class:`mpistrat.torch.ZeroRedundancyOptimizer`, whose state is gathered on the rank
 that writes, collectively, first): its state_dict is expanded into arrays and a JSON tree
 each time it is saved (:mod:`mpistrat.checkpoint._torch`), so its structure may change
