@@ -134,10 +134,11 @@ def mismatch(obj: Any, state: dict[str, Any]) -> str | None:
     if state["device"] != obj.device.type:
         return (f"holds the state of a torch generator on {state['device']}, the object is "
                 f"on {obj.device.type}")
-    size = len(base64.b64decode(state["state"], validate=True))
-    if size != obj.get_state().numel():
+    size, ours_size = len(base64.b64decode(state["state"], validate=True)), \
+        obj.get_state().numel()
+    if size != ours_size:
         return (f"holds a torch generator state of {size} bytes, the object's has "
-                f"{obj.get_state().numel()} (a different torch build or generator)")
+                f"{ours_size} (a different torch build or generator)")
     return None
 
 

@@ -259,7 +259,7 @@ class SnapshotStore:
         # (a slot's first snapshot creates and faults in its memory: not what the next
         # ones cost, which --snapshot-every auto weighs)
         fresh = self._layout is None or self._slots[self._next_slot].map is None
-        layout = self._layout_for(values)
+        layout = self._layout_for(values, generators)
         places, index, size = _place_states(states, layout["size"])
         slot = self._slots[self._next_slot]
         self._next_slot = 1 - self._next_slot
@@ -390,19 +390,19 @@ class SnapshotStore:
         return [(name, tree, [_storable(name, np.asarray(a)) for a in arrays])
                 for name, tree, arrays in states]
 
-    def _layout_for(self, values: list[tuple[np.ndarray, bool]]) -> dict[str, Any]:
+    def _layout_for(self, values: list[tuple[np.ndarray, bool]],
+                    generators: dict[str, Any]) -> dict[str, Any]:
         """This process's layout (written to :attr:`layout_path` the first time)."""
         if self._layout is not None:
             return self._layout
         entries: list[dict[str, Any]] = []
         offset, arrays = 0, iter(values)
-        generators = 0  # (the room their states take in the commit record)
-        for name, obj in self.checkpoint._leaves:
-            kind = _kind(obj)
+        room = 0  # (what the generators' states take in the commit record)
+        for name, _, kind in self._kinds:
             if kind in ("generator", "stateful"):
                 entries.append({"name": name, "kind": kind})
                 if kind == "generator":
-                    generators += max(1024, 2 * len(json.dumps(_random.get_state(obj))))
+                    room += max(1024, 2 * len(json.dumps(generators[name])))
                 continue
             value = next(arrays)[0]
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -410,7 +410,7 @@ class SnapshotStore:
                             "shape": list(value.shape), "offset": offset,
                             "nbytes": int(value.nbytes)})
             offset += value.nbytes
-        header = -(-(2048 + 16 * len(entries) + generators) // 4096) * 4096
+        header = -(-(2048 + 16 * len(entries) + room) // 4096) * 4096
         for entry in entries:
             if "offset" in entry:
                 entry["offset"] += header
@@ -537,7 +537,7 @@ class SnapshotStore:
             None if e["kind"] in _NO_VALUE else receive(e) for e in entries]
         states = {name: (tree, [receive(e) for e in part])
                   for name, tree, part in record["states"]}
-        for (name, obj), entry, value in zip(self.checkpoint._leaves, entries, received):
+        for (name, obj, _), entry, value in zip(self._kinds, entries, received):
             if entry["kind"] == "generator":
                 _random.set_state(obj, record["generators"][name])
             elif entry["kind"] == "stateful":
@@ -608,13 +608,12 @@ class SnapshotStore:
                 size < header:
             raise ValueError(f"header {header!r} / size {size!r} are not a layout's")
         entries = layout.get("entries")
-        leaves = self.checkpoint._leaves
+        leaves = self._kinds
         if not isinstance(entries, list) or len(entries) != len(leaves):
             raise ValueError(f"it holds {len(entries) if isinstance(entries, list) else '?'} "
                              f"entries, the checkpoint {len(leaves)} objects")
         end = header
-        for entry, (name, obj) in zip(entries, leaves):
-            kind = _kind(obj)
+        for entry, (name, obj, kind) in zip(entries, leaves):
             if not isinstance(entry, dict) or entry.get("name") != name or \
                     entry.get("kind") != kind:
                 raise ValueError(f"an entry is {_short(entry)}, expected {kind} {name!r}")
@@ -681,8 +680,8 @@ class SnapshotStore:
             raise ValueError(f"finished is {_short(ended)}, expected at most "
                              f"{hooks.MAX_FINISHED} [kind, batches]")
         generators = record.get("generators")
-        for name, obj in self.checkpoint._leaves:
-            if _kind(obj) == "generator":
+        for name, obj, kind in self._kinds:
+            if kind == "generator":
                 state = generators.get(name) if isinstance(generators, dict) else None
 
                 def bad(value: Any, expected: str, name: str = name) -> ValueError:
@@ -693,7 +692,7 @@ class SnapshotStore:
                 if why is not None:
                     raise ValueError(f"generator {name!r} {why}")
         states: list[tuple[str, Any, list[Any]]] = []
-        if any(_kind(obj) == "stateful" for _, obj in self.checkpoint._leaves):
+        if any(kind == "stateful" for _, _, kind in self._kinds):
             states = _check_states(record, layout, data, self.checkpoint._leaves)
         extra = [dict(entry, name=f"{name}[{j}]") for name, _, entries in states
                  for j, entry in enumerate(entries)]
