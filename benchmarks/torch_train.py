@@ -21,6 +21,9 @@ Variants, each on its own copy of the same model with SGD (momentum 0.9):
   ``process_group=`` (torch's buckets, hooks and overlap; each bucket's all-reduce through
   mpistrat's engine); ``torch-ddp-mpistrat@SPEC`` the same over a group made with
   ``MPISTRAT_TORCH_SPEC=SPEC`` (e.g. ``@native``, the MPI library's own all-reduce);
+* ``ddp+view``, ``torch-ddp-mpistrat+view`` (also ``...@SPEC+view``): the same with
+  ``gradient_as_bucket_view=True``, torch's option that makes each gradient a view of
+  its bucket, so DDP copies no bucket back into the gradients after the all-reduce;
 * ``mpistrat``: :class:`mpistrat.torch.DistributedDataParallel` (``--spec``, default its
   own choice; one variant per ``--bucket-bytes`` size); ``mpistrat-hooks`` the same with
   every gradient through its hook, also where the model would take the fused pass at
@@ -37,8 +40,8 @@ thread per rank.
 
 Each round runs every variant for ``--steps`` steps, in turn; a step is timed from a
 barrier to the end of ``optimizer.step()``, and its time is the slowest rank's. The
-table gives the median step per variant over all rounds, its ratio to the ``mpi4py`` and
-``ddp`` variants, and the communication overhead (median step minus ``local``'s).
+table gives the median step per variant over all rounds, its ratio to the ``mpi4py``,
+``ddp`` and ``ddp+view`` variants, and the communication overhead (median step minus ``local``'s).
 Like ``mpistrat run``, the script first restarts itself with malloc on transparent huge
 pages and fixed mmap/trim thresholds (``MPISTRAT_MALLOC_HUGEPAGES=0`` leaves malloc as
 it is; see mpistrat/launch/hugepages.py).
@@ -179,13 +182,16 @@ class Variant:
         self.name, self.comm = name, comm
         size = comm.Get_size()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if name == "ddp":
+        recipe, view = name.removesuffix("+view"), name.endswith("+view")
+        if recipe == "ddp":
             _gloo_group(comm)
-            model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        elif name.split("@")[0] == "torch-ddp-mpistrat":
-            spec = name.split("@", 1)[1] if "@" in name else None
+            model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False,
+                                                        gradient_as_bucket_view=view)
+        elif recipe.split("@")[0] == "torch-ddp-mpistrat":
+            spec = recipe.split("@", 1)[1] if "@" in recipe else None
             model = nn.parallel.DistributedDataParallel(
-                model, broadcast_buffers=False, process_group=_mpistrat_group(comm, spec))
+                model, broadcast_buffers=False, process_group=_mpistrat_group(comm, spec),
+                gradient_as_bucket_view=view)
         elif name.startswith("mpistrat"):
             fused = mt.FUSED_BYTES
             if name.startswith("mpistrat-hooks"):  # every model through the hooks
@@ -263,14 +269,14 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']}: {result['parameters'] / 1e6:.2f} M parameters in "
              f"{result['tensors']} tensors, {result['ranks']} ranks, batch "
              f"{result['batch_per_rank']} per rank, {result['steps']} steps per variant",
-             "| variant | median step (ms) | vs mpi4py | vs ddp | overhead vs local (ms) |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| variant | median step (ms) | vs mpi4py | vs ddp | vs ddp+view "
+             "| overhead vs local (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, value in med.items():
         ratios = [f"{value / med[other]:.2f}" if other in med else "" for other in
-                  ("mpi4py", "ddp")]
+                  ("mpi4py", "ddp", "ddp+view")]
         overhead = f"{(value - local) * 1e3:.1f}" if local is not None else ""
-        lines.append(f"| {name} | {value * 1e3:.1f} | {ratios[0]} | {ratios[1]} | "
-                     f"{overhead} |")
+        lines.append(f"| {name} | {value * 1e3:.1f} | {' | '.join(ratios)} | {overhead} |")
     if local is not None and "mpi4py" in med and med["mpi4py"] > local:
         for name, value in med.items():
             if name.startswith("mpistrat"):
@@ -304,7 +310,8 @@ def main() -> None:
     if comm.Get_rank() == 0:
         print(describe_heap(os.environ.get("GLIBC_TUNABLES"), thp_mode()) + "\n")
     if comm.Get_size() == 1:  # (no torch DDP of one process)
-        args.variants = [v for v in args.variants if v not in ("ddp", "torch-ddp-mpistrat")]
+        args.variants = [v for v in args.variants
+                         if not v.startswith(("ddp", "torch-ddp-mpistrat"))]
     results = []
     explicit_batch, explicit_steps = args.batch, args.steps
     for name in args.model.split(","):
