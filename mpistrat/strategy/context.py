@@ -41,13 +41,15 @@ def _stack() -> list[_Entry]:
 
 
 def _current() -> _Entry:
-    stack = _stack()
+    stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
     if _base:
         return _base[-1]
-    default = _default_strategy()
-    return _Entry(default, default._default_replica_context)
+    if not _DEFAULT_ENTRY:  # (made once: every read of a variable outside a scope asks)
+        default = _default_strategy()
+        _DEFAULT_ENTRY.append(_Entry(default, default._default_replica_context))
+    return _DEFAULT_ENTRY[0]
 
 
 @contextmanager
@@ -140,6 +142,7 @@ def install(strategy_type: type, default_type: Callable[[], Any]) -> None:
 
 
 _DEFAULT: list[Any] = []
+_DEFAULT_ENTRY: list[_Entry] = []  # the default strategy's, in its replica context
 
 
 def _default_strategy() -> Any:

@@ -607,8 +607,9 @@ LAYOUT_ATTACKS = {
                                         remac=False), NOT_THIS_JOBS),
     # authenticated (the job's secret), but not this job's or not these objects
     "another job's id": (relayout(lambda m: m.update(job=uuid.uuid4().hex)),
-                         "not a version 1 snapshot layout of job"),
-    "another version": (relayout(put(version=2)), "not a version 1 snapshot layout of job"),
+                         f"not a version {snapshot_module.VERSION} snapshot layout of job"),
+    "another version": (relayout(put(version=snapshot_module.VERSION - 1)),
+                        f"not a version {snapshot_module.VERSION} snapshot layout of job"),
     "header too small": (relayout(put(header=8)), "header 8 / size"),
     "size below the header": (relayout(lambda m: m.update(size=m["header"] - 1)),
                               "are not a layout's"),
@@ -718,11 +719,12 @@ SLOT_ATTACKS = {
                                          "pos": 0, "has_gauss": 0, "gauss": 0.0}})),
         "generator 'rng' has 'AAAA', expected the base64 of 624 32-bit words"),
     "checksums missing": (recommit(lambda r: r["checksums"].pop()),
-                          "its checksums are not one per value"),
+                          r"its checksums are not the \d+ of its values"),
     "checksum negative": (recommit(lambda r: r["checksums"].__setitem__(0, -1)),
-                          "its checksums are not one per value"),
+                          r"its checksums are not the \d+ of its values"),
     # the values
-    "flipped bit": (flip_value, "entry 'w' does not match its checksum"),
+    "flipped bit": (flip_value, "entries .*'w', checked together, do not match their "
+                                "checksum"),
     "truncated": (truncated, r"its data holds \d+ bytes"),
     # not a slot at all
     "a symlink": (symlinked, "Too many levels of symbolic links"),

@@ -1,13 +1,14 @@
 """The checksum of a snapshot's values (mpistrat.checkpoint.snapshot._checksum): CRC-32
-below 1 MiB, a 64-bit sum/xor mix above; every flipped bit, a zeroed page and a cut
-tail change it."""
+below 16 KiB, a 64-bit sum/xor mix above; every flipped bit, a zeroed page and a cut
+tail change it. What the checksums cover (_blocks): a small state's values together,
+a large state's each alone."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mpistrat.checkpoint.snapshot import _CRC_BYTES, _checksum
+from mpistrat.checkpoint.snapshot import _CRC_BYTES, _TOGETHER_BYTES, _blocks, _checksum
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 4096, _CRC_BYTES - 1, _CRC_BYTES, _CRC_BYTES + 13,
@@ -33,3 +34,24 @@ def test_a_zeroed_page_or_a_shorter_value_changes_it():
     assert _checksum(memoryview(data[:-8])) != before
     assert _checksum(memoryview(np.zeros(2 * _CRC_BYTES, np.uint8))) != \
         _checksum(memoryview(np.zeros(2 * _CRC_BYTES + 8, np.uint8)))
+
+
+def _layout(*sizes):
+    entries, offset = [{"name": "rng", "kind": "generator"}], 4096
+    for k, nbytes in enumerate(sizes):
+        entries.append({"name": f"v{k}", "kind": "array", "offset": offset, "nbytes": nbytes})
+        offset = -(-(offset + nbytes) // 64) * 64
+    return {"entries": entries}
+
+
+def test_a_small_states_values_are_checked_together_a_large_ones_each_alone():
+    # together: one block from the first value to the last one's end, alignment included
+    assert _blocks(_layout(48, 8, 4000)) == [
+        ("entries 'v0', 'v1', 'v2', checked together, do not match their checksum",
+         4096, 4096 + 128 + 4000)]
+    # one value, or values that take 1 MiB or more together: one block each
+    assert _blocks(_layout(48)) == [("entry 'v0' does not match its checksum", 4096, 4144)]
+    large = _blocks(_layout(48, _TOGETHER_BYTES))
+    assert [(what.split()[1], stop - start) for what, start, stop in large] == \
+        [("'v0'", 48), ("'v1'", _TOGETHER_BYTES)]
+    assert _blocks({"entries": [{"name": "rng", "kind": "generator"}]}) == []
