@@ -266,11 +266,11 @@ def measure(model_name: str, args: argparse.Namespace, comm: Any) -> dict[str, A
 def table(result: dict[str, Any]) -> str:
     med = result["median_step_s"]
     local = med.get("local")
-    lines = [f"{result['model']}: {result['parameters'] / 1e6:.2f} M parameters in "
-             f"{result['tensors']} tensors, {result['ranks']} ranks, batch "
-             f"{result['batch_per_rank']} per rank, {result['steps']} steps per variant",
-             "| variant | median step (ms) | vs mpi4py | vs ddp | vs ddp+view "
-             "| overhead vs local (ms) |",
+    lines = [(f"{result['model']}: {result['parameters'] / 1e6:.2f} M parameters in "
+              f"{result['tensors']} tensors, {result['ranks']} ranks, batch "
+              f"{result['batch_per_rank']} per rank, {result['steps']} steps per variant"),
+             ("| variant | median step (ms) | vs mpi4py | vs ddp | vs ddp+view "
+              "| overhead vs local (ms) |"),
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, value in med.items():
         ratios = [f"{value / med[other]:.2f}" if other in med else "" for other in

@@ -723,8 +723,7 @@ SLOT_ATTACKS = {
     "checksum negative": (recommit(lambda r: r["checksums"].__setitem__(0, -1)),
                           r"its checksums are not the \d+ of its values"),
     # the values
-    "flipped bit": (flip_value, "entries .*'w', checked together, do not match their "
-                                "checksum"),
+    "flipped bit": (flip_value, "entries .*'w', checked together, do not match"),
     "truncated": (truncated, r"its data holds \d+ bytes"),
     # not a slot at all
     "a symlink": (symlinked, "Too many levels of symbolic links"),
