@@ -157,8 +157,9 @@ class ProcessGroupMPI(dist.ProcessGroup):
         self._name = self._desc = ""
         self._device_spec: Any = None
         # the last fast all_reduce: (tensor, op, data_ptr, shape, its NumPy view, the
-        # engine's op, its work), so that a call on the same tensor skips their making
-        self._last: tuple = (None,) * 8
+        # engine's op, its work, its plan, its agreed text on a timed group), so that a
+        # call on the same tensor skips their making
+        self._last: tuple = (None,) * 9
 
     # --- identity -----------------------------------------------------------------------
 
@@ -285,16 +286,18 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 op(result, gathered[k], out=result)
             array[...] = result
 
+    def _reduce_signature(self, what: str, tensors: list[torch.Tensor], opts: Any) -> str:
+        """The text a reduction's agreement compares (its errors: the call's)."""
+        if not tensors:
+            raise ValueError(f"{what} got no tensors")
+        ops = {str(self._op(opts, t.dtype)) for t in tensors}
+        for t in tensors:
+            numpy_dtype(t.dtype)
+        return f"{what} op={sorted(ops)} {describe_tensors(tensors)}"
+
     def _reduce(self, what: str, tensors: list[torch.Tensor], opts: Any) -> list[np.ndarray]:
         """Agree, then all-reduce ``tensors`` (CPU, contiguous) in place."""
-        def describe() -> str:
-            if not tensors:
-                raise ValueError(f"{what} got no tensors")
-            ops = {str(self._op(opts, t.dtype)) for t in tensors}
-            for t in tensors:
-                numpy_dtype(t.dtype)
-            return f"{what} op={sorted(ops)} {describe_tensors(tensors)}"
-        self._checked(what, opts, describe)
+        self._checked(what, opts, lambda: self._reduce_signature(what, tensors, opts))
         op = self._op(opts, tensors[0].dtype)
         if len({t.dtype for t in tensors}) > 1:
             for t in tensors:  # one dtype at a time
@@ -316,17 +319,25 @@ class ProcessGroupMPI(dist.ProcessGroup):
                                     lambda: self.allreduce(tensors, opts))
             DOORS.direct = False
         opts = _ALLREDUCE_OPTIONS() if opts is None else opts
-        if len(tensors) == 1 and self._timeout is None:
+        if len(tensors) == 1:
             # the common call (DDP's buckets, dist.all_reduce): straight into the engine,
             # whose own agreement checks the call on every rank (and carries a small
-            # tensor's data); the result is in place when it returns
+            # tensor's data); the result is in place when it returns. On a timed group,
+            # the agreement the generic path makes (the same text, so that a rank here
+            # and a rank there agree), within the timeout, then the engine unchecked
             tensor, red = tensors[0], opts.reduceOp
             hit = self._last
             if tensor is hit[0] and red == hit[1] and opts.timeout == _UNSET_TIMEOUT \
                     and tensor.data_ptr() == hit[2] and tensor.shape == hit[3]:
                 # the same tensor as the last call, its storage and shape unchanged: its
-                # NumPy view, op, plan (a small call's) and finished work are still good
-                # (a work's result is the tensor itself, whichever call finished it)
+                # NumPy view, op, plan (a small call's), agreed text and finished work
+                # are still good (a work's result is the tensor itself, whichever call
+                # finished it)
+                if hit[8] is not None:
+                    self._agree("all_reduce", hit[8])
+                    all_reduce(hit[4], hit[5], self._spec, self._comm, check=False,
+                               inplace=True)
+                    return hit[6]
                 plan = hit[7]
                 if plan is None or recorder.on or plan(hit[4]) is None:
                     all_reduce(hit[4], hit[5], self._spec, self._comm, inplace=True)
@@ -338,11 +349,18 @@ class ProcessGroupMPI(dist.ProcessGroup):
             if op is not None and tensor.is_cpu and tensor.is_contiguous() \
                     and opts.timeout == _UNSET_TIMEOUT:
                 array, done = numpy_view(tensor), Done([tensor])
-                all_reduce(array, op, self._spec, self._comm, inplace=True)
+                plan = signature = None
+                if self._timeout is None:
+                    all_reduce(array, op, self._spec, self._comm, inplace=True)
+                    plan = plan_of(array, op, self._spec, self._comm, inplace=True)
+                else:
+                    signature = self._reduce_signature("all_reduce", [tensor], opts)
+                    self._agree("all_reduce", signature)
+                    all_reduce(array, op, self._spec, self._comm, check=False, inplace=True)
                 # (kept as its RedOpType: a ReduceOp compares with one 6x faster than
                 # with another ReduceOp)
                 self._last = (tensor, red.op, tensor.data_ptr(), tensor.shape, array, op,
-                              done, plan_of(array, op, self._spec, self._comm, inplace=True))
+                              done, plan, signature)
                 return done
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, opts)

@@ -970,6 +970,65 @@ def test_timeout_names_the_rank_that_did_not_come(pg):
 
 
 @pytest.mark.timeout(60)
+def test_a_timed_groups_repeated_all_reduce_keeps_every_check(pg):
+    """The fast path of a timed group's all_reduce (the same tensor again: its agreed text
+    and views kept) still agrees within the timeout on every call: correct sums call
+    after call; a contiguous tensor on some ranks and a transposed one on others (the
+    generic path) agree and reduce together; a second call that differs on one rank (a
+    repeat there, another shape or op elsewhere) raises a mismatch on every rank; and a
+    rank that does not come is named by the others at the timeout."""
+    _needs_a_peer()
+    size, rank = WORLD.size, WORLD.rank
+    timed = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=2))
+    problems = []
+    t = torch.zeros(6)
+    for k in range(4):  # (calls 2-4 on rank 0's side take the kept text)
+        t.fill_(float(rank + k))
+        dist.all_reduce(t, group=timed)
+        want = float(sum(range(size)) + k * size)
+        if not torch.equal(t, torch.full((6,), want)):
+            problems.append(f"call {k}: {t.tolist()}, expected {want}")
+    mixed = torch.full((3, 2), float(rank)).t() if rank % 2 else torch.full((2, 3), float(rank))
+    dist.all_reduce(mixed, group=timed)  # (odd ranks: non-contiguous, the generic path)
+    if not torch.equal(mixed, torch.full((2, 3), float(sum(range(size))))):
+        problems.append(f"contiguous and transposed tensors together: {mixed.tolist()}")
+    for other, names in ((lambda: dist.all_reduce(torch.ones(7), group=timed), ["(7,)"]),
+                         (lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=timed),
+                          ["max"])):
+        try:
+            if rank == 0:
+                dist.all_reduce(t, group=timed)  # the kept text
+            else:
+                other()
+            problems.append(f"rank {rank}: no error for {names}")
+        except (CollectiveMismatchError, RuntimeError) as exc:
+            text = str(exc)
+            missing = [w for w in ["different arguments", "(6,)", *names] if w not in text]
+            if missing:
+                problems.append(f"rank {rank}: {missing} not in the error: {text}")
+    dist.all_reduce(t, group=timed)  # (every rank keeps t's text again: the next call
+    WORLD.Barrier()                  # on t takes the fast path)
+    if rank == 0:
+        time.sleep(4.0)
+        # late, the agreement alone, with the text kept (the others abandoned theirs: a
+        # late all_reduce would go on to its data, which they never send)
+        group = timed if hasattr(timed, "_agree") else timed._get_backend(torch.device("cpu"))
+        group._agree("all_reduce", group._last[8])
+    else:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(t, group=timed)  # (the same tensor: the kept text)
+            problems.append(f"rank {rank}: the all_reduce returned without rank 0")
+        except (CollectiveTimeoutError, RuntimeError) as exc:
+            took = time.monotonic() - started
+            if not 1.9 <= took <= 3.9 or "rank(s) [0] did not arrive" not in str(exc):
+                problems.append(f"rank {rank} after {took:.2f} s: {exc}")
+    WORLD.Barrier()
+    dist.destroy_process_group(timed)
+    finish(WORLD, problems, [])
+
+
+@pytest.mark.timeout(60)
 def test_point_to_point_wait_times_out_naming_the_peer(pg):
     """On a group with a 2 s timeout, rank 1's irecv from rank 0, which sends nothing yet,
     raises naming rank 0 when waited for; once rank 0 sends, a second wait completes it
