@@ -895,8 +895,8 @@ def _checksum(raw: memoryview) -> int:
     :data:`_CRC_BYTES` (16 KiB); from there on the wrapping sum and the xor of its 8-byte
     words side by side with its tail and length (a 192-bit number: any one flipped bit
     changes the sum), faster from 16 KiB on (4.0 against 9.7 µs at 40 KiB) and about 6 ms
-    per 100 MiB where CRC-32 takes 25: fast enough to run at every step. Not a defence against a forger: the record's HMAC is, and the directory is
-    the user's own."""
+    per 100 MiB where CRC-32 takes 25: fast enough to run at every step. Not a defence
+    against a forger: the record's HMAC is, and the directory is the user's own."""
     if len(raw) < _CRC_BYTES:
         return zlib.crc32(raw)
     words = np.frombuffer(raw, np.uint64, len(raw) // 8)
