@@ -15,9 +15,10 @@ rank in one entry point and a rank in another meet and raise, instead of posting
 collectives that never match. Above :data:`FUSED_RANKS` it is the 24-byte ``Iallreduce``
 above, for every entry point alike. Every agreement's collective is of one kind, since
 blocking and non-blocking collectives never match: a blocking ``Allgather``, or under a
-stall watch (set up collectively) an ``Iallgather`` that is polled; a timed agreement
-without a watch runs the blocking ``Allgather`` in a thread that it stops waiting for at
-its deadline.
+stall watch (set up collectively) or on a communicator whose ranks chose it
+(:func:`poll_agreements`, e.g. a torch group with a timeout) an ``Iallgather`` that is
+polled; a timed agreement on any other communicator without a watch runs the blocking
+``Allgather`` in a thread that it stops waiting for at its deadline.
 
 A rank that never arrives is caught by the stall check of :mod:`mpistrat.runtime.stall` (when
 one is on, e.g. under ``mpistrat run``) or by a call's own ``timeout``.
@@ -48,7 +49,8 @@ from .recorder import bus_factor
 
 __all__ = ["agree", "agree_exchange", "exchange", "Exchange", "signature_code", "FAILED",
            "FUSED_RANKS", "FUSED_BYTES", "HEADER_BYTES", "DOORS", "open_door", "close_door",
-           "note_algorithm", "traced_agreement", "next_seq", "phase", "dtype_name", "dtype_of"]
+           "note_algorithm", "traced_agreement", "next_seq", "phase", "dtype_name", "dtype_of",
+           "poll_agreements"]
 
 
 def agree(comm: Comm, signature: str | None, error: BaseException | None, what: str,
@@ -114,7 +116,7 @@ def _agree_through(found: Exchange, comm: Comm, signature: str | None,
         t = monotonic_ns() if recorder.on else 0
         found.code[0] = code
         notes = _Notes(comm)
-        if stall.current() is not None:
+        if stall.current() is not None or found.polled:
             _within(comm, comm.Iallgather(*found.message), timeout, what, notes)
         else:
             _within(comm, _Blocking(comm.Allgather, found.message), timeout, what, notes)
@@ -369,10 +371,11 @@ class Exchange:
     """
 
     __slots__ = ("size", "capacity", "block", "send", "recv", "code", "codes", "words",
-                 "message")
+                 "message", "polled")
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.polled = False  # (set by poll_agreements: non-blocking on every rank)
         self.send = _aligned(HEADER_BYTES + FUSED_BYTES)
         self.recv = _aligned(size * (HEADER_BYTES + FUSED_BYTES))
         # this rank's header word, and the gather buffer as int64 words (rank r's code is
@@ -452,12 +455,15 @@ class Exchange:
     def gather(self, comm: Comm, what: str) -> None:
         """The exchange's collective, as every untimed agreement on ``comm`` makes it (one
         kind everywhere: blocking and non-blocking collectives never match): a blocking
-        allgather, or under a stall watch (set up collectively) a non-blocking one, polled."""
+        allgather, or under a stall watch (set up collectively) or on a communicator of
+        :func:`poll_agreements` a non-blocking one, polled."""
         watch = stall.current()
-        if watch is None:
-            comm.Allgather(*self.message)
-        else:
+        if watch is not None:
             watch.wait(comm, comm.Iallgather(*self.message), what)
+        elif self.polled:
+            comm.Iallgather(*self.message).Wait()
+        else:
+            comm.Allgather(*self.message)
 
     def disagree(self, comm: Comm, signature: str | None, error: BaseException | None,
                  what: str, hint: str) -> NoReturn:
@@ -482,6 +488,18 @@ def exchange(comm: Comm) -> Exchange | None:
         size = comm.Get_size()
         found = cache["exchange"] = Exchange(size) if size <= FUSED_RANKS else None
     return found
+
+
+def poll_agreements(comm: Comm) -> None:
+    """Make every agreement on ``comm`` a non-blocking collective that the caller polls,
+    timed or not, with or without a stall watch: a timed agreement then needs no thread
+    to stop waiting for a blocking one (about 12 µs instead of 46 on 2 ranks). Every rank
+    of ``comm`` must call it before the first agreement on ``comm`` (e.g. where every rank
+    makes the communicator and agrees to time its calls): the ranks of one communicator
+    must make the same kind of collective."""
+    found = exchange(comm)
+    if found is not None:  # (above FUSED_RANKS every agreement is non-blocking already)
+        found.polled = True
 
 
 def agree_exchange(comm: Comm, signature: str | None, error: BaseException | None,

@@ -80,6 +80,7 @@ from ..runtime.agreement import (
     dtype_name,
     note_algorithm,
     open_door,
+    poll_agreements,
 )
 from ..runtime.topology import get_topology
 from ..spec import parse_spec
@@ -1061,8 +1062,10 @@ def _create(backend_opts: Any, options: Any) -> ProcessGroupMPI:
         spec, error = _spec_for(comm), None
     except ValueError as exc:
         spec, error = None, exc
-    agree(comm, None if error else f"new group spec={spec}", error,
-          "torch.distributed.new_group", "the same MPISTRAT_TORCH_SPEC")
+    agree(comm, None if error else f"new group spec={spec} timeout={timeout}", error,
+          "torch.distributed.new_group", "the same MPISTRAT_TORCH_SPEC and timeout")
+    if timeout is not None:  # (every rank: they agreed on the timeout)
+        poll_agreements(comm)  # (a timed agreement then needs no thread to stop waiting)
     return ProcessGroupMPI(comm, timeout, spec)
 
 

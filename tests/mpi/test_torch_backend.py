@@ -1028,6 +1028,70 @@ def test_a_timed_groups_repeated_all_reduce_keeps_every_check(pg):
     finish(WORLD, problems, [])
 
 
+def test_a_timed_groups_agreements_need_no_thread(pg, monkeypatch):
+    """A group with a timeout agrees, at its creation, to poll non-blocking agreements:
+    its collectives hand no blocking collective to an agreement thread (which a timed
+    agreement needs elsewhere, without a stall watch), and they still work."""
+    from mpistrat.runtime import agreement
+
+    handed = []
+
+    class Counted(agreement._Blocking):
+        def __init__(self, call, args):
+            handed.append(call)
+            super().__init__(call, args)
+
+    monkeypatch.setattr(agreement, "_Blocking", Counted)
+    size, rank = WORLD.size, WORLD.rank
+    timed = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=30))
+    problems = []
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t, group=timed)
+    dist.all_reduce(t, group=timed)
+    if not torch.equal(t, torch.full((4,), float(size * sum(range(size))))):
+        problems.append(f"all_reduce: {t.tolist()}")
+    b = data(rank, (3,), salt=9)
+    dist.broadcast(b, src=0, group=timed)
+    if not torch.equal(b, data(0, (3,), salt=9)):
+        problems.append("broadcast")
+    gathered = [torch.zeros(2) for _ in range(size)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)), group=timed)
+    if [g[0].item() for g in gathered] != [float(r) for r in range(size)]:
+        problems.append(f"all_gather: {gathered}")
+    dist.barrier(group=timed)
+    if handed:
+        problems.append(f"rank {rank}: {len(handed)} agreement(s) handed to a thread")
+    dist.destroy_process_group(timed)
+    finish(WORLD, problems, [])
+
+
+def test_different_timeouts_of_one_group_raise_when_it_is_made(pg):
+    """Ranks that make one group with different timeouts (or one without) get the same
+    error on every rank, naming each rank's, when the group is made."""
+    _needs_a_peer()
+    rank = WORLD.rank
+    timeout = None if rank == 1 else datetime.timedelta(seconds=20 + (rank == 0))
+    problems = []
+    try:
+        if timeout is None:
+            dist.new_group(list(range(WORLD.size)))
+        else:
+            dist.new_group(list(range(WORLD.size)), timeout=timeout)
+        problems.append(f"rank {rank}: the group was made")
+    except (CollectiveMismatchError, RuntimeError) as exc:
+        wanted = ["timeout=21.0", "timeout=None", "the same MPISTRAT_TORCH_SPEC and timeout"]
+        if WORLD.size > 2:
+            wanted.append("timeout=20.0")
+        missing = [w for w in wanted if w not in str(exc)]
+        if missing:
+            problems.append(f"rank {rank}: {missing} not in the error: {exc}")
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((3,), float(sum(range(WORLD.size))))):
+        problems.append(f"the default group afterwards: {t.tolist()}")
+    finish(WORLD, problems, [])
+
+
 @pytest.mark.timeout(60)
 def test_point_to_point_wait_times_out_naming_the_peer(pg):
     """On a group with a 2 s timeout, rank 1's irecv from rank 0, which sends nothing yet,
