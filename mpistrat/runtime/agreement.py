@@ -283,6 +283,9 @@ def _allreduce_within(comm: Comm, flags: np.ndarray, timeout: float, what: str) 
                    notes)
 
 
+_ABANDONED: list[Any] = []  # the requests of timed-out agreements (a few per job at most)
+
+
 def _within(comm: Comm, request: Any, timeout: float, what: str,
             notes: _Notes | None = None) -> _Notes:
     """Wait for ``request``, an agreement's first collective, at most ``timeout`` seconds,
@@ -303,6 +306,8 @@ def _within(comm: Comm, request: Any, timeout: float, what: str,
         if now >= deadline:
             if isinstance(request, _Blocking):
                 request.abandon()
+            else:  # (kept: a non-blocking collective's request must never be freed)
+                _ABANDONED.append(request)
             missing = notes.missing()
             raise CollectiveTimeoutError(
                 f"{what} timed out after {timeout:g} s on rank {rank} of {size}: rank(s) "
