@@ -184,4 +184,39 @@ def restart_slurmd(cluster, node: str) -> None:
                  "-N", node, "-f", str(directory / "etc" / "slurm.conf")],
                 env=cluster.control, stdout=log, stderr=log, start_new_session=True)
         (directory / "run" / f"slurmd-{node}.pid").write_text(f"{process.pid}\n")
-    wait_until(lambda: node_state(cluster, node) == "idle", 90, f"{node} idle again")
+    resumed = []
+
+    def idle() -> bool:
+        state = node_state(cluster, node)
+        # A node slurmctld drained while its slurmd was gone ("Kill task failed", "Not
+        # responding" on a slow machine) stays drained when slurmd registers again, whatever
+        # ReturnToService says: resume it, as an administrator would after a reboot.
+        if state.startswith("drain") and not resumed:
+            resumed.append(_node_line(cluster, node))
+            slurm(cluster, "scontrol", "update", f"NodeName={node}", "State=RESUME")
+        return state == "idle"
+
+    deadline = time.monotonic() + 90
+    while not idle():
+        if time.monotonic() > deadline:
+            log = directory / "log"
+            tails = "\n".join(f"--- {path.name}:\n" + "\n".join(
+                path.read_text(errors="replace").splitlines()[-15:])
+                for path in (log / "slurmctld.log", log / f"slurmd-{node}.log",
+                             log / f"slurmd-{node}.out") if path.exists())
+            neighbours = subprocess.run(
+                ["ip", "-n", f"{cluster.control['CLUSTER_LOCAL_NAME']}-{node}", "neigh"],
+                capture_output=True, text=True, timeout=30, check=False).stdout
+            pytest.fail(f"{node} idle again: not after 90 s; {_node_line(cluster, node)}"
+                        f"{'; resumed from ' + resumed[0] if resumed else ''}\n"
+                        f"{node}'s neighbours: {neighbours}\n{tails}")
+        time.sleep(0.1)
+
+
+def _node_line(cluster, node: str) -> str:
+    """``scontrol show node``'s state and reason of ``node``."""
+    line = slurm(cluster, "scontrol", "show", "node", "-o", node).stdout
+    state = re.search(r"\bState=(\S*)", line)
+    reason = re.search(r"\bReason=(.*?)(?= \w+=|$)", line.strip())
+    return (f"State={state.group(1) if state else '?'} "
+            f"Reason={reason.group(1) if reason else ''!r}")
