@@ -128,8 +128,12 @@ class _Slot:
     map: mmap.mmap | None = None
     data: memoryview | None = None  # the whole mapping
     views: list[np.ndarray] = field(default_factory=list)  # each value's place in it
-    raw: list[memoryview] = field(default_factory=list)  # the same, as bytes
+    raw: list[memoryview] = field(default_factory=list)  # the checksums' blocks (_blocks)
     extra: list[np.ndarray] = field(default_factory=list)  # the stateful leaves' arrays
+    # the checksums the copies computed as they went (None: computed at the commit), one
+    # per block of ``raw`` where each block is one value, then one per array of ``extra``
+    sums: list[int | None] = field(default_factory=list)
+    extra_sums: list[int | None] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -277,27 +281,35 @@ class SnapshotStore:
             # the stateful leaves' arrays, then the index that describes them, past the
             # layout's values: their structure may change from one snapshot to the next,
             # the layout (and the other slot's snapshot) stays
-            slot.extra = []
+            slot.extra, slot.extra_sums = [], []
             for (_, _, arrays), entries in zip(states, places.values()):
                 for value, entry in zip(arrays, entries["arrays"]):
                     view = _view(data, entry)
-                    np.copyto(view, value, casting="no")
+                    slot.extra_sums.append(_copy_summed(view, value))
                     slot.extra.append(view)
             at = size - len(index)
             data[at:size] = index
             extra["states"] = {"size": size, "index": [at, len(index)],
                                "sha256": hashlib.sha256(index).hexdigest()}
         else:
-            slot.extra = []
+            slot.extra, slot.extra_sums = [], []
         fenced = sum(v.nbytes for v, f in values if f)
         later = self.background and fenced >= BACKGROUND_BYTES
-        for target, (value, fence) in zip(slot.views, values):
+        # one block a value: each copy computes its value's checksum as it goes (the
+        # bytes are read once, not again at the commit)
+        alone = len(slot.raw) == len(slot.views)
+        slot.sums = [None] * len(slot.raw)
+        for i, (target, (value, fence)) in enumerate(zip(slot.views, values)):
             if not (later and fence):
-                np.copyto(target, value, casting="no")
+                if alone:
+                    slot.sums[i] = _copy_summed(target, value)
+                else:
+                    np.copyto(target, value, casting="no")
         if not later:
             self._commit(slot, layout, extra, [])
         else:
-            deferred = [(t, v) for t, (v, f) in zip(slot.views, values) if f]
+            deferred = [(i if alone else -1, t, v)
+                        for i, (t, (v, f)) in enumerate(zip(slot.views, values)) if f]
             copied = threading.Event()
             hooks.set_fence(copied.wait)
             self._thread = threading.Thread(
@@ -316,18 +328,22 @@ class SnapshotStore:
         return size, later
 
     def _commit(self, slot: _Slot, layout: dict[str, Any], extra: dict[str, Any],
-                deferred: list[tuple[np.ndarray, np.ndarray]],
+                deferred: list[tuple[int, np.ndarray, np.ndarray]],
                 copied: threading.Event | None = None) -> None:
-        """Copy the ``deferred`` values (``(place, value)``), release the fence,
-        checksum, commit."""
+        """Copy the ``deferred`` values (``(block, place, value)``: ``block`` the index of
+        the value's own checksum, -1 when it shares one), release the fence, checksum,
+        commit."""
         data = slot.data
         assert data is not None
         started = time.perf_counter()
         t = recorder.begin() if copied is not None else 0  # (the background's)
         try:
             try:
-                for target, value in deferred:
-                    np.copyto(target, value, casting="no")
+                for block, target, value in deferred:
+                    if block >= 0:
+                        slot.sums[block] = _copy_summed(target, value)
+                    else:
+                        np.copyto(target, value, casting="no")
             finally:
                 if copied is not None:
                     hooks.set_fence(None)
@@ -335,10 +351,13 @@ class SnapshotStore:
                 if t:
                     recorder.end(t, "snapshot copy", recorder.CHECKPOINT,
                                  {"sequence": extra["sequence"],
-                                  "bytes": sum(v.nbytes for _, v in deferred)})
+                                  "bytes": sum(v.nbytes for _, _, v in deferred)})
                     t = recorder.begin()
-            extra["checksums"] = [_checksum(raw) for raw in slot.raw] + \
-                [_checksum(_bytes(view)) for view in slot.extra]
+            extra["checksums"] = [
+                _checksum(raw) if found is None else found
+                for raw, found in zip(slot.raw, slot.sums or [None] * len(slot.raw))] + [
+                _checksum(_bytes(view)) if found is None else found
+                for view, found in zip(slot.extra, slot.extra_sums)]
             body = json.dumps(extra, separators=(",", ":")).encode()
             if len(body) > layout["header"] - _HEADER.size:
                 raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
@@ -900,10 +919,45 @@ def _checksum(raw: memoryview) -> int:
     if len(raw) < _CRC_BYTES:
         return zlib.crc32(raw)
     words = np.frombuffer(raw, np.uint64, len(raw) // 8)
-    total = int(words.sum(dtype=np.uint64))
-    mixed = int(np.bitwise_xor.reduce(words))
-    tail = int.from_bytes(raw[8 * len(words):], "little")  # (< 8 bytes)
-    return total << 128 | mixed << 64 | tail << 8 ^ (len(raw) & 0xFF)
+    return _summed(int(words.sum(dtype=np.uint64)), int(np.bitwise_xor.reduce(words)),
+                   raw[8 * len(words):], len(raw))
+
+
+def _summed(total: int, mixed: int, tail: memoryview, length: int) -> int:
+    """:func:`_checksum` from the words' wrapping sum and xor, the tail and the length."""
+    return (total & _WORD) << 128 | mixed << 64 | \
+        int.from_bytes(tail, "little") << 8 ^ (length & 0xFF)
+
+
+_WORD = (1 << 64) - 1
+# a chunk copied, then summed while it is still in the cache (a core's L2 here: 64 KiB
+# chunks took 18.1, 256 KiB 14.4, 1-4 MiB 13.4, 16 MiB 16.0 and one pass 19.9 ms for 93 MiB)
+_CHUNK = 1 << 20
+
+
+def _copy_summed(target: np.ndarray, value: np.ndarray) -> int | None:
+    """``np.copyto(target, value)``, and :func:`_checksum` of ``target``'s bytes when it
+    can be had on the way (None otherwise): chunk by chunk, each chunk summed right after
+    its copy, from the cache (13.4 against 18.3 ms for 93 MiB copied into ``/dev/shm``,
+    then summed)."""
+    if value.nbytes < _CRC_BYTES or value.dtype != target.dtype or \
+            value.shape != target.shape or \
+            not (value.flags.c_contiguous and target.flags.c_contiguous):
+        np.copyto(target, value, casting="no")  # (and its errors)
+        return None
+    source = value.reshape(-1).view(np.uint8)
+    place = target.reshape(-1).view(np.uint8)
+    length = len(place)
+    whole = length - length % 8
+    total = mixed = 0
+    for start in range(0, whole, _CHUNK):
+        stop = min(start + _CHUNK, whole)
+        words = place[start:stop].view(np.uint64)
+        np.copyto(words, source[start:stop].view(np.uint64))
+        total += int(words.sum(dtype=np.uint64))
+        mixed ^= int(np.bitwise_xor.reduce(words))
+    place[whole:] = source[whole:]
+    return _summed(total, mixed, memoryview(place[whole:].tobytes()), length)
 
 
 def _view(data: memoryview, entry: dict[str, Any]) -> np.ndarray:

@@ -1,14 +1,22 @@
 """The checksum of a snapshot's values (mpistrat.checkpoint.snapshot._checksum): CRC-32
 below 16 KiB, a 64-bit sum/xor mix above; every flipped bit, a zeroed page and a cut
 tail change it. What the checksums cover (_blocks): a small state's values together,
-a large state's each alone."""
+a large state's each alone. A copy into the slot computes the checksum on the way
+(_copy_summed): the same number as the checksum of the bytes it wrote."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mpistrat.checkpoint.snapshot import _CRC_BYTES, _TOGETHER_BYTES, _blocks, _checksum
+from mpistrat.checkpoint.snapshot import (
+    _CHUNK,
+    _CRC_BYTES,
+    _TOGETHER_BYTES,
+    _blocks,
+    _checksum,
+    _copy_summed,
+)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 4096, _CRC_BYTES - 1, _CRC_BYTES, _CRC_BYTES + 13,
@@ -55,3 +63,29 @@ def test_a_small_states_values_are_checked_together_a_large_ones_each_alone():
     assert [(what.split()[1], stop - start) for what, start, stop in large] == \
         [("'v0'", 48), ("'v1'", _TOGETHER_BYTES)]
     assert _blocks({"entries": [{"name": "rng", "kind": "generator"}]}) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int16", "uint8", "complex64"])
+@pytest.mark.parametrize("count", [_CRC_BYTES, _CRC_BYTES + 3, _CHUNK + 5, 3 * _CHUNK - 1])
+def test_a_copy_sums_what_it_wrote_as_the_checksum_of_the_slot_would(dtype, count):
+    rng = np.random.default_rng(count)
+    raw = rng.integers(0, 256, count * np.dtype(dtype).itemsize, dtype=np.uint8)
+    value = raw.view(dtype)[:count].reshape(-1, 1)
+    slot = np.zeros(value.nbytes + 64, np.uint8)  # (a place inside a larger mapping)
+    target = slot[64:].view(dtype).reshape(value.shape)
+    found = _copy_summed(target, value)
+    assert np.array_equal(target.view(np.uint8), value.view(np.uint8))
+    assert found == _checksum(memoryview(slot[64:])), (dtype, count)
+    target.reshape(-1).view(np.uint8)[-1] ^= 1  # (the tail counts)
+    assert found != _checksum(memoryview(slot[64:]))
+
+
+def test_a_copy_it_cannot_sum_on_the_way_is_still_made_and_checked_later():
+    small = np.arange(10, dtype=np.float64)
+    place = np.zeros_like(small)
+    assert _copy_summed(place, small) is None and np.array_equal(place, small)
+    strided = np.arange(2 * _CRC_BYTES, dtype=np.float64)[::2]  # (not contiguous)
+    place = np.zeros_like(strided)
+    assert _copy_summed(place, strided) is None and np.array_equal(place, strided)
+    with pytest.raises(TypeError):  # (np.copyto's error, as before: no casting)
+        _copy_summed(np.zeros(_CRC_BYTES, np.float32), np.zeros(_CRC_BYTES, np.float64))
