@@ -31,7 +31,6 @@ rank read the same file at once.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re

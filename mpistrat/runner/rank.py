@@ -55,7 +55,7 @@ def run(options: RunOptions, *,
         RunSetupError: on every rank, before the script starts (see the class).
     """
     world = mpi().COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
+    size = world.Get_size()
     mismatch = detect(env).mismatch(size)
     if mismatch is not None:
         raise RunSetupError(f"mpistrat run: {mismatch}; or let 'mpistrat run -n N ...' start "

@@ -191,7 +191,7 @@ def restart_slurmd(cluster, node: str) -> None:
         # A node slurmctld drained while its slurmd was gone ("Kill task failed", "Not
         # responding" on a slow machine) stays drained when slurmd registers again, whatever
         # ReturnToService says: resume it, as an administrator would after a reboot.
-        if state.startswith("drain") and not resumed:
+        if state.startswith(("drain", "drng")) and not resumed:
             resumed.append(_node_line(cluster, node))
             slurm(cluster, "scontrol", "update", f"NodeName={node}", "State=RESUME")
         return state == "idle"
