@@ -177,13 +177,19 @@ def restart_slurmd(cluster, node: str) -> None:
     """Start ``node``'s slurmd again as bin/cluster-local does (inside the host, pid in
     its pid file so that `cluster-local down` stops it), and wait until it is idle."""
     directory = Path(cluster.control["CLUSTER_LOCAL_DIR"])
-    if not slurmd_running(cluster, node):
+    starts = []
+
+    def start() -> None:
+        starts.append(time.monotonic())
         with open(directory / "log" / f"slurmd-{node}.out", "a") as log:
             process = subprocess.Popen(
                 ["bash", str(ROOT / "bin" / "cluster-local"), "exec", node, "slurmd", "-D",
                  "-N", node, "-f", str(directory / "etc" / "slurm.conf")],
                 env=cluster.control, stdout=log, stderr=log, start_new_session=True)
         (directory / "run" / f"slurmd-{node}.pid").write_text(f"{process.pid}\n")
+
+    if not slurmd_running(cluster, node):
+        start()
     resumed = []
 
     def idle() -> bool:
@@ -208,8 +214,13 @@ def restart_slurmd(cluster, node: str) -> None:
                 ["ip", "-n", f"{cluster.control['CLUSTER_LOCAL_NAME']}-{node}", "neigh"],
                 capture_output=True, text=True, timeout=30, check=False).stdout
             pytest.fail(f"{node} idle again: not after 90 s; {_node_line(cluster, node)}"
-                        f"{'; resumed from ' + resumed[0] if resumed else ''}\n"
+                        f"{'; resumed from ' + resumed[0] if resumed else ''}; slurmd "
+                        f"started {len(starts)} time(s)\n"
                         f"{node}'s neighbours: {neighbours}\n{tails}")
+        # a slurmd that exited at once (its log says why) is started again, twice at most
+        if starts and len(starts) < 3 and time.monotonic() - starts[-1] > 5 and \
+                not slurmd_running(cluster, node):
+            start()
         time.sleep(0.1)
 
 
