@@ -355,7 +355,7 @@ class SnapshotStore:
                     t = recorder.begin()
             extra["checksums"] = [
                 _checksum(raw) if found is None else found
-                for raw, found in zip(slot.raw, slot.sums or [None] * len(slot.raw))] + [
+                for raw, found in zip(slot.raw, slot.sums)] + [
                 _checksum(_bytes(view)) if found is None else found
                 for view, found in zip(slot.extra, slot.extra_sums)]
             body = json.dumps(extra, separators=(",", ":")).encode()
@@ -923,7 +923,7 @@ def _checksum(raw: memoryview) -> int:
                    raw[8 * len(words):], len(raw))
 
 
-def _summed(total: int, mixed: int, tail: memoryview, length: int) -> int:
+def _summed(total: int, mixed: int, tail: bytes | memoryview, length: int) -> int:
     """:func:`_checksum` from the words' wrapping sum and xor, the tail and the length."""
     return (total & _WORD) << 128 | mixed << 64 | \
         int.from_bytes(tail, "little") << 8 ^ (length & 0xFF)
@@ -957,7 +957,7 @@ def _copy_summed(target: np.ndarray, value: np.ndarray) -> int | None:
         total += int(words.sum(dtype=np.uint64))
         mixed ^= int(np.bitwise_xor.reduce(words))
     place[whole:] = source[whole:]
-    return _summed(total, mixed, memoryview(place[whole:].tobytes()), length)
+    return _summed(total, mixed, place[whole:].tobytes(), length)
 
 
 def _view(data: memoryview, entry: dict[str, Any]) -> np.ndarray:

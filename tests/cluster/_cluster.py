@@ -37,12 +37,14 @@ def give_up(reason: str):
     pytest.skip(reason)
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout`` s."""
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1, explain=None):
+    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout`` s (and
+    what ``explain()`` then says, if given)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
+            pytest.fail(f"{what}: not after {timeout} s" +
+                        (f"; {explain()}" if explain is not None else ""))
         time.sleep(interval)
 
 
@@ -200,28 +202,26 @@ def restart_slurmd(cluster, node: str) -> None:
         if state.startswith(("drain", "drng")) and not resumed:
             resumed.append(_node_line(cluster, node))
             slurm(cluster, "scontrol", "update", f"NodeName={node}", "State=RESUME")
+        # a slurmd that exited at once (its log says why) is started again, twice at most
+        if state != "idle" and starts and len(starts) < 3 and \
+                time.monotonic() - starts[-1] > 5 and not slurmd_running(cluster, node):
+            start()
         return state == "idle"
 
-    deadline = time.monotonic() + 90
-    while not idle():
-        if time.monotonic() > deadline:
-            log = directory / "log"
-            tails = "\n".join(f"--- {path.name}:\n" + "\n".join(
-                path.read_text(errors="replace").splitlines()[-15:])
-                for path in (log / "slurmctld.log", log / f"slurmd-{node}.log",
-                             log / f"slurmd-{node}.out") if path.exists())
-            neighbours = subprocess.run(
-                ["ip", "-n", f"{cluster.control['CLUSTER_LOCAL_NAME']}-{node}", "neigh"],
-                capture_output=True, text=True, timeout=30, check=False).stdout
-            pytest.fail(f"{node} idle again: not after 90 s; {_node_line(cluster, node)}"
-                        f"{'; resumed from ' + resumed[0] if resumed else ''}; slurmd "
-                        f"started {len(starts)} time(s)\n"
-                        f"{node}'s neighbours: {neighbours}\n{tails}")
-        # a slurmd that exited at once (its log says why) is started again, twice at most
-        if starts and len(starts) < 3 and time.monotonic() - starts[-1] > 5 and \
-                not slurmd_running(cluster, node):
-            start()
-        time.sleep(0.1)
+    def explain() -> str:
+        log = directory / "log"
+        tails = "\n".join(f"--- {path.name}:\n" + "\n".join(
+            path.read_text(errors="replace").splitlines()[-15:])
+            for path in (log / "slurmctld.log", log / f"slurmd-{node}.log",
+                         log / f"slurmd-{node}.out") if path.exists())
+        neighbours = subprocess.run(
+            ["ip", "-n", f"{cluster.control['CLUSTER_LOCAL_NAME']}-{node}", "neigh"],
+            capture_output=True, text=True, timeout=30, check=False).stdout
+        return (f"{_node_line(cluster, node)}"
+                f"{'; resumed from ' + resumed[0] if resumed else ''}; slurmd started "
+                f"{len(starts)} time(s)\n{node}'s neighbours: {neighbours}\n{tails}")
+
+    wait_until(idle, 90, f"{node} idle again", explain=explain)
 
 
 def _node_line(cluster, node: str) -> str:
