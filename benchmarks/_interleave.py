@@ -34,6 +34,7 @@ def interleaved(comm: Any, calls: Mapping[str, Callable[[], object]], iters: int
     slowest = np.empty_like(times)
     comm.Allreduce(times, slowest, op=MPI.MAX)  # each call's slowest rank
     return {name: {"median": float(np.median(slowest[k])),
+                   "mean": float(np.mean(slowest[k])),
                    "p10": float(np.percentile(slowest[k], 10)),
                    "p90": float(np.percentile(slowest[k], 90))}
             for k, name in enumerate(names)}

@@ -10,10 +10,13 @@ per step in blocks of consecutive steps, interleaved (round robin, a barrier bef
 block, its slowest rank's time; ``benchmarks/_interleave.py``):
 
 * ``off``: no trace (the instrumented code's one branch per event);
-* ``on``: every step recorded into ``rank-R.json``, and the block waits for the writer
-  thread to have formatted and written them (its work counted in full, even where a free
-  core would hide it);
+* ``on``: every step recorded into ``rank-R.json``; the block ends by handing the rest
+  over and waiting for the writer thread to have written it, so that the formatting
+  (on the training thread, between steps) and the writes count in full;
 * ``outside``: tracing started, these steps outside its window (``--trace-steps``).
+
+Each variant's median and mean block (a block of ``--block 256`` or more holds the
+chunks the recorder hands over on its own, every 512 events, and the mean counts them).
 
 Each step is marked with ``mpistrat.trace.step()``, as a plain loop would.
 """
@@ -45,6 +48,9 @@ def main() -> None:
     parser.add_argument("--state", choices=("digits", "resnet50"), default="digits")
     parser.add_argument("--iters", type=int, default=0, help="default: 60 digits, 12 resnet50")
     parser.add_argument("--compute-ms", type=float, default=0.0)
+    parser.add_argument("--block", type=int, default=0,
+                        help="steps a block (default: 20 digits, 3 resnet50); 256 or more "
+                             "holds the chunks a run hands over on its own")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     strategy = ms.MultiWorkerMirroredStrategy()
@@ -55,7 +61,7 @@ def main() -> None:
     recording = recorder.current()
     writer = ms.trace._SESSION[0].writer
     window = (recording.first, recording.stop)
-    block = 20 if args.state == "digits" else 3
+    block = args.block or (20 if args.state == "digits" else 3)
 
     def steps(mode: str) -> Any:
         def call() -> None:
@@ -85,10 +91,12 @@ def main() -> None:
         recorded = (iters + 2) * block
         print(f"{args.state}: {comm.Get_size()} ranks, {args.compute_ms:g} ms of computation "
               f"a step, median of {iters} blocks of {block} steps each, interleaved")
-        print(f"{'variant':10} {'step ms':>9} {'p10':>8} {'p90':>8} {'x off':>7}")
+        print(f"{'variant':10} {'step ms':>9} {'p10':>8} {'p90':>8} {'x off':>7} "
+              f"{'mean ms':>9} {'x off':>7}")
         for name, t in times.items():
             print(f"{name:10} {t['median'] / block * 1e3:9.3f} {t['p10'] / block * 1e3:8.3f} "
-                  f"{t['p90'] / block * 1e3:8.3f} {t['median'] / base:7.3f}")
+                  f"{t['p90'] / block * 1e3:8.3f} {t['median'] / base:7.3f} "
+                  f"{t['mean'] / block * 1e3:9.3f} {t['mean'] / times['off']['mean']:7.3f}")
         print(f"trace file of rank 0: {size[0] / 1e3:.0f} kB for {recorded} recorded steps "
               f"({size[0] / recorded / 1e3:.1f} kB a step)")
         shutil.rmtree(directory, ignore_errors=True)

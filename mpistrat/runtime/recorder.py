@@ -7,10 +7,11 @@ Instrumented code writes::
     if t:
         recorder.end(t, "all_reduce", recorder.COLLECTIVE, {...})
 
-Events are kept as tuples in a list and formatted by the writer thread
-(:mod:`mpistrat.trace.writer`), never here. Step boundaries (:func:`boundary`) end one
-``ProfilerStep#N`` span and start the next, turn recording on and off for the step window,
-and hand the buffer to the writer. This module imports only the standard library, so that
+Events are kept as tuples in a list and formatted by the writer
+(:mod:`mpistrat.trace.writer`), never where they happen. Step boundaries
+(:func:`boundary`) end one ``ProfilerStep#N`` span and start the next, turn recording on
+and off for the step window, and hand the buffer to the writer, which formats it there,
+between the two steps. This module imports only the standard library, so that
 every layer of mpistrat (the MPI runtime included) can record without an import cycle;
 the rest of tracing (starting it over MPI, the writer, the readers) is
 :mod:`mpistrat.trace`, above the layers it records.
@@ -24,6 +25,7 @@ from typing import Any
 
 __all__ = ["bus_factor", "on", "begin", "end", "instant", "boundary", "Recorder", "current",
            "STEP", "USER", "COLLECTIVE", "PHASE", "INPUT", "CHECKPOINT", "PS", "FAILURE",
+           "TRACE", "WRITE",
            "FROM_STRATEGY", "FROM_INPUT", "FROM_SCRIPT"]
 
 # categories (Kineto's where one exists: steps and user spans are user_annotation, ops
@@ -36,6 +38,9 @@ INPUT = "input"
 CHECKPOINT = "checkpoint"
 PS = "ps"
 FAILURE = "failure"
+TRACE = "trace"
+WRITE = "trace write"
+"""The span in which a rank formatted and queued a chunk of its trace (between steps)."""
 
 # where a step boundary comes from; a boundary from a lower source is ignored once one
 # from a higher source has been seen (a loop over a distributed dataset marks its steps
@@ -92,21 +97,28 @@ class Recorder:
             (``stop`` None: no end). The time before the first boundary belongs to step 0.
         max_events: events kept per step; more are counted as dropped.
         sink: called with each full buffer (a list it then owns) and the step it ends
-            at, from the thread that ends the step; the writer queues it.
-        flush_events: hand the buffer over at a boundary once it holds this many events.
-        flush_seconds: or once this long has passed since the last hand-over (a chunk
-            is whole steps; a rank killed mid-run loses what it recorded since). Not at
-            every step: a writer thread woken for the GIL at every step slows a short
-            step far more than batches do.
+            at, from the thread that ends the step, between two steps: the writer
+            formats it there (:data:`WRITE`, its span, lies between the steps).
+        flush_events: hand the buffer over at a boundary once it holds this many events
+            (a chunk is whole steps; a rank killed mid-run loses what it recorded since).
+        flush_seconds: or once this long has passed since the last hand-over.
+        align_steps: either at a step that is a multiple of this: ranks in lockstep
+            format their chunks in the same gap between two steps instead of one
+            waiting in a collective while the other formats. Not for long steps (of
+            ``flush_seconds / align_steps`` or more, where a chunk's formatting is a
+            small part of one step), nor for the first step and the window's end, nor
+            for a buffer of 8 × ``flush_events``: those are handed over at once.
     """
 
     def __init__(self, steps: tuple[int, int | None], max_events: int,
-                 sink: Any, flush_events: int = 2048, flush_seconds: float = 1.0) -> None:
+                 sink: Any, flush_events: int = 512, flush_seconds: float = 1.0,
+                 align_steps: int = 16) -> None:
         self.first, self.stop = steps
         self.max_events = max_events
         self.sink = sink
         self.flush_events = flush_events
         self.flush_ns = int(flush_seconds * 1e9)
+        self.align_steps = max(1, align_steps)
         self.handed = 0  # (the first step is handed over at once: a job that dies
         #                    early still leaves it)
         self.buffer: list[tuple] = []
@@ -140,6 +152,7 @@ class Recorder:
                                 f"ProfilerStep#{self.step}", STEP, {"step": self.step},
                                 self.thread))
         self.step += 1
+        ended = self.step_start
         self.step_start = now
         self.in_step = 0
         was = on
@@ -150,10 +163,20 @@ class Recorder:
             self.buffer.append((now, 0, f"ProfilerStep#{self.step}", STEP,
                                 {"step": self.step, "partial": True}, self.thread))
             self.closed = self.step
-        if len(self.buffer) >= self.flush_events or (
-                self.buffer and (now - self.handed >= self.flush_ns or not on)):
+        if not self.buffer:
+            return
+        if not self.handed or not on or len(self.buffer) >= 8 * self.flush_events or (
+                (len(self.buffer) >= self.flush_events or now - self.handed >= self.flush_ns)
+                and (self.step % self.align_steps == 0
+                     or now - ended >= self.flush_ns // self.align_steps)):
             self.handed = now
             self.hand_over()
+            # (the next step starts once its chunk is written: the writer's time is
+            # its own span between the steps, not part of either)
+            self.step_start = monotonic_ns()
+            if on:
+                self.buffer.append((now, self.step_start - now, WRITE, TRACE, None,
+                                    self.thread))
 
     def hand_over(self) -> None:
         """Give the buffer to the sink (a new list takes its place)."""

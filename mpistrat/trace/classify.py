@@ -21,7 +21,6 @@ compute — so its temporal breakdown and overlap work on a CPU job, and agree w
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from typing import Any
 
 __all__ = ["STREAM_NAMES", "COMPUTE_STREAM", "COMM_STREAM", "WAIT_STREAM", "steps",
@@ -76,12 +75,8 @@ def total(intervals: list[Interval]) -> int:
     return sum(stop - start for start, stop in intervals)
 
 
-def _reaching(items: list[tuple], starts: list[int], reach: int, start: int,
-              stop: int) -> list[tuple]:
-    """The ``items`` (sorted by their start, ``starts``; none longer than ``reach``) that
-    overlap ``[start, stop)``."""
-    return [i for i in items[bisect_left(starts, start - reach):bisect_left(starts, stop)]
-            if i[1] > start]
+def _start(event: tuple) -> int:
+    return event[0]
 
 
 def _clip(items: list[tuple], start: int, stop: int) -> list[Interval]:
@@ -93,28 +88,54 @@ def steps(events: list[tuple]) -> list[dict[str, Any]]:
     (the recorder's, or a file's events as tuples): a dict per ``ProfilerStep`` with
     ``step``, ``start``, ``stop``, ``thread`` and the interval lists ``compute``,
     ``communication``, ``waiting``, ``input``, ``hidden``."""
-    marks = [e for e in events if e[3] == "user_annotation" and e[1] >= 0
-             and e[2].startswith("ProfilerStep#")]
+    marks = []
+    collectives = []
+    waits = []
+    for e in events:  # (one pass: the writer classifies every step it writes)
+        cat = e[3]
+        if cat == "mpistrat_phase":
+            if e[2] == "agreement" and e[1] > 0:
+                waits.append((e[0], e[0] + e[1], e[5], cat))
+        elif cat == "cpu_op":
+            if e[1] > 0:
+                collectives.append((e[0], e[0] + e[1], e[5]))
+        elif cat == "user_annotation":
+            if e[1] >= 0 and e[2].startswith("ProfilerStep#"):
+                marks.append(e)
+        elif cat == "input" and e[1] > 0:
+            waits.append((e[0], e[0] + e[1], e[5], cat))
     if not marks:
         return []
-    collectives = sorted((e[0], e[0] + e[1], e[5]) for e in events
-                         if e[3] == "cpu_op" and e[1] > 0)
-    waits = sorted((e[0], e[0] + e[1], e[5], e[3]) for e in events
-                   if e[1] > 0 and ((e[3] == "mpistrat_phase" and e[2] == "agreement")
-                                    or e[3] == "input"))
-    # (each step looks only at the items that can reach into it: those starting at most
-    # the longest item's length before it, found by bisection: a buffer of many steps
-    # costs each step its own events, not every event of the buffer)
+    collectives.sort()
+    waits.sort()
+    marks.sort(key=_start)
+    # (a sweep over the steps in time order: each step looks at the items open at its
+    # start and those starting before its end, so a buffer of many steps costs each step
+    # its own events, however long one item of the buffer is)
     found = []
-    collective_starts = [c[0] for c in collectives]
-    wait_starts = [w[0] for w in waits]
-    collective_reach = max((c[1] - c[0] for c in collectives), default=0)
-    wait_reach = max((w[1] - w[0] for w in waits), default=0)
+    open_collectives: list[tuple] = []
+    open_waits: list[tuple] = []
+    next_collective = next_wait = 0
     for mark in marks:
         start, stop, thread = mark[0], mark[0] + mark[1], mark[5]
-        here = _reaching(collectives, collective_starts, collective_reach, start, stop)
-        waited = [w for w in _reaching(waits, wait_starts, wait_reach, start, stop)
-                  if w[2] == thread]
+        while next_collective < len(collectives) and collectives[next_collective][0] < stop:
+            open_collectives.append(collectives[next_collective])
+            next_collective += 1
+        while next_wait < len(waits) and waits[next_wait][0] < stop:
+            open_waits.append(waits[next_wait])
+            next_wait += 1
+        if open_collectives:
+            open_collectives = [c for c in open_collectives if c[1] > start]
+        if open_waits:
+            open_waits = [w for w in open_waits if w[1] > start]
+        here = [c for c in open_collectives if c[0] < stop]
+        waited = [w for w in open_waits if w[2] == thread and w[0] < stop]
+        step = (mark[4] or {}).get("step")
+        quick = _inside_one(here, waited, start, stop, thread)
+        if quick is not None:
+            found.append({"step": step, "start": start, "stop": stop, "thread": thread,
+                          **quick})
+            continue
         waiting: list[Interval] = []
         pipeline: list[Interval] = []
         if waited:
@@ -134,11 +155,51 @@ def steps(events: list[tuple]) -> list[dict[str, Any]]:
                 elsewhere = subtract(_clip([c for c in here if c[2] != thread], start, stop),
                                      blocked)
         compute = subtract([(start, stop)], union(own + blocked))
-        found.append({"step": (mark[4] or {}).get("step"), "start": start, "stop": stop,
+        found.append({"step": step, "start": start, "stop": stop,
                       "thread": thread, "compute": compute, "communication": communication,
                       "waiting": waiting, "input": pipeline,
                       "hidden": overlap(elsewhere, compute) if elsewhere else []})
     return found
+
+
+def _inside_one(here: list[tuple], waited: list[tuple], start: int, stop: int,
+                thread: int) -> dict[str, list[Interval]] | None:
+    """The usual step, classified without the general interval arithmetic: at most one
+    collective, on the step's thread and inside the step, whose agreements (no input
+    waits) lie inside it, one after another. None for any other step."""
+    if not here:
+        if waited:
+            return None
+        return {"compute": [(start, stop)] if start < stop else [], "communication": [],
+                "waiting": [], "input": [], "hidden": []}
+    if len(here) > 1:
+        return None
+    low, high, owner = here[0]
+    if owner != thread or low < start or high > stop:
+        return None
+    waiting = []
+    communication = []
+    at = low
+    for w in waited:
+        if w[3] == "input" or w[0] < at or w[1] > high:
+            return None
+        if w[0] > at:
+            communication.append((at, w[0]))
+            waiting.append((w[0], w[1]))
+        elif waiting:  # (one after the other: one interval, as union makes it)
+            waiting[-1] = (waiting[-1][0], w[1])
+        else:
+            waiting.append((w[0], w[1]))
+        at = w[1]
+    if at < high:
+        communication.append((at, high))
+    compute = []
+    if start < low:
+        compute.append((start, low))
+    if high < stop:
+        compute.append((high, stop))
+    return {"compute": compute, "communication": communication, "waiting": waiting,
+            "input": [], "hidden": []}
 
 
 def kernels(events: list[tuple]) -> list[tuple]:
@@ -146,12 +207,17 @@ def kernels(events: list[tuple]) -> list[tuple]:
     (the writer formats them like any other event)."""
     found: list[tuple] = []
     for step in steps(events):
-        for key, stream, label in (("compute", COMPUTE_STREAM, COMPUTE_STREAM),
-                                   ("communication", COMM_STREAM, COMM_STREAM),
-                                   ("waiting", WAIT_STREAM, WAIT_STREAM),
-                                   ("input", WAIT_STREAM, -1)):
-            args = {"stream": stream, "device": 0, "step": step["step"]}
-            for start, stop in step[key]:
-                found.append((start, stop - start, KERNEL_NAMES[label], "kernel", args,
-                              stream))
+        for key, stream, label in _KERNELS:
+            intervals = step[key]
+            if intervals:
+                args = {"stream": stream, "device": 0, "step": step["step"]}
+                name = KERNEL_NAMES[label]
+                for start, stop in intervals:
+                    found.append((start, stop - start, name, "kernel", args, stream))
     return found
+
+
+_KERNELS = (("compute", COMPUTE_STREAM, COMPUTE_STREAM),
+            ("communication", COMM_STREAM, COMM_STREAM),
+            ("waiting", WAIT_STREAM, WAIT_STREAM),
+            ("input", WAIT_STREAM, -1))

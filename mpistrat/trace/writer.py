@@ -1,4 +1,5 @@
-"""One rank's trace file, written in closed chunks by a thread of its own.
+"""One rank's trace file, in closed chunks: formatted by the thread that hands a chunk
+over (the training thread, between two steps), written by a thread of its own.
 
 The file is a Kineto-style JSON object whose first line carries ``distributedInfo`` (HTA
 finds the rank there) and whose ``traceEvents`` list always ends in ``]}``: each chunk is
@@ -96,7 +97,9 @@ class TraceWriter:
         self.rank = rank
         self.shift = offset_ns - base_ns
         self._threads: dict[int, str] = {}
+        self._heads: dict[tuple, str] = {}  # (name, cat, thread, instant) -> up to "ts": 
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._formatting = threading.Lock()
         self.error: BaseException | None = None
         self.bytes = 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
@@ -121,8 +124,19 @@ class TraceWriter:
 
     # -- the recorder's side ------------------------------------------------------------
     def put(self, events: list[tuple], step: int) -> None:
-        """Queue a buffer of events (whole steps); returns at once."""
-        self._queue.put(events)
+        """Format a buffer of events (whole steps) on the calling thread and queue the
+        text for the writer's thread to write (formatting holds the GIL: in a thread of
+        its own it would stall the training thread at random points, and with it every
+        rank waiting for this one in a collective; here it runs between two steps, on
+        every rank at the same step)."""
+        with self._formatting:  # (the chunks' order is the file's)
+            try:
+                chunk = self._chunk(events)
+            except Exception as exc:  # noqa: BLE001 - tracing never ends the job
+                self.error = exc
+                return
+            if chunk:
+                self._queue.put(chunk)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until everything queued so far is in the file."""
@@ -152,14 +166,16 @@ class TraceWriter:
             except Exception as exc:  # noqa: BLE001 - tracing never ends the job
                 self.error = exc
 
-    def _write(self, events: list[tuple]) -> None:
-        lines = [self._format(e) for e in events]
-        lines += [self._kernel(k) for k in classify.kernels(events)]
+    def _chunk(self, events: list[tuple]) -> bytes:
+        """The text of ``events``, their classification and any new thread's name, as
+        the file's next chunk (empty for nothing to write)."""
+        lines = self._format_all(events)
+        lines += self._format_all(classify.kernels(events))
         for ident, name in self._new_threads(events):
             lines.append(self._meta("thread_name", ident, {"name": name}))
-        if not lines:
-            return
-        chunk = (",\n" + ",\n".join(lines)).encode()
+        return (",\n" + ",\n".join(lines)).encode() if lines else b""
+
+    def _write(self, chunk: bytes) -> None:
         self._file.seek(self._pos)
         data = memoryview(chunk + TRAILER)
         while data:  # (a raw write may write less)
@@ -181,26 +197,44 @@ class TraceWriter:
             found.append((ident, name))
         return found
 
-    def _kernel(self, event: tuple) -> str:
-        """:meth:`_format` of a classification's kernel (args ``stream``, ``device`` 0
-        and ``step``, written directly: a step's kernels are most of what is written)."""
-        start, dur, name, _, args, stream = event
-        step = args["step"]
-        return (f'{{"ph": "X", "cat": "kernel", "name": {_quote(name)}, "pid": {self.rank}, '
-                f'"tid": {stream}, "ts": {(start + self.shift) / 1000:.3f}, '
-                f'"dur": {dur / 1000:.3f}, "args": {{"stream": {stream}, "device": 0, '
-                f'"step": {step if type(step) is int else _ENCODE(step)}}}}}')
+    def _format_all(self, events: list[tuple]) -> list[str]:
+        """Each event as one JSON object: ``ph``, ``cat``, ``name``, ``pid``, ``tid``, then
+        ``ts`` and ``dur`` (microseconds, three decimals; an instant has ``"s": "t"``
+        instead of ``dur``), then ``args``. The fields before ``ts`` are kept per name,
+        category and thread (a step's events repeat in every step): formatting is most
+        of the writer's work, and the writer's work is most of what tracing costs."""
+        heads = self._heads
+        shift = self.shift
+        lines: list[str] = []
+        append = lines.append
+        last: Any = None  # (a step's kernels on one stream share their args)
+        written = ""
+        for start, dur, name, cat, args, thread in events:
+            head = heads.get((name, cat, thread, dur < 0)) or \
+                self._head(name, cat, thread, dur < 0)
+            if dur >= 0:
+                text = f'{head}{(start + shift) / 1000:.3f}, "dur": {dur / 1000:.3f}'
+            else:
+                text = f'{head}{(start + shift) / 1000:.3f}, "s": "t"'
+            if not args:
+                append(text + "}")
+                continue
+            if args is not last:
+                last = args
+                written = _args(args) if type(args) is dict else _ENCODE(args)
+            append(f'{text}, "args": {written}}}')
+        return lines
 
-    def _format(self, event: tuple) -> str:
-        start, dur, name, cat, args, thread = event
-        quoted = _quote(name)
-        ts = (start + self.shift) / 1000
-        text = (f'{{"ph": "{"i" if dur < 0 else "X"}", "cat": "{cat}", "name": {quoted}, '
-                f'"pid": {self.rank}, "tid": {thread}, "ts": {ts:.3f}')
-        if dur >= 0:
-            text += f', "dur": {dur / 1000:.3f}'
-        else:
-            text += ', "s": "t"'
-        if args:
-            text += f', "args": {_args(args) if type(args) is dict else _ENCODE(args)}'
-        return text + "}"
+    def _head(self, name: str, cat: str, thread: int, instant: bool) -> str:
+        """The text of an event up to its ``ts``, kept for the next (``ProfilerStep#N``,
+        a new name at every step, is not)."""
+        step = name.startswith("ProfilerStep#")
+        head = (f'{{"ph": "{"i" if instant else "X"}", "cat": {_quote(cat)}, '
+                f'"name": {_ENCODE(name) if step else _quote(name)}, "pid": {self.rank}, '
+                f'"tid": {thread}, "ts": ')
+        if step:
+            return head
+        if len(self._heads) >= _MAX_QUOTED:
+            self._heads.clear()
+        self._heads[name, cat, thread, instant] = head
+        return head

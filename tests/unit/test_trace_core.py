@@ -30,7 +30,8 @@ def rank_file(tmp_path):
         header = {"distributedInfo": {"rank": 0, "world_size": 1, "backend": "mpistrat"},
                   "mpistrat": {"format": 1, "run": "ab", "rank": 0, "size": 1}}
         writer = TraceWriter(path, header, 0, 0, 0)
-        rec = recorder.Recorder(steps, max_events, writer.put, flush_events=flush_events)
+        rec = recorder.Recorder(steps, max_events, writer.put, flush_events=flush_events,
+                                align_steps=1)
         recorder.install(rec)
         made.append(writer)
         return path, rec, writer
@@ -88,6 +89,69 @@ def test_file_is_valid_json_after_every_chunk(rank_file):
         doc = _load(path)
         assert [e["name"] for e in _spans(doc) if e["cat"] == "user_annotation"] == \
             [n for j in range(i + 1) for n in (f"work {j}", f"ProfilerStep#{j}")]
+
+
+def test_chunks_are_handed_over_at_aligned_steps_and_written_between_steps(tmp_path):
+    """Every rank hands its buffer over at the same steps (the first at once, then at
+    multiples of ``align_steps`` once ``flush_events`` are in, and at the window's end),
+    and formats it between two steps: its ``trace write`` span lies in the gap, outside
+    both steps, so that a step's time never holds the trace's own work."""
+    handed = []
+    header = {"distributedInfo": {"rank": 0, "world_size": 1, "backend": "mpistrat"}}
+    writer = TraceWriter(str(tmp_path / "rank-0.json"), header, 0, 0, 0)
+
+    def sink(events, step):
+        handed.append(step)
+        writer.put(events, step)
+        time.sleep(0.002)  # (formatting that takes time)
+
+    rec = recorder.Recorder((0, 30), 2000, sink, flush_events=3, flush_seconds=3600,
+                            align_steps=4)
+    recorder.install(rec)
+    try:
+        for i in range(32):
+            t = recorder.begin()
+            if t:
+                recorder.end(t, f"work {i}", recorder.USER)
+            recorder.boundary(recorder.FROM_SCRIPT)
+    finally:
+        recorder.install(None)
+        writer.flush()
+        writer.close()
+    # the first step at once, then every 4th step (3 events by then), then the window's end
+    assert handed == [1, 4, 8, 12, 16, 20, 24, 28, 30]
+    events = _spans(_load(tmp_path / "rank-0.json"))
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e["name"].startswith("ProfilerStep#") and e["dur"] > 0)
+    writes = [e for e in events if e["name"] == recorder.WRITE]
+    assert len(writes) == 8 and all(w["cat"] == recorder.TRACE for w in writes)
+    for w in writes:  # (2 ms each, in a gap between two steps; the last, at the
+        #               window's end, is not recorded)
+        assert w["dur"] >= 2000
+        inside = (w["ts"] + 0.01, w["ts"] + w["dur"] - 0.01)  # (times of 3 decimals)
+        assert not any(a < inside[1] and inside[0] < b for a, b in steps), (w, steps)
+        assert any(abs(b - w["ts"]) < 0.01 for a, b in steps)  # (right after a step)
+
+
+def test_long_steps_are_handed_over_once_due_without_waiting_for_an_aligned_step():
+    """Steps of ``flush_seconds / align_steps`` or more are handed over as soon as
+    ``flush_seconds`` have passed (a job killed in a slow run loses at most that much),
+    not at the next multiple of ``align_steps``, which could be minutes away."""
+    handed = []
+    rec = recorder.Recorder((0, None), 2000, lambda events, step: handed.append(step),
+                            flush_events=1000, flush_seconds=0.05, align_steps=4)
+    recorder.install(rec)
+    try:
+        for i in range(9):
+            t = recorder.begin()
+            time.sleep(0.03)  # (each step at least 0.03 s: due after two at most)
+            recorder.end(t, f"work {i}", recorder.USER)
+            recorder.boundary(recorder.FROM_SCRIPT)
+    finally:
+        recorder.install(None)
+    assert handed[0] == 1
+    assert all(b - a <= 2 for a, b in zip(handed, handed[1:] + [9])), handed
+    assert any(step % 4 for step in handed[1:]), handed
 
 
 def test_window_keeps_only_its_steps(rank_file):
@@ -192,6 +256,11 @@ def test_classification_of_a_step():
     assert by_stream == {7: 60, 8: 35, 9: 25}
 
 
+def _mark(t, length, step):
+    """The recorder's tuple of step ``step``, ``length`` long from ``t``, on thread 1."""
+    return (t, length, f"ProfilerStep#{step}", "user_annotation", {"step": step}, 1)
+
+
 def _classified_by_definition(events, mark):
     """One step's intervals straight from the definitions (every event of the buffer
     looked at): the reference for :func:`classify.steps`."""
@@ -226,8 +295,7 @@ def test_a_buffer_of_many_steps_is_classified_as_each_step_alone(seed):
     events, t = [], 0
     for step in range(rng.randint(1, 40)):
         length = rng.randint(50, 400)
-        events.append((t, length, f"ProfilerStep#{step}", "user_annotation",
-                       {"step": step}, 1))
+        events.append(_mark(t, length, step))
         for _ in range(rng.randint(0, 6)):
             at = t + rng.randint(-30, length)
             cat, name = rng.choice([("cpu_op", "all_reduce"), ("input", "input wait"),
@@ -247,6 +315,57 @@ def test_a_buffer_of_many_steps_is_classified_as_each_step_alone(seed):
     for mark in marks:
         (got,) = [f for f in found if f["step"] == mark[4]["step"]]
         want = _classified_by_definition(events, mark)
+        assert {key: got[key] for key in want} == want, mark
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_steps_of_one_collective_each_are_classified_by_the_definition(seed):
+    """The usual shape of a training step (a collective on the training thread, its
+    agreements inside it, back to back at times, or at its very edges), with odd steps
+    among them (no collective, two collectives, one crossing the step's edge, an input
+    wait, one very long collective early in the buffer): every step as its definition
+    says."""
+    import random
+
+    rng = random.Random(seed)
+    events, t = [], 0
+    for step in range(rng.randint(1, 60)):
+        length = rng.randint(100, 400)
+        events.append(_mark(t, length, step))
+        shape = rng.random()
+        if shape < 0.75:  # the usual: one collective with agreements inside
+            low = t + rng.randint(0, 40)
+            high = min(t + length, low + rng.randint(1, 200))
+            if step == 1 and rng.random() < 0.5:
+                high = t + length  # (ends with the step)
+            events.append((low, high - low, "all_reduce", "cpu_op", None, 1))
+            at = low
+            for _ in range(rng.randint(0, 3)):
+                begin = rng.choice([at, rng.randint(at, high)])
+                end = rng.randint(begin, high)
+                if end > begin:
+                    events.append((begin, end - begin, "agreement", "mpistrat_phase",
+                                   None, 1))
+                    at = end
+        elif shape < 0.85:  # two collectives, or one crossing into the next step
+            events.append((t + 5, 20, "all_reduce", "cpu_op", None, 1))
+            events.append((t + length - 10, rng.randint(5, 60), "all_reduce", "cpu_op",
+                           None, 1))
+        elif shape < 0.9:  # an input wait, and a collective after it
+            events.append((t, 10, "input wait", "input", None, 1))
+            events.append((t + 20, 30, "all_reduce", "cpu_op", None, 1))
+        elif shape < 0.95:  # another thread's collective
+            events.append((t + 10, 30, "bucket all_reduce", "cpu_op", None, 2))
+        if step == 0 and rng.random() < 0.5:  # the first collective, very long
+            events.append((t + 1, 20_000, "all_reduce", "cpu_op", None, 2))
+        t += length + rng.randint(0, 5)
+    # (the window's end: a zero-length mark of the next step)
+    events.append(_mark(t, 0, step + 1))
+    rng.shuffle(events)
+    found = {f["step"]: f for f in classify.steps(events)}
+    for mark in (e for e in events if e[2].startswith("ProfilerStep#")):
+        want = _classified_by_definition(events, mark)
+        got = found[mark[4]["step"]]
         assert {key: got[key] for key in want} == want, mark
 
 

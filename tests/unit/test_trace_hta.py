@@ -49,7 +49,7 @@ def _record(directory, clock, *, size=2, steps=6, stop=True):
         clock[0] = START
         writer = TraceWriter(os.path.join(directory, f"rank-{rank}.json"),
                              header(rank, size, trip_ns=20_000 if rank else 0), rank, 0, START)
-        rec = recorder.Recorder((0, None), 2000, writer.put, flush_events=1)
+        rec = recorder.Recorder((0, None), 2000, writer.put, flush_events=1, align_steps=1)
         recorder.install(rec)
         for step in range(steps):
             t = recorder.begin()
