@@ -97,9 +97,9 @@ class TraceWriter:
         self.rank = rank
         self.shift = offset_ns - base_ns
         self._threads: dict[int, str] = {}
-        self._heads: dict[tuple, str] = {}  # (name, cat, thread, instant) -> up to "ts": 
+        self._heads: dict[tuple, str] = {}  # (name, cat, thread, instant): up to "ts"
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._formatting = threading.Lock()
+        self._formatting = threading.RLock()  # (a signal handler may flush mid-format)
         self.error: BaseException | None = None
         self.bytes = 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)

@@ -133,6 +133,34 @@ def test_chunks_are_handed_over_at_aligned_steps_and_written_between_steps(tmp_p
         assert any(abs(b - w["ts"]) < 0.01 for a, b in steps)  # (right after a step)
 
 
+def test_a_flush_from_inside_the_formatting_does_not_deadlock(tmp_path):
+    """A batch is formatted on the thread that hands it over; a signal handler (or
+    anything called from inside the formatting) that flushes the trace on that same
+    thread writes its events and returns instead of waiting for itself."""
+    import threading
+
+    header = {"distributedInfo": {"rank": 0, "world_size": 1, "backend": "mpistrat"}}
+    writer = TraceWriter(str(tmp_path / "rank-0.json"), header, 0, 0, 0)
+
+    class Interrupting:  # (its text is asked for in the middle of formatting)
+        def __str__(self):
+            writer.put([(2000, 10, "inner", recorder.USER, None, 1)], 0)
+            return "outer's argument"
+
+    done = threading.Event()
+
+    def outer():
+        writer.put([(1000, 10, "outer", recorder.USER, {"x": Interrupting()}, 1)], 0)
+        done.set()
+
+    threading.Thread(target=outer, daemon=True).start()
+    assert done.wait(10), "put() from inside put() on the same thread waited for itself"
+    writer.flush()
+    writer.close()
+    names = {e["name"]: e for e in _spans(_load(tmp_path / "rank-0.json"))}
+    assert names["outer"]["args"] == {"x": "outer's argument"} and "inner" in names
+
+
 def test_long_steps_are_handed_over_once_due_without_waiting_for_an_aligned_step():
     """Steps of ``flush_seconds / align_steps`` or more are handed over as soon as
     ``flush_seconds`` have passed (a job killed in a slow run loses at most that much),
