@@ -626,14 +626,15 @@ def traced_agreement(start: int, comm: Comm, carries_data: bool = False) -> None
     """Record an agreement that started at ``start``: the phase ``agreement`` with the
     ``seq`` of its collective (an agreement outside any traced collective is one of its
     own on ``comm``); ``carries_data``: the exchange carried the call's data as well."""
+    stop = monotonic_ns()  # (one reading: the span is the waiting that algbw leaves out)
     doors = DOORS
     seq = doors.seq if doors.depth else next_seq(comm)
     if carries_data:  # (the exchange is the algorithm: every rank reduces the blocks)
         note_algorithm("exchange")
     elif doors.depth:
-        doors.waited += monotonic_ns() - start
+        doors.waited += stop - start
     recorder.end(start, "agreement", recorder.PHASE,
-                 {"seq": seq, "carries_data": True} if carries_data else {"seq": seq})
+                 {"seq": seq, "carries_data": True} if carries_data else {"seq": seq}, stop)
 
 
 def phase(start: int, name: str, args: dict[str, Any] | None = None) -> None:

@@ -65,10 +65,12 @@ def begin() -> int:
     return monotonic_ns() if on else 0
 
 
-def end(start: int, name: str, cat: str, args: dict[str, Any] | None = None) -> None:
-    """Record the span ``[start, now]`` (``start`` from :func:`begin`, non-zero)."""
+def end(start: int, name: str, cat: str, args: dict[str, Any] | None = None,
+        stop: int = 0) -> None:
+    """Record the span ``[start, stop]`` (``start`` from :func:`begin`, non-zero;
+    ``stop`` a clock reading the caller used too, else now)."""
     if _active:
-        _active[0].add(start, monotonic_ns() - start, name, cat, args)
+        _active[0].add(start, (stop or monotonic_ns()) - start, name, cat, args)
 
 
 def instant(name: str, cat: str, args: dict[str, Any] | None = None) -> None:

@@ -161,6 +161,31 @@ def test_a_flush_from_inside_the_formatting_does_not_deadlock(tmp_path):
     assert names["outer"]["args"] == {"x": "outer's argument"} and "inner" in names
 
 
+def test_an_agreements_span_is_exactly_the_waiting_its_collective_leaves_out(monkeypatch):
+    """The collective's algbw leaves out the time its agreements waited, and the trace
+    shows that time as the agreement's span: both from one clock reading, so that a rank
+    descheduled while recording (4 ranks on 2 cores) writes a span and a bandwidth that
+    still agree."""
+    from mpistrat.runtime import agreement
+
+    clock = iter(range(1_000, 10**9, 1_000))  # (every reading 1 µs after the last)
+    monkeypatch.setattr(agreement, "monotonic_ns", lambda: next(clock))
+    monkeypatch.setattr(recorder, "monotonic_ns", lambda: next(clock))
+    events = []
+    recorder.install(recorder.Recorder((0, None), 100, lambda e, s: events.extend(e)))
+    doors = agreement.DOORS
+    try:
+        doors.depth, doors.seq, doors.waited = 1, 7, 0  # (inside a traced collective)
+        agreement.traced_agreement(500, None)
+        waited = doors.waited
+        recorder.current().hand_over()
+    finally:
+        doors.depth, doors.waited = 0, 0
+        recorder.install(None)
+    (span,) = [e for e in events if e[2] == "agreement"]
+    assert span[4] == {"seq": 7} and span[0] == 500 and span[1] == waited > 0
+
+
 def test_long_steps_are_handed_over_once_due_without_waiting_for_an_aligned_step():
     """Steps of ``flush_seconds / align_steps`` or more are handed over as soon as
     ``flush_seconds`` have passed (a job killed in a slow run loses at most that much),
