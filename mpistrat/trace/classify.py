@@ -21,6 +21,7 @@ compute — so its temporal breakdown and overlap work on a CPU job, and agree w
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 __all__ = ["STREAM_NAMES", "COMPUTE_STREAM", "COMM_STREAM", "WAIT_STREAM", "steps",
@@ -75,8 +76,15 @@ def total(intervals: list[Interval]) -> int:
     return sum(stop - start for start, stop in intervals)
 
 
-def _start(event: tuple) -> int:
-    return event[0]
+def _sweep(items: list[tuple], taken: int, still_open: list[tuple], start: int,
+           stop: int) -> tuple[int, list[tuple]]:
+    """One step of a sweep over ``items`` (sorted by start) for the step ``[start,
+    stop)`` (steps in time order): the items taken so far, and those open in the step
+    (started before its end, not ended before its start)."""
+    while taken < len(items) and items[taken][0] < stop:
+        still_open.append(items[taken])
+        taken += 1
+    return taken, [i for i in still_open if i[1] > start]
 
 
 def _clip(items: list[tuple], start: int, stop: int) -> list[Interval]:
@@ -108,7 +116,7 @@ def steps(events: list[tuple]) -> list[dict[str, Any]]:
         return []
     collectives.sort()
     waits.sort()
-    marks.sort(key=_start)
+    marks.sort(key=itemgetter(0))
     # (a sweep over the steps in time order: each step looks at the items open at its
     # start and those starting before its end, so a buffer of many steps costs each step
     # its own events, however long one item of the buffer is)
@@ -118,16 +126,9 @@ def steps(events: list[tuple]) -> list[dict[str, Any]]:
     next_collective = next_wait = 0
     for mark in marks:
         start, stop, thread = mark[0], mark[0] + mark[1], mark[5]
-        while next_collective < len(collectives) and collectives[next_collective][0] < stop:
-            open_collectives.append(collectives[next_collective])
-            next_collective += 1
-        while next_wait < len(waits) and waits[next_wait][0] < stop:
-            open_waits.append(waits[next_wait])
-            next_wait += 1
-        if open_collectives:
-            open_collectives = [c for c in open_collectives if c[1] > start]
-        if open_waits:
-            open_waits = [w for w in open_waits if w[1] > start]
+        next_collective, open_collectives = _sweep(collectives, next_collective,
+                                                   open_collectives, start, stop)
+        next_wait, open_waits = _sweep(waits, next_wait, open_waits, start, stop)
         here = [c for c in open_collectives if c[0] < stop]
         waited = [w for w in open_waits if w[2] == thread and w[0] < stop]
         step = (mark[4] or {}).get("step")
