@@ -133,12 +133,11 @@ def main() -> None:
         work()
         update()
     checkpoint = ms.Checkpoint(state=state)
-    job = comm.bcast(secrets.token_hex(16))
     root = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    launch = ElasticEnv(job, 0, (comm.Get_size(),))
-    stores = {mode: SnapshotStore(checkpoint, launch, b"benchmark", root=root,
-                                  background=mode != "sync")
-              for mode in ("background", "sync", "auto")}
+    stores = {mode: SnapshotStore(  # (each its own job: its own directory)
+        checkpoint, ElasticEnv(comm.bcast(secrets.token_hex(16)), 0, (comm.Get_size(),)),
+        b"benchmark", root=root, background=mode != "sync")
+        for mode in ("background", "sync", "auto")}
 
     block = 10 if args.state == "digits" else 3
 
@@ -147,9 +146,12 @@ def main() -> None:
     def steps(store: SnapshotStore | None, auto: bool = False) -> Any:
         def call() -> None:
             for _ in range(block):
-                # auto: CheckpointManager's rule for --snapshot-every auto
+                # auto: CheckpointManager's rule for --snapshot-every auto (rank 0 decides
+                # where every rank takes every snapshot)
                 due = not auto or not store.taken or \
                     (time.perf_counter() - last[0]) * AUTO_SHARE >= store.last_cost
+                if auto and store.collective:
+                    due = comm.bcast(due, root=0)
                 if store is not None and due:
                     store.take(("benchmark", 0))
                     last[0] = time.perf_counter()

@@ -5,7 +5,9 @@ that remain resumes where the lost launch was, not at the last checkpoint on dis
 In synchronous data-parallel training every rank holds the whole state, so one rank per
 host (the host's lowest) writes it, into that host's own directory: every host holds a
 complete copy, and whichever host is lost, each survivor's copy is its partner copy. The
-other ranks write nothing.
+other ranks write nothing, except where the state is large (:data:`._shares.SHARE_BYTES`):
+then the host's ranks each copy a share of it side by side, and the writer commits the
+slot once every share's checksums are on the host's board (:mod:`._shares`).
 
 Layout, in ``$MPISTRAT_ELASTIC_DIR`` (default ``/dev/shm``, else the temporary
 directory)::
@@ -13,6 +15,7 @@ directory)::
     mpistrat-elastic-<uid>-<job id>/        (0700, this user's)
         <host>/layout.json                  (names, dtypes, shapes, places; HMAC)
         <host>/slot-0.data  slot-1.data     (a commit record, then the values)
+        <host>/shares.board                 (the shares' checksums, where shared)
 
 Two slots alternate: snapshot ``n`` goes to slot ``n % 2``, a file mapped into the
 writer's memory once, so that taking a snapshot makes no system call. Its commit record
@@ -60,7 +63,7 @@ from ..elastic import hooks
 from ..elastic.env import ElasticEnv
 from ..runtime import recorder
 from ..runtime._mpi import Comm
-from . import _random
+from . import _random, _shares
 from .checkpoint import (
     Checkpoint,
     _assign,
@@ -171,10 +174,29 @@ class SnapshotStore:
         if self.comm is None:
             self.comm = self.checkpoint.comm
         host = socket.gethostname()
-        hosts = self.comm.allgather(host)
+        # each leaf's kind, once: an object keeps its kind (a torch one exists only once
+        # torch is imported), and take() runs at every step boundary
+        self._kinds = [(name, obj, _kind(obj)) for name, obj in self.checkpoint._leaves]
+        facts = self.comm.allgather((host, self._generators_room(), self._values_bytes()))
+        hosts = [h for h, _, _ in facts]
+        rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
-        self.writer = hosts.index(host) == self.comm.Get_rank()  # this host's lowest rank
+        self.writer = hosts.index(host) == rank  # this host's lowest rank
         self._writers = sorted({hosts.index(h) for h in hosts})  # every host's
+        self._host_writer = hosts.index(host)
+        # (every rank's layout the same: the generators' room is the largest any needs)
+        self._room = max(room for _, room, _ in facts)
+        # a large state is copied by the host's ranks side by side (_shares), where every
+        # rank holds the same values
+        local = [r for r, h in enumerate(hosts) if h == host]
+        shared = len({nbytes for _, _, nbytes in facts}) == 1 and \
+            facts[0][2] >= _shares.SHARE_BYTES
+        self._parts = min(len(local), _shares.MAX_SHARERS) if shared else 1
+        self._part = local.index(rank) if local.index(rank) < self._parts else -1
+        self._sharing = shared and any(hosts.count(h) > 1 for h in hosts)
+        self._board: _shares.Board | None = None
+        self._pieces: list[list[tuple[int, _shares.Piece]]] | None = None  # each share's
+        self._written = [0, 0]  # the snapshot a sharer wrote last into each slot
         root = snapshot_root(self.root)
         self.job_directory = job_directory(self.launch.job, root)
         self.directory = os.path.join(self.job_directory, _HOST.sub("_", host)[:64] or "host")
@@ -183,20 +205,31 @@ class SnapshotStore:
         self._thread: threading.Thread | None = None
         self._warned = False
         self._next_slot = 0
-        # each leaf's kind, once: an object keeps its kind (a torch one exists only once
-        # torch is imported), and take() runs at every step boundary
-        self._kinds = [(name, obj, _kind(obj)) for name, obj in self.checkpoint._leaves]
         self._background = 0.0  # seconds the last snapshot's background work took
         self.last_cost = 0.0  # seconds the last take() took here
         self.skipped: tuple[str, ...] = ()  # what the last restore() found and skipped
         problem = None
+        if self._parts > 1:
+            values = sum(1 for _, _, kind in self._kinds if kind not in _NO_VALUE)
+            self._board = _shares.Board(os.path.join(self.directory, "shares.board"),
+                                        self._parts, values)
         if self.writer:
             try:
                 _private_directory(self.job_directory)
                 _private_directory(self.directory)
+                if self._board is not None:
+                    self._board.create()
+                    self._board.open()
             except OSError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
         problems = [p for p in self.comm.allgather(problem) if p is not None]
+        if self._sharing:  # (the sharers map the board the writers made)
+            if not problems and self._board is not None and self._part > 0:
+                try:
+                    self._board.open()
+                except (OSError, ValueError) as exc:
+                    problem = f"{type(exc).__name__}: {exc}"
+            problems += [p for p in self.comm.allgather(problem) if p is not None]
         if problems:
             raise PermissionError(f"elastic snapshots cannot be kept in {root}: "
                                   f"{problems[0]}")
@@ -205,11 +238,27 @@ class SnapshotStore:
 
     @property
     def collective(self) -> bool:
-        """Whether :meth:`take` is collective: a stateful leaf holds its state in shares
-        (a ZeroRedundancyOptimizer), gathered on every host's writer at each snapshot,
-        so every rank takes every snapshot or none."""
-        return any(kind == "stateful" and _torch().needs_gather(obj)
-                   for _, obj, kind in self._kinds)
+        """Whether every rank must take every snapshot or none: a host's ranks copy
+        shares of a large state (:mod:`._shares`), or a stateful leaf holds its state in
+        shares (a ZeroRedundancyOptimizer), gathered on every host's writer at each
+        snapshot."""
+        return self._sharing or any(kind == "stateful" and _torch().needs_gather(obj)
+                                    for _, obj, kind in self._kinds)
+
+    def _generators_room(self) -> int:
+        """What this rank's generators' states take in a commit record, with room to
+        spare."""
+        return sum(max(1024, 2 * len(json.dumps(_random.get_state(obj))))
+                   for _, obj, kind in self._kinds if kind == "generator")
+
+    def _values_bytes(self) -> int:
+        """The bytes of the layout's values (without copying them)."""
+        total = 0
+        for _, obj, kind in self._kinds:
+            if kind not in _NO_VALUE:
+                dtype, shape = _describe(obj)
+                total += int(np.prod(shape, dtype=np.int64)) * _parse_dtype(dtype).itemsize
+        return total
 
     @property
     def layout_path(self) -> str:
@@ -222,7 +271,9 @@ class SnapshotStore:
         """Write snapshot ``number`` (default ``sequence + 1``; the step boundary's
         number in the job, the same on every rank, so that hosts' snapshots compare) of
         the current state into the slot the newest one is not in (on this host's writer;
-        the other ranks only count it).
+        the other ranks only count it, or each copy their share of a large state: then,
+        as where :attr:`collective` says so for another reason, every rank takes every
+        snapshot).
 
         Its commit record is invalidated first, then the values are copied, checksummed,
         and the record rewritten, its HMAC last (module docstring). In the background
@@ -253,30 +304,41 @@ class SnapshotStore:
         self.sequence = self.sequence + 1 if number is None else number
         started = time.perf_counter()
         states = self._expand_states()  # (collective for a sharded optimizer)
-        if not self.writer:
+        if self._part < 0 or (self._parts == 1 and not self.writer):
             return 0, False
         self.wait()  # (the previous snapshot is committed: snapshots commit in order)
         values: list[tuple[np.ndarray, bool]] = []
         generators: dict[str, Any] = {}
         for name, obj, kind in self._kinds:
             if kind == "generator":
-                generators[name] = _random.get_state(obj)
+                if self.writer:
+                    generators[name] = _random.get_state(obj)
             elif kind != "stateful":
                 values.append(_host_value(obj))
         # (a slot's first snapshot creates and faults in its memory: not what the next
         # ones cost, which --snapshot-every auto weighs)
         fresh = self._layout is None or self._slots[self._next_slot].map is None
-        layout = self._layout_for(values, generators)
+        layout = self._layout_for(values)
         places, index, size = _place_states(states, layout["size"])
-        slot = self._slots[self._next_slot]
+        slot_index = self._next_slot
+        slot = self._slots[slot_index]
         self._next_slot = 1 - self._next_slot
+        if self._part > 0:
+            self._await_writer(slot_index)
         data = self._mapped(slot, layout, size)
         _HEADER.pack_into(data, 0, _MAGIC, 0, 0, _NO_MAC)  # (invalid until committed)
+        fenced = sum(v.nbytes for v, f in values if f)
+        later = self.background and fenced >= BACKGROUND_BYTES
+        copies = self._copies(slot, layout, values)
+        if not self.writer:  # (a share of the host's: its checksums go on the board)
+            self._start(slot, copies, later, self._post, (slot_index, self.sequence),
+                        started, fresh)
+            return sum(target.nbytes for _, target, _, _ in copies), later
         extra = {"sequence": self.sequence, "world_size": self._size,
                  "launch": self.launch.restart, "save_counter": self.checkpoint.save_counter,
                  "position": list(position) if position is not None else None,
                  "finished": [list(item) for item in hooks.finished()],
-                 "generators": generators, "created": time.time()}
+                 "generators": generators, "created": time.time(), "parts": self._parts}
         if states:
             # the stateful leaves' arrays, then the index that describes them, past the
             # layout's values: their structure may change from one snapshot to the next,
@@ -293,66 +355,157 @@ class SnapshotStore:
                                "sha256": hashlib.sha256(index).hexdigest()}
         else:
             slot.extra, slot.extra_sums = [], []
-        fenced = sum(v.nbytes for v, f in values if f)
-        later = self.background and fenced >= BACKGROUND_BYTES
-        # one block a value: each copy computes its value's checksum as it goes (the
-        # bytes are read once, not again at the commit)
-        alone = len(slot.raw) == len(slot.views)
+        if self.taken % 64 == 0:
+            os.utime(self.job_directory)  # (a live job's snapshots are never swept)
+        self._start(slot, copies, later, self._commit, (slot_index, layout, extra), started,
+                    fresh)
+        return size, later
+
+    def _copies(self, slot: _Slot, layout: dict[str, Any],
+                values: list[tuple[np.ndarray, bool]]
+                ) -> list[tuple[int, np.ndarray, np.ndarray, bool]]:
+        """What this rank copies into ``slot``: ``(block, place, value, fenced)`` each,
+        ``block`` the index of its own checksum among the slot's (-1 when it shares one
+        with other values: small ones, checked together). One per value on a host whose
+        writer copies alone; this rank's share of the values' bytes where the host's
+        ranks share the copy (:mod:`._shares`)."""
+        if self._parts == 1:
+            alone = len(slot.raw) == len(slot.views)
+            return [(i if alone else -1, target, value, fence)
+                    for i, (target, (value, fence)) in enumerate(zip(slot.views, values))]
+        if self._pieces is None:
+            self._pieces = _pieces(layout, self._parts)
+        copies = []
+        sources: dict[int, np.ndarray] = {}
+        for block, piece in self._pieces[self._part]:
+            value, fence = values[piece.value]
+            source = sources.get(piece.value)
+            if source is None:
+                source = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+                sources[piece.value] = source
+            place = slot.views[piece.value].reshape(-1).view(np.uint8)
+            copies.append((block, place[piece.start:piece.stop],
+                           source[piece.start:piece.stop], fence))
+        return copies
+
+    def _start(self, slot: _Slot, copies: list[tuple[int, np.ndarray, np.ndarray, bool]],
+               later: bool, finish: Any, args: tuple[Any, ...], started: float,
+               fresh: bool) -> None:
+        """Copy ``copies`` (each computing its checksum as it goes), except the fenced
+        ones when ``later``, then ``finish(slot, *args, deferred, copied)``: now, or in a
+        thread that copies the ``deferred`` ones first (the fence held until it has)."""
         slot.sums = [None] * len(slot.raw)
-        for i, (target, (value, fence)) in enumerate(zip(slot.views, values)):
+        for block, target, value, fence in copies:
             if not (later and fence):
-                if alone:
-                    slot.sums[i] = _copy_summed(target, value)
+                if block >= 0:
+                    slot.sums[block] = _copy_summed(target, value)
                 else:
                     np.copyto(target, value, casting="no")
         if not later:
-            self._commit(slot, layout, extra, [])
+            finish(slot, *args, [])
         else:
-            deferred = [(i if alone else -1, t, v)
-                        for i, (t, (v, f)) in enumerate(zip(slot.views, values)) if f]
+            deferred = [(block, t, v) for block, t, v, fence in copies if fence]
             copied = threading.Event()
             hooks.set_fence(copied.wait)
             self._thread = threading.Thread(
-                target=self._commit, args=(slot, layout, extra, deferred, copied),
+                target=finish, args=(slot, *args, deferred, copied),
                 name="mpistrat-snapshot", daemon=True)
             _IN_FLIGHT.add(self)
             self._thread.start()
-        if self.taken % 64 == 0:
-            os.utime(self.job_directory)  # (a live job's snapshots are never swept)
         self.taken += 1
         cost = time.perf_counter() - started
         # what --snapshot-every auto weighs: this one's time here and the last background
         # work's (it overlaps a step only where a core is free, so it counts in full)
         self.last_cost = 0.0 if fresh else cost + (self._background if later else 0.0)
         self.seconds += cost
-        return size, later
 
-    def _commit(self, slot: _Slot, layout: dict[str, Any], extra: dict[str, Any],
-                deferred: list[tuple[int, np.ndarray, np.ndarray]],
-                copied: threading.Event | None = None) -> None:
+    def _copy_deferred(self, slot: _Slot, sequence: int,
+                       deferred: list[tuple[int, np.ndarray, np.ndarray]],
+                       copied: threading.Event | None) -> None:
         """Copy the ``deferred`` values (``(block, place, value)``: ``block`` the index of
-        the value's own checksum, -1 when it shares one), release the fence, checksum,
-        commit."""
+        the value's own checksum, -1 when it shares one) and release the fence (traced as
+        ``snapshot copy`` in the background)."""
+        t = recorder.begin() if copied is not None else 0  # (the background's)
+        try:
+            for block, target, value in deferred:
+                if block >= 0:
+                    slot.sums[block] = _copy_summed(target, value)
+                else:
+                    np.copyto(target, value, casting="no")
+        finally:
+            if copied is not None:
+                hooks.set_fence(None)
+                copied.set()
+            if t:
+                recorder.end(t, "snapshot copy", recorder.CHECKPOINT,
+                             {"sequence": sequence,
+                              "bytes": sum(v.nbytes for _, _, v in deferred)})
+
+    def _await_writer(self, slot_index: int) -> None:
+        """A sharer is about to write its share of the next snapshot into a slot: until
+        the writer is done with the snapshot this sharer wrote there last (committed, or
+        given up), so that a sharer that runs ahead (no collective between two
+        snapshots) never overwrites a share the writer has yet to commit."""
+        assert self._board is not None
+        last = self._written[slot_index]
+        if last:
+            try:
+                self._board.collect(slot_index, 0, last, 0,
+                                    time.monotonic() + _shares.WAIT_S)
+            except (TimeoutError, ValueError):
+                pass  # (the writer gave up on it, or ended: nothing left to protect)
+        self._written[slot_index] = self.sequence
+
+    def _post(self, slot: _Slot, slot_index: int, sequence: int,
+              deferred: list[tuple[int, np.ndarray, np.ndarray]],
+              copied: threading.Event | None = None) -> None:
+        """A sharer's end of a snapshot: copy the ``deferred`` values, release the fence,
+        post this share's checksums on the host's board for the writer's commit."""
+        started = time.perf_counter()
+        assert self._board is not None and self._pieces is not None
+        try:
+            self._copy_deferred(slot, sequence, deferred, copied)
+            sums = []
+            for block, _ in self._pieces[self._part]:
+                found = slot.sums[block]
+                sums.append(_checksum(slot.raw[block]) if found is None else found)
+            self._board.post(slot_index, self._part, sequence, sums)
+        except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
+            self._warn(sequence, exc)
+        finally:
+            if copied is not None:
+                self._background = time.perf_counter() - started
+
+    def _warn(self, sequence: int, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"snapshot {sequence} could not be written to "
+                          f"{self.directory}: {type(exc).__name__}: {exc}; training "
+                          f"goes on, a restart falls back to an older snapshot or the "
+                          f"checkpoint on disk (free memory in /dev/shm, or give "
+                          f"{DIR_ENV} another directory)", RuntimeWarning, stacklevel=1)
+
+    def _commit(self, slot: _Slot, slot_index: int, layout: dict[str, Any],
+                extra: dict[str, Any], deferred: list[tuple[int, np.ndarray, np.ndarray]],
+                copied: threading.Event | None = None) -> None:
+        """Copy the ``deferred`` values, release the fence, gather the other shares'
+        checksums (where the host's ranks share the copy), checksum, commit."""
         data = slot.data
         assert data is not None
         started = time.perf_counter()
-        t = recorder.begin() if copied is not None else 0  # (the background's)
+        t = 0
         try:
-            try:
-                for block, target, value in deferred:
-                    if block >= 0:
-                        slot.sums[block] = _copy_summed(target, value)
-                    else:
-                        np.copyto(target, value, casting="no")
-            finally:
-                if copied is not None:
-                    hooks.set_fence(None)
-                    copied.set()
-                if t:
-                    recorder.end(t, "snapshot copy", recorder.CHECKPOINT,
-                                 {"sequence": extra["sequence"],
-                                  "bytes": sum(v.nbytes for _, _, v in deferred)})
-                    t = recorder.begin()
+            self._copy_deferred(slot, extra["sequence"], deferred, copied)
+            t = recorder.begin() if copied is not None else 0
+            if self._parts > 1:
+                assert self._board is not None and self._pieces is not None
+                deadline = time.monotonic() + _shares.WAIT_S
+                for part in range(1, self._parts):
+                    blocks = [block for block, _ in self._pieces[part]]
+                    found = self._board.collect(slot_index, part, extra["sequence"],
+                                                len(blocks), deadline)
+                    for block, checksum in zip(blocks, found):
+                        slot.sums[block] = checksum
             extra["checksums"] = [
                 _checksum(raw) if found is None else found
                 for raw, found in zip(slot.raw, slot.sums)] + [
@@ -367,14 +520,10 @@ class SnapshotStore:
             mac = self._mac(layout["digest"], extra["sequence"], body)
             data[_HEADER.size - 32:_HEADER.size] = mac  # (last: this commits)
         except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"snapshot {extra['sequence']} could not be written to "
-                              f"{self.directory}: {type(exc).__name__}: {exc}; training "
-                              f"goes on, a restart falls back to an older snapshot or the "
-                              f"checkpoint on disk (free memory in /dev/shm, or give "
-                              f"{DIR_ENV} another directory)", RuntimeWarning, stacklevel=1)
+            self._warn(extra["sequence"], exc)
         finally:
+            if self._board is not None:  # (the sharers may write this slot again)
+                self._board.post(slot_index, 0, extra["sequence"], [])
             if copied is not None:  # (in the background: take() weighs it next time)
                 self._background = time.perf_counter() - started
             if t:
@@ -412,19 +561,16 @@ class SnapshotStore:
         return [(name, tree, [_storable(name, np.asarray(a)) for a in arrays])
                 for name, tree, arrays in states]
 
-    def _layout_for(self, values: list[tuple[np.ndarray, bool]],
-                    generators: dict[str, Any]) -> dict[str, Any]:
-        """This process's layout (written to :attr:`layout_path` the first time)."""
+    def _layout_for(self, values: list[tuple[np.ndarray, bool]]) -> dict[str, Any]:
+        """This process's layout (the same on every rank; written to :attr:`layout_path`
+        by the writer the first time)."""
         if self._layout is not None:
             return self._layout
         entries: list[dict[str, Any]] = []
         offset, arrays = 0, iter(values)
-        room = 0  # (what the generators' states take in the commit record)
         for name, _, kind in self._kinds:
             if kind in ("generator", "stateful"):
                 entries.append({"name": name, "kind": kind})
-                if kind == "generator":
-                    room += max(1024, 2 * len(json.dumps(generators[name])))
                 continue
             value = next(arrays)[0]
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -432,7 +578,9 @@ class SnapshotStore:
                             "shape": list(value.shape), "offset": offset,
                             "nbytes": int(value.nbytes)})
             offset += value.nbytes
-        header = -(-(2048 + 16 * len(entries) + room) // 4096) * 4096
+        # (the record: its fields, the generators' states, a checksum per value and per
+        # cut between shares, 58 digits at most)
+        header = -(-(2048 + 60 * (len(entries) + self._parts) + self._room) // 4096) * 4096
         for entry in entries:
             if "offset" in entry:
                 entry["offset"] += header
@@ -441,7 +589,8 @@ class SnapshotStore:
         text = json.dumps(layout, sort_keys=True)
         layout["mac"] = hmac.new(self.secret, b"mpistrat-snapshot-layout\0" + text.encode(),
                                  hashlib.sha256).hexdigest()
-        write_atomically(self.layout_path, json.dumps(layout, sort_keys=True), mode=0o600)
+        if self.writer:
+            write_atomically(self.layout_path, json.dumps(layout, sort_keys=True), mode=0o600)
         layout["digest"] = hashlib.sha256(text.encode()).digest()
         self._layout = layout
         return layout
@@ -460,7 +609,10 @@ class SnapshotStore:
                 if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
                     raise PermissionError(f"{slot.path} is not a regular file of this "
                                           f"user's")
-                os.ftruncate(fd, size)
+                if self.writer:
+                    os.ftruncate(fd, size)
+                elif info.st_size < size:  # (a sharer never shrinks what the writer sized)
+                    _grow(fd, size)
                 slot.map = mmap.mmap(fd, size)
             except BaseException:
                 os.close(fd)
@@ -469,7 +621,7 @@ class SnapshotStore:
             slot.data = memoryview(slot.map)
             slot.views = [_view(slot.data, e) for e in layout["entries"]
                           if e["kind"] not in _NO_VALUE]
-            slot.raw = [slot.data[a:b] for _, a, b in _blocks(layout)]
+            slot.raw = [slot.data[a:b] for _, a, b in _blocks(layout, self._parts)]
         assert slot.data is not None
         return slot.data
 
@@ -519,7 +671,10 @@ class SnapshotStore:
         notes: list[str] = []
         if self.writer:
             found, notes = self._newest()
-        sequences = comm.allgather(found[0] if found is not None else -1)
+        # (the newest here, and the slot the writer writes next: its sharers' too)
+        heard = comm.allgather((found[0] if found is not None else -1, self._next_slot))
+        sequences = [sequence for sequence, _ in heard]
+        self._next_slot = heard[self._host_writer][1]
         skipped = tuple(note for part in comm.allgather(notes) for note in part)
         best = max(sequences)
         self.skipped = skipped
@@ -717,7 +872,11 @@ class SnapshotStore:
             states = _check_states(record, layout, data, self.checkpoint._leaves)
         extra = [dict(entry, name=f"{name}[{j}]") for name, _, entries in states
                  for j, entry in enumerate(entries)]
-        blocks = _blocks(layout)
+        parts: Any = record.get("parts")
+        if not _is_count(parts) or not 1 <= parts <= _shares.MAX_SHARERS:
+            raise ValueError(f"parts is {_short(parts)}, expected 1 to "
+                             f"{_shares.MAX_SHARERS} ranks that shared its copy")
+        blocks = _blocks(layout, parts)
         sums = record.get("checksums")
         if not isinstance(sums, list) or len(sums) != len(blocks) + len(extra) or \
                 not all(_is_count(c) for c in sums):
@@ -742,6 +901,8 @@ class SnapshotStore:
         self.wait()
         for slot in self._slots:
             self._unmap(slot)
+        if self._board is not None:
+            self._board.close()
         if remove and self.writer:
             shutil.rmtree(self.directory, ignore_errors=True)
             try:
@@ -892,14 +1053,42 @@ def remove_job(job: str, root: str | None = None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _blocks(layout: dict[str, Any]) -> list[tuple[str, int, int]]:
+def _grow(fd: int, size: int) -> None:
+    """Make the file ``fd`` at least ``size`` bytes long, never shorter (another process
+    may make it longer meanwhile)."""
+    allocate = getattr(os, "posix_fallocate", None)
+    if allocate is not None:
+        allocate(fd, 0, size)
+    else:  # (no fallocate: the writer sized it first, or the job is on one rank a host)
+        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
+
+
+def _pieces(layout: dict[str, Any], parts: int) -> list[list[tuple[int, _shares.Piece]]]:
+    """The layout's values cut into ``parts`` shares (:func:`._shares.shares`): each
+    share's pieces, each with the index of its checksum among the slot's blocks."""
+    sizes = [e["nbytes"] for e in layout["entries"] if e["kind"] not in _NO_VALUE]
+    out, block = [], 0
+    for share in _shares.shares(sizes, parts):
+        out.append([(block + k, piece) for k, piece in enumerate(share)])
+        block += len(share)
+    return out
+
+
+def _blocks(layout: dict[str, Any], parts: int = 1) -> list[tuple[str, int, int]]:
     """What the commit record's checksums cover, in order, as ``(what a mismatch says,
     start, stop)`` byte ranges of a slot: the layout's values as one block when together
     they take less than :data:`_TOGETHER_BYTES` (the alignment between them included: it
-    is never written), else each value alone. The stateful leaves' arrays follow."""
+    is never written), else each value alone, or where ``parts`` ranks of the host
+    shared the copy, each piece of each share (:mod:`._shares`). The stateful leaves'
+    arrays follow."""
     values = [e for e in layout["entries"] if e["kind"] not in _NO_VALUE]
     if not values:
         return []
+    if parts > 1:
+        return [(f"entry {values[p.value]['name']!r} does not match its checksum (bytes "
+                 f"{p.start} to {p.stop}, share {j})", values[p.value]["offset"] + p.start,
+                 values[p.value]["offset"] + p.stop)
+                for j, share in enumerate(_pieces(layout, parts)) for _, p in share]
     start, stop = values[0]["offset"], values[-1]["offset"] + values[-1]["nbytes"]
     if stop - start < _TOGETHER_BYTES and len(values) > 1:
         names = ", ".join(repr(e["name"]) for e in values)

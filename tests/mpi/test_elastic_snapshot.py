@@ -24,7 +24,9 @@ import shutil
 import socket
 import struct
 import tempfile
+import time
 import uuid
+import warnings
 
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ import pytest
 import mpistrat as ms
 from mpistrat import AutoShardPolicy, Dataset, elastic
 from mpistrat.checkpoint import Checkpoint, CheckpointManager, Scalar
+from mpistrat.checkpoint import _shares
 from mpistrat.checkpoint import snapshot as snapshot_module
 from mpistrat.checkpoint.snapshot import SnapshotStore
 from mpistrat.data import Options
@@ -765,6 +768,10 @@ SLOT_ATTACKS = {
                           r"its checksums are not the \d+ of its values"),
     "checksum negative": (recommit(lambda r: r["checksums"].__setitem__(0, -1)),
                           r"its checksums are not the \d+ of its values"),
+    "no parts": (recommit(lambda r: r.pop("parts")), "parts is None, expected 1 to 64"),
+    "parts out of range": (recommit(put(parts=65)), "parts is 65, expected 1 to 64"),
+    "parts not the copy's": (recommit(put(parts=2)),
+                             r"its checksums are not the \d+ of its values"),
     # the values
     "flipped bit": (flip_value, "entries .*'w', checked together, do not match"),
     "truncated": (truncated, r"its data holds \d+ bytes"),
@@ -1276,3 +1283,163 @@ def test_no_job_secret_means_no_snapshots(world, root, elastic_job):
         manager = CheckpointManager(Checkpoint(comm=world, w=np.zeros(1)),
                                     os.path.join(root, "c"))
     assert hooks.taker() is None and manager._snapshots is None
+
+
+# --- a large state, copied by the host's ranks side by side -------------------------------
+
+
+def shared_state(world):
+    """A state the host's ranks share (at least SHARE_BYTES): a variable copied in the
+    background, an array copied in take(), of odd sizes (the shares cut inside values)."""
+    strategy = ms.MultiWorkerMirroredStrategy(comm=world)
+    n = _shares.SHARE_BYTES // 8 + 1027
+    with strategy.scope():
+        big = ms.Variable(np.zeros(n, np.float32))
+    table = np.zeros(_shares.SHARE_BYTES // 16 + 3, np.float64)
+
+    def set_to(k):
+        big.assign(np.arange(n, dtype=np.float32) * k)
+        table[:] = np.arange(table.size) / k
+
+    def holds(k):
+        return (np.array_equal(np.asarray(big.numpy()), np.arange(n, dtype=np.float32) * k)
+                and np.array_equal(table, np.arange(table.size) / k))
+
+    return Checkpoint(comm=world, big=big, table=table), set_to, holds
+
+
+def sharers(hosts, rank):
+    return min(hosts.count(hosts[rank]), _shares.MAX_SHARERS)
+
+
+@pytest.mark.parametrize("background", [True, False])
+@pytest.mark.parametrize("simulated", [True, False], ids=["two hosts", "one host"])
+def test_a_hosts_ranks_share_the_copy_of_a_large_state(world, root, request, background,
+                                                       simulated):
+    """Every rank of a host copies a share: the record says how many, each sharer counts
+    the snapshot, and a restore after a few brings the newest back on every rank."""
+    hosts = request.getfixturevalue("hosts") if simulated else \
+        [socket.gethostname()] * world.size
+    checkpoint, set_to, holds = shared_state(world)
+    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
+                          comm=world, root=root, background=background)
+    assert store.collective == any(hosts.count(h) > 1 for h in hosts)
+    for k in (1, 2, 3):
+        set_to(k)
+        store.take((KIND, k))
+    store.wait()
+    assert store.taken == (3 if store.writer or sharers(hosts, world.rank) > 1 else 0)
+    world.Barrier()
+    for directory in host_dirs(store):
+        host = os.path.basename(directory)
+        assert os.path.exists(os.path.join(directory, "shares.board")) == \
+            (hosts.count(host) > 1), os.listdir(directory)
+        layout = store.check_layout(os.path.join(directory, "layout.json"))
+        record = store.check(slot_holding(directory, 3), layout)
+        assert record["parts"] == hosts.count(host)
+    set_to(9)
+    info = _outcome_everywhere(world, store)
+    assert info.sequence == 3 and holds(3) and info.skipped == ()
+    # the next snapshot goes to the other slot on every sharer: the restored one stays
+    set_to(4)
+    store.take((KIND, 4))
+    store.wait()
+    world.Barrier()
+    for directory in host_dirs(store):
+        assert sorted(header_of(os.path.join(directory, f"slot-{i}.data"))[1]
+                      for i in (0, 1)) == [3, 4]
+    set_to(9)
+    assert _outcome_everywhere(world, store).sequence == 4 and holds(4)
+    store.close()
+
+
+def test_a_bit_flipped_in_the_last_share_is_found(world, root, hosts):
+    """A bit flipped, after the commit, in the last byte of the state (the last sharer's
+    share): every rank skips that snapshot, naming the value and the share, and restores
+    the one before."""
+    checkpoint, set_to, holds = shared_state(world)
+    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
+                          comm=world, root=root)
+    for k in (1, 2):
+        set_to(k)
+        store.take((KIND, k))
+    store.wait()
+    world.Barrier()
+    if world.rank == 0:
+        for directory in host_dirs(store):
+            layout = store.check_layout(os.path.join(directory, "layout.json"))
+            place = next(e for e in layout["entries"] if e["name"] == "table")
+            with open(slot_holding(directory, 2), "r+b") as file:
+                file.seek(place["offset"] + place["nbytes"] - 1)
+                byte = file.read(1)
+                file.seek(place["offset"] + place["nbytes"] - 1)
+                file.write(bytes([byte[0] ^ 0x80]))
+    world.Barrier()
+    set_to(9)
+    info = _outcome_everywhere(world, store)
+    assert info.sequence == 1 and holds(1)
+    last = {h: sharers(hosts, hosts.index(h)) - 1 for h in set(hosts)}
+    for note in info.skipped:
+        host = os.path.basename(os.path.dirname(note.split(": ")[0]))
+        share = f", share {last[host]})" if last[host] else ""
+        assert "entry 'table' does not match its checksum" in note and \
+            (share in note if share else "share" not in note), note
+    assert len(info.skipped) == len(set(hosts))
+    store.close()
+
+
+def test_a_share_never_posted_leaves_the_previous_snapshot(world, root, hosts, monkeypatch):
+    """A sharer whose checksums never reach the board (killed, or not taking the
+    snapshot): its host's writer gives up after the wait, warns, and leaves the slot
+    uncommitted; the snapshot before is restored on every rank."""
+    if all(hosts.count(h) == 1 for h in hosts):
+        pytest.skip("one rank a host: nothing is shared")
+    monkeypatch.setattr(_shares, "WAIT_S", 0.3)
+    checkpoint, set_to, holds = shared_state(world)
+    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
+                          comm=world, root=root, background=False)
+    set_to(1)
+    store.take((KIND, 1))
+    set_to(2)
+    if store._part > 0:
+        monkeypatch.setattr(store._board, "post", lambda *args: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store.take((KIND, 2))
+    messages = [str(w.message) for w in caught]
+    if store.writer and hosts.count(hosts[world.rank]) > 1:
+        assert any("snapshot 2 could not be written" in m and "share 1 of snapshot 2 was "
+                   "not copied within 0.3 s" in m for m in messages), messages
+    else:
+        assert messages == []
+    world.Barrier()
+    set_to(9)
+    info = _outcome_everywhere(world, store)
+    shared_hosts = {h for h in hosts if hosts.count(h) > 1}
+    assert info.sequence == (1 if len(shared_hosts) == len(set(hosts)) else 2)
+    assert holds(info.sequence)
+    assert len(info.skipped) == len(shared_hosts)
+    assert all("no committed snapshot" in note for note in info.skipped), info.skipped
+    store.close()
+
+
+def test_a_sharer_running_ahead_waits_for_the_writers_commit(world, root):
+    """Snapshots taken with no collective between them (the sharers run ahead of their
+    writer, which here sleeps before each take): each sharer waits until the writer has
+    committed the snapshot it last wrote into a slot before writing that slot again, so
+    every snapshot commits and the newest is restored."""
+    checkpoint, set_to, holds = shared_state(world)
+    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
+                          comm=world, root=root, background=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(1, 6):
+            set_to(k)
+            if store.writer:
+                time.sleep(0.05)
+            store.take((KIND, k))
+    assert [str(w.message) for w in caught] == []
+    set_to(9)
+    info = _outcome_everywhere(world, store)
+    assert info.sequence == 5 and holds(5) and info.skipped == ()
+    store.close()
