@@ -3,12 +3,15 @@ data under the default ``MultiWorkerMirroredStrategy`` of ``mpistrat run``, with
 ``CheckpointManager`` (a checkpoint on disk each epoch) and nothing else for elasticity.
 
     mpistrat run -n 4 --min-ranks 2 --timeout 8 tests/cluster/_elastic_train.py \\
-        --checkpoint-dir DIR --out FILE [--epochs 3] [--step-sleep 0.05]
+        --checkpoint-dir DIR --out FILE [--epochs 3] [--step-sleep 0.05] [--ballast-mib 5]
 
 Each step trains on one global batch of a distributed dataset (the global batch is fixed;
 it is split over however many ranks there are) and also adds each sample's id to
 ``seen``, a per-sample counter that is part of the model: after the run, every sample
-must have been applied exactly ``epochs`` times, whatever was lost and redone.
+must have been applied exactly ``epochs`` times, whatever was lost and redone. With
+``--ballast-mib``, a variable of that size is part of the model too, every element of it
+counting the steps applied (a state large enough that each host's ranks share its
+snapshot's copy).
 
 Rank 0 prints ``launch L on N ranks: restored R at step S`` and ``launch times: script T0
 restored T1`` (wall-clock times: the script's start, the restore's end) first, then
@@ -78,6 +81,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--ballast-mib", type=float, default=0.0)
     args = parser.parse_args()
 
     strategy = ms.get_strategy()
@@ -90,8 +94,13 @@ def main() -> int:
         seen = ms.Variable(np.zeros(SAMPLES), name="seen", trainable=False)
         epoch_done = ms.Variable(0, name="epoch", trainable=False)
         step = ms.Variable(0, name="step", trainable=False)
-    manager = ms.CheckpointManager(ms.Checkpoint(w=w, seen=seen, epoch=epoch_done, step=step),
-                                   args.checkpoint_dir, max_to_keep=2)
+        ballast = ms.Variable(np.zeros(int(args.ballast_mib * 2**20) // 8), name="ballast",
+                              trainable=False)
+    state = {"w": w, "seen": seen, "epoch": epoch_done, "step": step}
+    if args.ballast_mib:
+        state["ballast"] = ballast
+    one = np.ones(ballast.shape)
+    manager = ms.CheckpointManager(ms.Checkpoint(**state), args.checkpoint_dir, max_to_keep=2)
     restored = manager.restore_or_initialize()
     launch = ms.elastic.info()
     if rank == 0:
@@ -111,6 +120,8 @@ def main() -> int:
             w.assign_sub(args.lr * strategy.experimental_local_results(grad)[0] / args.batch)
             seen.assign_add(strategy.experimental_local_results(counts)[0])
             step.assign_add(1)
+            if args.ballast_mib:
+                ballast.assign_add(one)
 
         ctx.merge_call(apply, args=(grad, counts))
 
@@ -126,7 +137,8 @@ def main() -> int:
     if rank == 0:
         np.savez(args.out, w=w.numpy(), seen=seen.numpy(),
                  reference=reference(x, y, args.epochs, args.batch, args.lr),
-                 sizes=np.array(launch.sizes if launch else [strategy.comm.Get_size()]))
+                 sizes=np.array(launch.sizes if launch else [strategy.comm.Get_size()]),
+                 steps=int(step.numpy()), ballast=ballast.numpy())
         print("finished", flush=True)
     return 0
 
@@ -180,6 +192,9 @@ def check_recovered(output: str, fault_at: float, result: str | os.PathLike[str]
     np.testing.assert_allclose(saved["w"], saved["reference"], rtol=1e-9, atol=1e-12)
     assert np.array_equal(saved["seen"], np.full(len(saved["seen"]), float(epochs))), \
         f"samples not applied exactly {epochs} times: {np.unique(saved['seen'])}"
+    assert np.array_equal(saved["ballast"], np.full(len(saved["ballast"]),
+                                                    float(saved["steps"]))), \
+        f"the ballast counts {np.unique(saved['ballast'])} steps, not {saved['steps']}"
     return Recovery(before, resumed_at, first, started, restored_at)
 
 if __name__ == "__main__":

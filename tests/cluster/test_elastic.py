@@ -44,13 +44,13 @@ EPOCHS = 3  # 16 steps an epoch: the fault falls in the second
 
 
 def _training(cluster, tmp_path: Path, ranks: int, min_ranks: int, epochs: int = EPOCHS,
-              env: dict[str, str] | None = None) -> Job:
+              env: dict[str, str] | None = None, ballast_mib: float = 0) -> Job:
     """``mpistrat run -n RANKS --min-ranks MIN_RANKS`` of the training, once it has done
     step FAULT_STEP (a context manager: everything of it ends with the block)."""
     argv = [VENV_BIN / "mpistrat", "run", "-n", str(ranks), "--min-ranks", str(min_ranks),
             "--timeout", str(TIMEOUT), "--stall-check", "4", TRAIN,
             "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "result.npz",
-            "--epochs", str(epochs), "--step-sleep", "0.1"]
+            "--epochs", str(epochs), "--step-sleep", "0.1", "--ballast-mib", str(ballast_mib)]
     job = Job(cluster, argv, tmp_path, env=env)
     try:
         job.wait_for(lambda: any(s >= FAULT_STEP for s, _ in steps(job.output)), 120,
@@ -65,11 +65,12 @@ def _training_ranks(cluster, host: str) -> list[int]:
     return script_ranks(cluster, host, TRAIN.name)
 
 
-def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2):
+def _elastic_run(cluster, tmp_path: Path, fault: str, min_ranks: int = 2,
+                 ballast_mib: float = 0):
     """Run the training, make ``fault`` ('kill' or 'link') on node2 once step
     FAULT_STEP is done; return (job, the fault's time.time(), the result file)."""
     out = tmp_path / "result.npz"
-    with _training(cluster, tmp_path, 4, min_ranks) as job:
+    with _training(cluster, tmp_path, 4, min_ranks, ballast_mib=ballast_mib) as job:
         first = _training_ranks(cluster, "node1")
         assert first and _training_ranks(cluster, "node2")
         fault_at = time.time()
@@ -119,7 +120,8 @@ def _record(scenario: str, phases: dict[str, float], redone: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_killed_host_costs_one_step_and_seconds(cluster, tmp_path):
-    job, fault_at, ended_at, out = _elastic_run(cluster, tmp_path, "kill")
+    """(With a state of 6 MiB: each host's two ranks share its snapshots' copy.)"""
+    job, fault_at, ended_at, out = _elastic_run(cluster, tmp_path, "kill", ballast_mib=6)
     _check_recovered(job, fault_at, ended_at, out, "host killed")
 
 
