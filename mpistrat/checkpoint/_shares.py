@@ -138,24 +138,24 @@ class Board:
         record[2 + 3 * len(sums)] = sequence
         record[0] = sequence
 
-    def collect(self, slot: int, part: int, sequence: int, count: int,
-                deadline: float) -> list[int]:
-        """The ``count`` checksums share ``part`` posted for snapshot ``sequence`` in
-        ``slot``, once it has (the wait backs off from 50 µs to 1 ms a look).
+    def collect(self, slot: int, part: int, sequence: int, deadline: float) -> list[int]:
+        """The checksums share ``part`` posted for snapshot ``sequence`` in ``slot``,
+        once it has (the wait backs off from 50 µs to 1 ms a look).
 
         Raises:
             TimeoutError: not posted by ``deadline`` (``time.monotonic()``).
-            ValueError: posted with another number of checksums.
+            ValueError: posted with more checksums than a record holds.
         """
         assert self._board is not None
         record = self._board[slot, part]
+        room = (self._words - 3) // 3
         pause = 5e-5
         while True:
             if int(record[0]) == sequence:
-                found = int(record[1])
-                if found != count:
-                    raise ValueError(f"share {part} of snapshot {sequence} posted {found} "
-                                     f"checksums, expected {count} (one per piece)")
+                count = int(record[1])
+                if count > room:
+                    raise ValueError(f"share {part} of snapshot {sequence} posted {count} "
+                                     f"checksums, more than the {room} a record holds")
                 words = record[2:2 + 3 * count].tolist()
                 if int(record[2 + 3 * count]) == sequence and int(record[0]) == sequence:
                     return [words[k] << 128 | words[k + 1] << 64 | words[k + 2]

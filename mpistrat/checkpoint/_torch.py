@@ -31,7 +31,8 @@ import torch
 from ..backends.torch_dtypes import numpy_dtype as _numpy_dtype
 
 __all__ = ["is_stateful", "numpy_dtype", "describe", "host_value", "assign", "expand",
-           "decode", "check_fits", "signature", "gather", "MAX_DEPTH"]
+           "decode", "check_fits", "signature", "gather", "needs_gather", "nbytes",
+           "MAX_DEPTH"]
 
 MAX_DEPTH = 64
 
@@ -252,6 +253,21 @@ def gather(obj: Any, rank: int) -> None:
     consolidate = getattr(obj, "consolidate_state_dict", None)
     if callable(consolidate):
         consolidate(to=rank)
+
+
+def nbytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj.state_dict()``."""
+    total = 0
+    pending = [obj.state_dict()]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, Mapping):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return total
 
 
 def needs_gather(obj: Any) -> bool:

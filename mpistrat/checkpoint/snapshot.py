@@ -100,6 +100,9 @@ _IN_FLIGHT: weakref.WeakSet[SnapshotStore] = weakref.WeakSet()
 # leaves the layout places no value of: a generator's state is in the commit record, a
 # stateful object's arrays and tree past the layout's values (see SnapshotStore.take)
 _NO_VALUE = ("generator", "stateful")
+# the most pieces of the stateful leaves' arrays one share of a snapshot may have (a
+# board record's room); beyond, the writer copies them whole, alone
+_STATE_PIECES = 1024
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,12 @@ class _Slot:
     map: mmap.mmap | None = None
     data: memoryview | None = None  # the whole mapping
     views: list[np.ndarray] = field(default_factory=list)  # each value's place in it
-    raw: list[memoryview] = field(default_factory=list)  # the checksums' blocks (_blocks)
-    extra: list[np.ndarray] = field(default_factory=list)  # the stateful leaves' arrays
-    # the checksums the copies computed as they went (None: computed at the commit), one
-    # per block of ``raw`` where each block is one value, then one per array of ``extra``
+    raw: list[memoryview] = field(default_factory=list)  # the values' blocks (_blocks)
+    # the snapshot's checksum blocks: ``raw``, then the stateful leaves' arrays (or their
+    # pieces, where shared); and the checksums the copies computed as they went (None:
+    # computed at the commit), one per block
+    blocks: list[memoryview] = field(default_factory=list)
     sums: list[int | None] = field(default_factory=list)
-    extra_sums: list[int | None] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -177,20 +180,25 @@ class SnapshotStore:
         # each leaf's kind, once: an object keeps its kind (a torch one exists only once
         # torch is imported), and take() runs at every step boundary
         self._kinds = [(name, obj, _kind(obj)) for name, obj in self.checkpoint._leaves]
-        facts = self.comm.allgather((host, self._generators_room(), self._values_bytes()))
-        hosts = [h for h, _, _ in facts]
+        gathered = any(kind == "stateful" and _torch().needs_gather(obj)
+                       for _, obj, kind in self._kinds)
+        facts = self.comm.allgather((host, self._generators_room(), self._values_bytes(),
+                                     0 if gathered else self._states_bytes()))
+        hosts = [h for h, _, _, _ in facts]
         rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
         self.writer = hosts.index(host) == rank  # this host's lowest rank
         self._writers = sorted({hosts.index(h) for h in hosts})  # every host's
         self._host_writer = hosts.index(host)
         # (every rank's layout the same: the generators' room is the largest any needs)
-        self._room = max(room for _, room, _ in facts)
+        self._room = max(room for _, room, _, _ in facts)
         # a large state is copied by the host's ranks side by side (_shares), where every
-        # rank holds the same values
+        # rank holds the same values; the stateful leaves' states too, unless one is
+        # gathered on the writers (a sharded optimizer's)
         local = [r for r, h in enumerate(hosts) if h == host]
-        shared = len({nbytes for _, _, nbytes in facts}) == 1 and \
-            facts[0][2] >= _shares.SHARE_BYTES
+        same = len({fact[2:] for fact in facts}) == 1
+        shared = same and facts[0][2] + facts[0][3] >= _shares.SHARE_BYTES
+        self._share_states = shared and not gathered and facts[0][3] > 0
         self._parts = min(len(local), _shares.MAX_SHARERS) if shared else 1
         self._part = local.index(rank) if local.index(rank) < self._parts else -1
         self._sharing = shared and any(hosts.count(h) > 1 for h in hosts)
@@ -212,7 +220,7 @@ class SnapshotStore:
         if self._parts > 1:
             values = sum(1 for _, _, kind in self._kinds if kind not in _NO_VALUE)
             self._board = _shares.Board(os.path.join(self.directory, "shares.board"),
-                                        self._parts, values)
+                                        self._parts, values + _STATE_PIECES + 1)
         if self.writer:
             try:
                 _private_directory(self.job_directory)
@@ -250,6 +258,11 @@ class SnapshotStore:
         spare."""
         return sum(max(1024, 2 * len(json.dumps(_random.get_state(obj))))
                    for _, obj, kind in self._kinds if kind == "generator")
+
+    def _states_bytes(self) -> int:
+        """The bytes of the stateful leaves' tensors now (an optimizer's grow at its
+        first step)."""
+        return sum(_torch().nbytes(obj) for _, obj, kind in self._kinds if kind == "stateful")
 
     def _values_bytes(self) -> int:
         """The bytes of the layout's values (without copying them)."""
@@ -329,50 +342,54 @@ class SnapshotStore:
         _HEADER.pack_into(data, 0, _MAGIC, 0, 0, _NO_MAC)  # (invalid until committed)
         fenced = sum(v.nbytes for v, f in values if f)
         later = self.background and fenced >= BACKGROUND_BYTES
-        copies = self._copies(slot, layout, values)
+        copies, owners = self._value_copies(slot, layout, values)
+        state_copies, state_owners, state_parts = self._state_copies(slot, data, states,
+                                                                     places)
+        copies += state_copies
+        owners = [mine + theirs for mine, theirs in zip(owners, state_owners)]
+        # (the sharers' states must be the writer's: their structure's digest goes along)
+        digest = int.from_bytes(hashlib.sha256(index).digest()[:24], "little") \
+            if state_parts > 1 else None
         if not self.writer:  # (a share of the host's: its checksums go on the board)
-            self._start(slot, copies, later, self._post, (slot_index, self.sequence),
-                        started, fresh)
+            self._start(slot, copies, later, self._post,
+                        (slot_index, self.sequence, owners[self._part], digest), started,
+                        fresh)
             return sum(target.nbytes for _, target, _, _ in copies), later
         extra = {"sequence": self.sequence, "world_size": self._size,
                  "launch": self.launch.restart, "save_counter": self.checkpoint.save_counter,
                  "position": list(position) if position is not None else None,
                  "finished": [list(item) for item in hooks.finished()],
-                 "generators": generators, "created": time.time(), "parts": self._parts}
+                 "generators": generators, "created": time.time(), "parts": self._parts,
+                 "state_parts": state_parts}
         if states:
             # the stateful leaves' arrays, then the index that describes them, past the
             # layout's values: their structure may change from one snapshot to the next,
             # the layout (and the other slot's snapshot) stays
-            slot.extra, slot.extra_sums = [], []
-            for (_, _, arrays), entries in zip(states, places.values()):
-                for value, entry in zip(arrays, entries["arrays"]):
-                    view = _view(data, entry)
-                    slot.extra_sums.append(_copy_summed(view, value))
-                    slot.extra.append(view)
             at = size - len(index)
             data[at:size] = index
             extra["states"] = {"size": size, "index": [at, len(index)],
                                "sha256": hashlib.sha256(index).hexdigest()}
-        else:
-            slot.extra, slot.extra_sums = [], []
         if self.taken % 64 == 0:
             os.utime(self.job_directory)  # (a live job's snapshots are never swept)
-        self._start(slot, copies, later, self._commit, (slot_index, layout, extra), started,
-                    fresh)
+        self._start(slot, copies, later, self._commit,
+                    (slot_index, layout, extra, owners, digest), started, fresh)
         return size, later
 
-    def _copies(self, slot: _Slot, layout: dict[str, Any],
-                values: list[tuple[np.ndarray, bool]]
-                ) -> list[tuple[int, np.ndarray, np.ndarray, bool]]:
-        """What this rank copies into ``slot``: ``(block, place, value, fenced)`` each,
-        ``block`` the index of its own checksum among the slot's (-1 when it shares one
-        with other values: small ones, checked together). One per value on a host whose
-        writer copies alone; this rank's share of the values' bytes where the host's
-        ranks share the copy (:mod:`._shares`)."""
+    def _value_copies(self, slot: _Slot, layout: dict[str, Any],
+                      values: list[tuple[np.ndarray, bool]]
+                      ) -> tuple[list[tuple[int, np.ndarray, np.ndarray, bool]],
+                                 list[list[int]]]:
+        """What this rank copies of the layout's values into ``slot``: ``(block, place,
+        value, fenced)`` each, ``block`` the index of its own checksum among the slot's
+        (-1 when it shares one with other values: small ones, checked together); and
+        each share's blocks. One per value on a host whose writer copies alone; this
+        rank's share of the values' bytes where the host's ranks share the copy
+        (:mod:`._shares`)."""
         if self._parts == 1:
             alone = len(slot.raw) == len(slot.views)
-            return [(i if alone else -1, target, value, fence)
-                    for i, (target, (value, fence)) in enumerate(zip(slot.views, values))]
+            return ([(i if alone else -1, target, value, fence)
+                     for i, (target, (value, fence)) in enumerate(zip(slot.views, values))],
+                    [list(range(len(slot.raw)))])
         if self._pieces is None:
             self._pieces = _pieces(layout, self._parts)
         copies = []
@@ -386,7 +403,47 @@ class SnapshotStore:
             place = slot.views[piece.value].reshape(-1).view(np.uint8)
             copies.append((block, place[piece.start:piece.stop],
                            source[piece.start:piece.stop], fence))
-        return copies
+        return copies, [[block for block, _ in share] for share in self._pieces]
+
+    def _state_copies(self, slot: _Slot, data: memoryview,
+                      states: list[tuple[str, Any, list[np.ndarray]]],
+                      places: dict[str, dict[str, Any]]
+                      ) -> tuple[list[tuple[int, np.ndarray, np.ndarray, bool]],
+                                 list[list[int]], int]:
+        """The stateful leaves' part of a snapshot: this rank's copies (as
+        :meth:`_value_copies`'), each share's blocks, and how many ranks share them: the
+        host's sharers where every rank expanded its own replica (a piece each, cut as
+        the values are), else 1 (the writer copies each array whole). Sets the slot's
+        ``blocks``: the values', then these."""
+        entries = [entry for place in places.values() for entry in place["arrays"]]
+        arrays = [array for _, _, found in states for array in found]
+        base = len(slot.raw)
+        cut = _shares.shares([e["nbytes"] for e in entries], self._parts) \
+            if self._share_states and self._parts > 1 else []
+        copies: list[tuple[int, np.ndarray, np.ndarray, bool]] = []
+        if not cut or max(len(share) for share in cut) > _STATE_PIECES:
+            views = [_view(data, entry) for entry in entries]
+            slot.blocks = slot.raw + [_bytes(view) for view in views]
+            if self.writer:
+                copies = [(base + k, view, array, False)
+                          for k, (view, array) in enumerate(zip(views, arrays))]
+            return (copies, [list(range(base, len(slot.blocks)))]
+                    + [[] for _ in range(self._parts - 1)], 1)
+        slot.blocks = list(slot.raw)
+        owners = []
+        for j, share in enumerate(cut):
+            owners.append(list(range(len(slot.blocks), len(slot.blocks) + len(share))))
+            for piece in share:
+                entry = entries[piece.value]
+                start = entry["offset"] + piece.start
+                place = data[start:start + piece.stop - piece.start]
+                if j == self._part:
+                    source = np.ascontiguousarray(arrays[piece.value]).reshape(-1).view(
+                        np.uint8)[piece.start:piece.stop]
+                    copies.append((len(slot.blocks),
+                                   np.frombuffer(place, np.uint8), source, False))
+                slot.blocks.append(place)
+        return copies, owners, self._parts
 
     def _start(self, slot: _Slot, copies: list[tuple[int, np.ndarray, np.ndarray, bool]],
                later: bool, finish: Any, args: tuple[Any, ...], started: float,
@@ -394,7 +451,7 @@ class SnapshotStore:
         """Copy ``copies`` (each computing its checksum as it goes), except the fenced
         ones when ``later``, then ``finish(slot, *args, deferred, copied)``: now, or in a
         thread that copies the ``deferred`` ones first (the fence held until it has)."""
-        slot.sums = [None] * len(slot.raw)
+        slot.sums = [None] * len(slot.blocks)
         for block, target, value, fence in copies:
             if not (later and fence):
                 if block >= 0:
@@ -450,26 +507,27 @@ class SnapshotStore:
         last = self._written[slot_index]
         if last:
             try:
-                self._board.collect(slot_index, 0, last, 0,
-                                    time.monotonic() + _shares.WAIT_S)
+                self._board.collect(slot_index, 0, last, time.monotonic() + _shares.WAIT_S)
             except (TimeoutError, ValueError):
                 pass  # (the writer gave up on it, or ended: nothing left to protect)
         self._written[slot_index] = self.sequence
 
-    def _post(self, slot: _Slot, slot_index: int, sequence: int,
-              deferred: list[tuple[int, np.ndarray, np.ndarray]],
+    def _post(self, slot: _Slot, slot_index: int, sequence: int, blocks: list[int],
+              digest: int | None, deferred: list[tuple[int, np.ndarray, np.ndarray]],
               copied: threading.Event | None = None) -> None:
         """A sharer's end of a snapshot: copy the ``deferred`` values, release the fence,
-        post this share's checksums on the host's board for the writer's commit."""
+        post this share's checksums (of ``blocks``, then the ``digest`` of its states'
+        structure where they are shared) on the host's board for the writer's commit."""
         started = time.perf_counter()
-        assert self._board is not None and self._pieces is not None
+        assert self._board is not None
         try:
             self._copy_deferred(slot, sequence, deferred, copied)
             sums = []
-            for block, _ in self._pieces[self._part]:
+            for block in blocks:
                 found = slot.sums[block]
-                sums.append(_checksum(slot.raw[block]) if found is None else found)
-            self._board.post(slot_index, self._part, sequence, sums)
+                sums.append(_checksum(slot.blocks[block]) if found is None else found)
+            self._board.post(slot_index, self._part, sequence,
+                             sums if digest is None else [digest] + sums)
         except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
             self._warn(sequence, exc)
         finally:
@@ -486,7 +544,8 @@ class SnapshotStore:
                           f"{DIR_ENV} another directory)", RuntimeWarning, stacklevel=1)
 
     def _commit(self, slot: _Slot, slot_index: int, layout: dict[str, Any],
-                extra: dict[str, Any], deferred: list[tuple[int, np.ndarray, np.ndarray]],
+                extra: dict[str, Any], owners: list[list[int]], digest: int | None,
+                deferred: list[tuple[int, np.ndarray, np.ndarray]],
                 copied: threading.Event | None = None) -> None:
         """Copy the ``deferred`` values, release the fence, gather the other shares'
         checksums (where the host's ranks share the copy), checksum, commit."""
@@ -498,19 +557,23 @@ class SnapshotStore:
             self._copy_deferred(slot, extra["sequence"], deferred, copied)
             t = recorder.begin() if copied is not None else 0
             if self._parts > 1:
-                assert self._board is not None and self._pieces is not None
+                assert self._board is not None
                 deadline = time.monotonic() + _shares.WAIT_S
                 for part in range(1, self._parts):
-                    blocks = [block for block, _ in self._pieces[part]]
+                    blocks = owners[part]
                     found = self._board.collect(slot_index, part, extra["sequence"],
-                                                len(blocks), deadline)
+                                                deadline)
+                    if digest is not None and (not found or found.pop(0) != digest):
+                        raise ValueError(f"share {part}'s stateful objects are not "
+                                         f"structured as the writer's")
+                    if len(found) != len(blocks):
+                        raise ValueError(f"share {part} of snapshot {extra['sequence']} "
+                                         f"posted {len(found)} checksums, expected "
+                                         f"{len(blocks)} (one per piece)")
                     for block, checksum in zip(blocks, found):
                         slot.sums[block] = checksum
-            extra["checksums"] = [
-                _checksum(raw) if found is None else found
-                for raw, found in zip(slot.raw, slot.sums)] + [
-                _checksum(_bytes(view)) if found is None else found
-                for view, found in zip(slot.extra, slot.extra_sums)]
+            extra["checksums"] = [_checksum(block) if found is None else found
+                                  for block, found in zip(slot.blocks, slot.sums)]
             body = json.dumps(extra, separators=(",", ":")).encode()
             if len(body) > layout["header"] - _HEADER.size:
                 raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
@@ -539,8 +602,9 @@ class SnapshotStore:
         _IN_FLIGHT.discard(self)
 
     def _expand_states(self) -> list[tuple[str, Any, list[np.ndarray]]]:
-        """The stateful leaves' states on this host's writer: ``(name, tree, arrays)``
-        each (:func:`mpistrat.checkpoint._torch.expand`); nothing on the other ranks.
+        """The stateful leaves' states on this host's writer (and its sharers, where
+        they share them): ``(name, tree, arrays)`` each
+        (:func:`mpistrat.checkpoint._torch.expand`); nothing on the other ranks.
         A sharded optimizer's state is gathered on every host's writer in turn, so
         this is collective when the checkpoint holds one (every rank is at the same
         step boundary)."""
@@ -556,7 +620,7 @@ class SnapshotStore:
                     torch_leaves.gather(obj, writer)
                     if writer == rank:
                         states.append((name, *torch_leaves.expand(obj, name)))
-            elif self.writer:
+            elif self.writer or (self._share_states and self._part > 0):
                 states.append((name, *torch_leaves.expand(obj, name)))
         return [(name, tree, [_storable(name, np.asarray(a)) for a in arrays])
                 for name, tree, arrays in states]
@@ -626,7 +690,7 @@ class SnapshotStore:
         return slot.data
 
     def _unmap(self, slot: _Slot) -> None:
-        slot.views, slot.raw, slot.extra = [], [], []
+        slot.views, slot.raw, slot.blocks = [], [], []
         if slot.data is not None:
             slot.data.release()
             slot.data = None
@@ -876,19 +940,18 @@ class SnapshotStore:
         if not _is_count(parts) or not 1 <= parts <= _shares.MAX_SHARERS:
             raise ValueError(f"parts is {_short(parts)}, expected 1 to "
                              f"{_shares.MAX_SHARERS} ranks that shared its copy")
-        blocks = _blocks(layout, parts)
+        state_parts: Any = record.get("state_parts")
+        if not _is_count(state_parts) or state_parts not in (1, parts):
+            raise ValueError(f"state_parts is {_short(state_parts)}, expected 1 or its "
+                             f"parts ({parts})")
+        blocks = _blocks(layout, parts) + _state_blocks(extra, state_parts)
         sums = record.get("checksums")
-        if not isinstance(sums, list) or len(sums) != len(blocks) + len(extra) or \
+        if not isinstance(sums, list) or len(sums) != len(blocks) or \
                 not all(_is_count(c) for c in sums):
-            raise ValueError(f"its checksums are not the {len(blocks) + len(extra)} of its "
-                             f"values")
+            raise ValueError(f"its checksums are not the {len(blocks)} of its values")
         for (what, start, stop), checksum in zip(blocks, sums):
             if _checksum(data[start:stop]) != checksum:
                 raise ValueError(f"{what} (changed after the commit)")
-        for entry, checksum in zip(extra, sums[len(blocks):]):
-            if _checksum(_bytes(_view(data, entry))) != checksum:
-                raise ValueError(f"entry {entry['name']!r} does not match its checksum "
-                                 f"(changed after the commit)")
         record["layout"] = layout
         record["states"] = states
         return record
@@ -1072,6 +1135,20 @@ def _pieces(layout: dict[str, Any], parts: int) -> list[list[tuple[int, _shares.
         out.append([(block + k, piece) for k, piece in enumerate(share)])
         block += len(share)
     return out
+
+
+def _state_blocks(entries: list[dict[str, Any]], parts: int) -> list[tuple[str, int, int]]:
+    """What the commit record's checksums of the stateful leaves' arrays cover (after
+    :func:`_blocks`'), as ``(what a mismatch says, start, stop)``: each array whole, or
+    where ``parts`` ranks shared them, each piece of each share (:mod:`._shares`)."""
+    if parts == 1:
+        return [(f"entry {e['name']!r} does not match its checksum", e["offset"],
+                 e["offset"] + e["nbytes"]) for e in entries]
+    return [(f"entry {entries[p.value]['name']!r} does not match its checksum (bytes "
+             f"{p.start} to {p.stop}, share {j})", entries[p.value]["offset"] + p.start,
+             entries[p.value]["offset"] + p.stop)
+            for j, share in enumerate(_shares.shares([e["nbytes"] for e in entries], parts))
+            for p in share]
 
 
 def _blocks(layout: dict[str, Any], parts: int = 1) -> list[tuple[str, int, int]]:

@@ -377,6 +377,23 @@ def test_a_background_copy_holds_the_boundarys_values(world, root):
     store.close()
 
 
+def flip_last_byte(world, store, name, sequence):
+    """Once snapshot ``sequence`` is committed, flip a bit of the last byte of value
+    ``name`` in it, on every host (rank 0 does it)."""
+    store.wait()
+    world.Barrier()
+    if world.rank == 0:
+        for directory in host_dirs(store):
+            layout = store.check_layout(os.path.join(directory, "layout.json"))
+            place = next(e for e in layout["entries"] if e["name"] == name)
+            with open(slot_holding(directory, sequence), "r+b") as file:
+                file.seek(place["offset"] + place["nbytes"] - 1)
+                byte = file.read(1)
+                file.seek(place["offset"] + place["nbytes"] - 1)
+                file.write(bytes([byte[0] ^ 0x80]))
+    world.Barrier()
+
+
 def test_a_large_states_checksums_made_while_copying_find_a_flipped_bit(world, root):
     """A state of more than 1 MiB: each value's checksum is computed as it is copied
     (in take() for an array, in the background for a large variable). Both verify on
@@ -396,18 +413,7 @@ def test_a_large_states_checksums_made_while_copying_find_a_flipped_bit(world, r
             big.assign(np.arange(n, dtype=np.float32) * sequence)
             table[:] = np.arange(table.size) / sequence
             store.take((KIND, sequence))
-        store.wait()
-        world.Barrier()
-        if world.rank == 0:
-            for directory in host_dirs(store):
-                layout = store.check_layout(os.path.join(directory, "layout.json"))
-                place = next(e for e in layout["entries"] if e["name"] == name)
-                with open(slot_holding(directory, sequence), "r+b") as file:
-                    file.seek(place["offset"] + place["nbytes"] - 1)  # (the last byte)
-                    byte = file.read(1)
-                    file.seek(place["offset"] + place["nbytes"] - 1)
-                    file.write(bytes([byte[0] ^ 0x80]))
-        world.Barrier()
+        flip_last_byte(world, store, name, sequence)
         big.assign(np.zeros(n, np.float32))
         table[:] = 0
         info = _outcome_everywhere(world, store)
@@ -772,6 +778,9 @@ SLOT_ATTACKS = {
     "parts out of range": (recommit(put(parts=65)), "parts is 65, expected 1 to 64"),
     "parts not the copy's": (recommit(put(parts=2)),
                              r"its checksums are not the \d+ of its values"),
+    "state parts not the parts": (recommit(put(state_parts=3)),
+                                  r"state_parts is 3, expected 1 or its parts \(1\)"),
+    "state parts true": (recommit(put(state_parts=True)), "state_parts is True"),
     # the values
     "flipped bit": (flip_value, "entries .*'w', checked together, do not match"),
     "truncated": (truncated, r"its data holds \d+ bytes"),
@@ -1363,18 +1372,7 @@ def test_a_bit_flipped_in_the_last_share_is_found(world, root, hosts):
     for k in (1, 2):
         set_to(k)
         store.take((KIND, k))
-    store.wait()
-    world.Barrier()
-    if world.rank == 0:
-        for directory in host_dirs(store):
-            layout = store.check_layout(os.path.join(directory, "layout.json"))
-            place = next(e for e in layout["entries"] if e["name"] == "table")
-            with open(slot_holding(directory, 2), "r+b") as file:
-                file.seek(place["offset"] + place["nbytes"] - 1)
-                byte = file.read(1)
-                file.seek(place["offset"] + place["nbytes"] - 1)
-                file.write(bytes([byte[0] ^ 0x80]))
-    world.Barrier()
+    flip_last_byte(world, store, "table", 2)
     set_to(9)
     info = _outcome_everywhere(world, store)
     assert info.sequence == 1 and holds(1)

@@ -10,7 +10,9 @@ gradient at any number of ranks equal to one process's.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import struct
 import uuid
 
 import pytest
@@ -162,6 +164,16 @@ def store_for(ckpt, job, root, comm, restart=0):
 
 def new_job(comm):
     return comm.bcast(uuid.uuid4().hex if comm.rank == 0 else None)
+
+
+def store_slot(store, sequence):
+    """The store's slot file that holds snapshot ``sequence`` (on this host)."""
+    for slot in store._slots:
+        with open(slot.path, "rb") as file:
+            magic, found = struct.unpack("<8sQ", file.read(16))
+        if magic == b"MPSNAP01" and found == sequence:
+            return slot.path
+    raise AssertionError(f"no slot holds snapshot {sequence}")
 
 
 @pytest.mark.parametrize("kind", ["sgd", "zero"])
@@ -493,4 +505,61 @@ def test_auto_snapshots_of_a_sharded_optimizer_are_taken_by_every_rank_or_none(
             taken = store.sequence  # (a slot's first snapshot does not count as a cost)
     assert store.sequence == taken  # none after: too costly, on rank 0 and so everywhere
     assert same_everywhere(world, store.sequence)
+    store.close()
+
+
+# --- a large replicated state: each rank of a host copies a share of it -------------------
+
+
+def test_a_large_replicated_state_is_shared_by_the_hosts_ranks(world, root):
+    """A module of 4.3 MiB and its SGD momentum (every rank's replica the same): every
+    rank of the host copies a share of the states' arrays, the record says so, and the
+    newest snapshot comes back on every rank, an optimizer state that appeared in between
+    included."""
+    model = net(width=160_000)
+    ddp = mt.DistributedDataParallel(model, comm=world)
+    optimizer = make_optimizer("sgd", model, world)
+    ckpt = Checkpoint(comm=world, model=model, optimizer=optimizer)
+    store = store_for(ckpt, new_job(world), root, world)
+    store.take(("k", 0))
+    train(ddp, optimizer, 2)
+    store.take(("k", 2))  # (the momentum is there now)
+    second_w, second_opt = weights(model), full_state(optimizer, world)
+    store.wait()
+    world.Barrier()
+    record = store.check(store_slot(store, 2), store.check_layout(store.layout_path)) \
+        if store.writer else None
+    parts = world.bcast(record and (record["parts"], record["state_parts"]))
+    assert parts == (world.size, world.size)
+    train(ddp, optimizer, 1, seed=3)
+    info = store.restore()
+    assert info.sequence == 2 and info.skipped == ()
+    assert equal(weights(model), second_w) and full_state(optimizer, world) == second_opt
+    store.close()
+
+
+def test_a_sharer_whose_state_is_not_the_writers_leaves_the_previous_snapshot(world, root):
+    """A sharer's optimizer holding one more state than the writer's: the writer finds
+    that its structure is another (the digest posted with its checksums), warns, and
+    leaves that snapshot uncommitted; the previous one is restored."""
+    if world.size == 1:
+        pytest.skip("one rank: nothing is shared")
+    model = net(width=160_000)
+    ddp = mt.DistributedDataParallel(model, comm=world)
+    optimizer = make_optimizer("sgd", model, world)
+    ckpt = Checkpoint(comm=world, model=model, optimizer=optimizer)
+    store = store_for(ckpt, new_job(world), root, world)
+    train(ddp, optimizer, 1)
+    store.take(("k", 1))
+    first_w = weights(model)
+    train(ddp, optimizer, 1, seed=2)
+    if world.rank == world.size - 1:
+        optimizer.state[next(model.parameters())]["extra"] = torch.zeros(3)
+    with pytest.warns(RuntimeWarning, match="share .* stateful objects are not structured "
+                      "as the writer's") if store.writer else contextlib.nullcontext():
+        store.take(("k", 2))
+        store.wait()
+    info = store.restore()
+    assert info.sequence == 1 and equal(weights(model), first_w)
+    assert same_everywhere(world, info.skipped)
     store.close()

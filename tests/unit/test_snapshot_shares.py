@@ -60,33 +60,35 @@ def board(tmp_path):
 def test_a_posted_share_is_collected_with_its_checksums(board):
     sums = [0, 1, (1 << 192) - 1, 12345 << 130]
     board.post(1, 2, 7, sums)
-    assert board.collect(1, 2, 7, 4, time.monotonic() + 1) == sums
+    assert board.collect(1, 2, 7, time.monotonic() + 1) == sums
     # another slot, share or snapshot is not it: the writer waits, then gives up
     for slot, part, sequence in ((0, 2, 7), (1, 1, 7), (1, 2, 8)):
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=f"share {part} of snapshot {sequence} was "
                                                f"not copied within"):
-            board.collect(slot, part, sequence, 4, started + 0.05)
+            board.collect(slot, part, sequence, started + 0.05)
         assert time.monotonic() - started < 1
 
 
-def test_a_withdrawn_torn_or_miscounted_record_does_not_count(board, tmp_path):
+def test_a_withdrawn_torn_or_overlong_record_does_not_count(board, tmp_path):
     board.post(0, 1, 3, [1, 2])
     board.withdraw(0, 1)
     with pytest.raises(TimeoutError):
-        board.collect(0, 1, 3, 2, time.monotonic() + 0.02)
+        board.collect(0, 1, 3, time.monotonic() + 0.02)
     board.post(0, 1, 4, [1, 2])
     board._board[0, 1, 2 + 3 * 2] = 5  # (its tail says another snapshot: being rewritten)
     with pytest.raises(TimeoutError):
-        board.collect(0, 1, 4, 2, time.monotonic() + 0.02)
+        board.collect(0, 1, 4, time.monotonic() + 0.02)
     board.post(0, 1, 5, [1, 2])
-    with pytest.raises(ValueError, match=r"share 1 of snapshot 5 posted 2 checksums, "
-                                         r"expected 3 \(one per piece\)"):
-        board.collect(0, 1, 5, 3, time.monotonic() + 1)
+    board._board[0, 1, 1] = 5  # (a count past the record's room)
+    with pytest.raises(ValueError, match="share 1 of snapshot 5 posted 5 checksums, more "
+                                         "than the 4 a record holds"):
+        board.collect(0, 1, 5, time.monotonic() + 1)
+    board.post(0, 1, 6, [1, 2])
     # (another process's view of the same file sees it)
     other = Board(board.path, 3, 4)
     other.open()
-    assert other.collect(0, 1, 5, 2, time.monotonic() + 1) == [1, 2]
+    assert other.collect(0, 1, 6, time.monotonic() + 1) == [1, 2]
     other.close()
 
 
