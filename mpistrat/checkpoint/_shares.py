@@ -34,6 +34,7 @@ GRAIN = 4096  # shares are cut at multiples of this within a value
 WAIT_S = 60.0  # how long the writer waits for the other shares before giving up on one
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WORD = (1 << 64) - 1
+_FAILED = _WORD  # a record's count when its share could not be copied
 
 
 @dataclass(frozen=True)
@@ -138,13 +139,23 @@ class Board:
         record[2 + 3 * len(sums)] = sequence
         record[0] = sequence
 
+    def fail(self, slot: int, part: int, sequence: int) -> None:
+        """Share ``part`` of snapshot ``sequence`` could not be copied: the writer gives
+        that snapshot up at once instead of waiting for it."""
+        assert self._board is not None
+        record = self._board[slot, part]
+        record[0] = 0
+        record[1] = _FAILED
+        record[0] = sequence
+
     def collect(self, slot: int, part: int, sequence: int, deadline: float) -> list[int]:
         """The checksums share ``part`` posted for snapshot ``sequence`` in ``slot``,
         once it has (the wait backs off from 50 µs to 1 ms a look).
 
         Raises:
             TimeoutError: not posted by ``deadline`` (``time.monotonic()``).
-            ValueError: posted with more checksums than a record holds.
+            ValueError: posted with more checksums than a record holds, or as failed
+                (:meth:`fail`).
         """
         assert self._board is not None
         record = self._board[slot, part]
@@ -153,6 +164,9 @@ class Board:
         while True:
             if int(record[0]) == sequence:
                 count = int(record[1])
+                if count == _FAILED:
+                    raise ValueError(f"share {part} of snapshot {sequence} could not be "
+                                     f"copied on its rank (it warned why)")
                 if count > room:
                     raise ValueError(f"share {part} of snapshot {sequence} posted {count} "
                                      f"checksums, more than the {room} a record holds")

@@ -338,7 +338,13 @@ class SnapshotStore:
         self._next_slot = 1 - self._next_slot
         if self._part > 0:
             self._await_writer(slot_index)
-        data = self._mapped(slot, layout, size)
+        try:
+            data = self._mapped(slot, layout, size)
+        except OSError as exc:
+            if self.writer:
+                raise
+            self._give_up(slot_index, self.sequence, exc)  # (the writer's is the error)
+            return 0, False
         _HEADER.pack_into(data, 0, _MAGIC, 0, 0, _NO_MAC)  # (invalid until committed)
         fenced = sum(v.nbytes for v, f in values if f)
         later = self.background and fenced >= BACKGROUND_BYTES
@@ -529,10 +535,17 @@ class SnapshotStore:
             self._board.post(slot_index, self._part, sequence,
                              sums if digest is None else [digest] + sums)
         except Exception as exc:  # noqa: BLE001 - training goes on without this snapshot
-            self._warn(sequence, exc)
+            self._give_up(slot_index, sequence, exc)
         finally:
             if copied is not None:
                 self._background = time.perf_counter() - started
+
+    def _give_up(self, slot_index: int, sequence: int, exc: Exception) -> None:
+        """A sharer could not copy its share: it warns, and tells the writer, which
+        leaves that snapshot uncommitted without waiting for it."""
+        self._warn(sequence, exc)
+        assert self._board is not None
+        self._board.fail(slot_index, self._part, sequence)
 
     def _warn(self, sequence: int, exc: Exception) -> None:
         if not self._warned:

@@ -84,6 +84,12 @@ def test_a_withdrawn_torn_or_overlong_record_does_not_count(board, tmp_path):
     with pytest.raises(ValueError, match="share 1 of snapshot 5 posted 5 checksums, more "
                                          "than the 4 a record holds"):
         board.collect(0, 1, 5, time.monotonic() + 1)
+    board.fail(0, 1, 6)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="share 1 of snapshot 6 could not be copied on its "
+                                         "rank"):
+        board.collect(0, 1, 6, started + 10)
+    assert time.monotonic() - started < 1
     board.post(0, 1, 6, [1, 2])
     # (another process's view of the same file sees it)
     other = Board(board.path, 3, 4)
