@@ -1386,13 +1386,38 @@ def test_a_bit_flipped_in_the_last_share_is_found(world, root, hosts):
     store.close()
 
 
-def test_a_share_never_posted_leaves_the_previous_snapshot(world, root, hosts, monkeypatch):
+def _never_posts(store, monkeypatch):
+    monkeypatch.setattr(store._board, "post", lambda *args: None)
+
+
+def _shm_full(store, monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(store, "_mapped", full)
+
+
+# how a sharer fails: (sabotage, the writer's wait, its warning, the sharer's, seconds)
+SHARE_FAILURES = {
+    "never posted": (_never_posts, 0.3, "share 1 of snapshot 2 was not copied within 0.3 s",
+                     None, 10),
+    "cannot be written": (_shm_full, 30.0,
+                          "share 1 of snapshot 2 could not be copied on its rank",
+                          "No space left on device", 10),
+}
+
+
+@pytest.mark.parametrize("how", list(SHARE_FAILURES))
+def test_a_share_that_fails_leaves_the_previous_snapshot(world, root, hosts, monkeypatch,
+                                                         how):
     """A sharer whose checksums never reach the board (killed, or not taking the
-    snapshot): its host's writer gives up after the wait, warns, and leaves the slot
-    uncommitted; the snapshot before is restored on every rank."""
+    snapshot: its writer gives up after the wait), or whose slot cannot be mapped
+    (/dev/shm full: it warns and says so on the board, and its writer gives up at once,
+    not after the 30 s wait): the writer warns and leaves the slot uncommitted; the
+    snapshot before is restored on every rank."""
     if all(hosts.count(h) == 1 for h in hosts):
         pytest.skip("one rank a host: nothing is shared")
-    monkeypatch.setattr(_shares, "WAIT_S", 0.3)
+    sabotage, wait, writer_says, sharer_says, bound = SHARE_FAILURES[how]
+    monkeypatch.setattr(_shares, "WAIT_S", wait)
     checkpoint, set_to, holds = shared_state(world)
     store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
                           comm=world, root=root, background=False)
@@ -1400,14 +1425,19 @@ def test_a_share_never_posted_leaves_the_previous_snapshot(world, root, hosts, m
     store.take((KIND, 1))
     set_to(2)
     if store._part > 0:
-        monkeypatch.setattr(store._board, "post", lambda *args: None)
+        sabotage(store, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        started = time.monotonic()
         store.take((KIND, 2))
+        took = time.monotonic() - started
     messages = [str(w.message) for w in caught]
     if store.writer and hosts.count(hosts[world.rank]) > 1:
-        assert any("snapshot 2 could not be written" in m and "share 1 of snapshot 2 was "
-                   "not copied within 0.3 s" in m for m in messages), messages
+        assert any("snapshot 2 could not be written" in m and writer_says in m
+                   for m in messages), messages
+        assert took < bound, took
+    elif store._part > 0 and sharer_says is not None:
+        assert any(sharer_says in m for m in messages), messages
     else:
         assert messages == []
     world.Barrier()
@@ -1440,43 +1470,4 @@ def test_a_sharer_running_ahead_waits_for_the_writers_commit(world, root):
     set_to(9)
     info = _outcome_everywhere(world, store)
     assert info.sequence == 5 and holds(5) and info.skipped == ()
-    store.close()
-
-
-def test_a_share_that_cannot_be_written_is_given_up_at_once(world, root, hosts, monkeypatch):
-    """A sharer whose slot cannot be mapped (/dev/shm full): it warns and says so on the
-    board, and its writer leaves the snapshot uncommitted at once, not after the wait;
-    the snapshot before is restored on every rank."""
-    if all(hosts.count(h) == 1 for h in hosts):
-        pytest.skip("one rank a host: nothing is shared")
-    monkeypatch.setattr(_shares, "WAIT_S", 30.0)
-    checkpoint, set_to, holds = shared_state(world)
-    store = SnapshotStore(checkpoint, ElasticEnv(new_job(world), 0, (world.size,)), SECRET,
-                          comm=world, root=root, background=False)
-    set_to(1)
-    store.take((KIND, 1))
-    set_to(2)
-    if store._part > 0:
-        def full(*args):
-            raise OSError(28, "No space left on device")
-        monkeypatch.setattr(store, "_mapped", full)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        started = time.monotonic()
-        store.take((KIND, 2))
-        took = time.monotonic() - started
-    messages = [str(w.message) for w in caught]
-    if store._part > 0:
-        assert any("snapshot 2 could not be written" in m and "No space left" in m
-                   for m in messages), messages
-    elif store.writer and hosts.count(hosts[world.rank]) > 1:
-        assert any("share 1 of snapshot 2 could not be copied on its rank" in m
-                   for m in messages), messages
-        assert took < 10, took
-    world.Barrier()
-    set_to(9)
-    info = _outcome_everywhere(world, store)
-    shared_hosts = {h for h in hosts if hosts.count(h) > 1}
-    assert info.sequence == (1 if len(shared_hosts) == len(set(hosts)) else 2)
-    assert holds(info.sequence)
     store.close()
