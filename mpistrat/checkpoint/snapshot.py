@@ -656,8 +656,11 @@ class SnapshotStore:
                             "nbytes": int(value.nbytes)})
             offset += value.nbytes
         # (the record: its fields, the generators' states, a checksum per value and per
-        # cut between shares, 58 digits at most)
-        header = -(-(2048 + 60 * (len(entries) + self._parts) + self._room) // 4096) * 4096
+        # cut between shares, 58 digits at most; not the number of shares of this launch:
+        # a relaunch with another number of ranks on the host keeps the layout, and with
+        # it the snapshots taken before)
+        header = -(-(2048 + 60 * (len(entries) + _shares.MAX_SHARERS) + self._room)
+                   // 4096) * 4096
         for entry in entries:
             if "offset" in entry:
                 entry["offset"] += header

@@ -1471,3 +1471,39 @@ def test_a_sharer_running_ahead_waits_for_the_writers_commit(world, root):
     info = _outcome_everywhere(world, store)
     assert info.sequence == 5 and holds(5) and info.skipped == ()
     store.close()
+
+
+def test_a_relaunch_on_fewer_ranks_keeps_the_layout_and_the_snapshots_before(world, root,
+                                                                            monkeypatch):
+    """A state shared by every rank of the host, then a relaunch on the lower half of
+    them: its first snapshot is cut short before its commit, and the one the whole job
+    took is still restored (the layout does not depend on how many ranks share)."""
+    job = new_job(world)
+    arrays = {f"a{i}": np.full(1 << 14, float(i)) for i in range(33)}  # (4.1 MiB)
+    store = SnapshotStore(Checkpoint(comm=world, **arrays), ElasticEnv(job, 0, (world.size,)),
+                          SECRET, comm=world, root=root)
+    store.take((KIND, 1))
+    store.close()
+    half = world.Split(color=int(world.rank >= (world.size + 1) // 2), key=world.rank)
+    try:
+        if world.rank < (world.size + 1) // 2:
+            mine = {name: np.zeros_like(a) for name, a in arrays.items()}
+            smaller = SnapshotStore(Checkpoint(comm=half, **mine),
+                                    ElasticEnv(job, 1, (world.size, half.size)), SECRET,
+                                    comm=half, root=root)
+            assert smaller.restore().sequence == 1
+            for name, a in mine.items():
+                a += 1
+            if smaller.writer:  # (killed before its commit)
+                monkeypatch.setattr(smaller, "_commit", lambda *args: None)
+            smaller.take((KIND, 2))
+            smaller.close()
+            again = SnapshotStore(Checkpoint(comm=half, **mine),
+                                  ElasticEnv(job, 2, (world.size, half.size, half.size)),
+                                  SECRET, comm=half, root=root)
+            info = again.restore()
+            assert info is not None and info.sequence == 1, info
+            assert all(np.array_equal(mine[n], arrays[n]) for n in arrays)
+            again.close()
+    finally:
+        half.Free()
