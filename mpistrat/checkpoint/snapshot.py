@@ -255,8 +255,10 @@ class SnapshotStore:
 
     def _generators_room(self) -> int:
         """What this rank's generators' states take in a commit record, with room to
-        spare."""
-        return sum(max(1024, 2 * len(json.dumps(_random.get_state(obj))))
+        spare: twice their length, in whole 4 KiB (a state's length varies a little with
+        its numbers: the layout, which it sizes, stays the same from one launch to the
+        next)."""
+        return sum(-(-2 * len(json.dumps(_random.get_state(obj))) // 4096) * 4096
                    for _, obj, kind in self._kinds if kind == "generator")
 
     def _states_bytes(self) -> int:
