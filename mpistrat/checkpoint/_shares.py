@@ -3,8 +3,9 @@
 In synchronous data-parallel training every rank of a host holds the same state, so the
 host's ranks (its first :data:`MAX_SHARERS`) each copy one share of it into the slot,
 side by side, instead of one rank copying everything while the others wait for it in the
-next collective: the values' bytes are cut into as many contiguous shares, of nearly
-equal size (:func:`shares`), each a list of pieces of values.
+next collective: the values' bytes (and a torch module's and optimizer's arrays, which
+every rank expands from its own replica) are cut into as many contiguous shares, of
+nearly equal size (:func:`shares`), each a list of pieces of values.
 
 Each sharer computes its pieces' checksums as it copies them and posts them on the host's
 board (:class:`Board`: a small file beside the slots, one record per slot and sharer).
@@ -12,7 +13,9 @@ The host's writer copies share 0, waits for every other share's record of the sa
 snapshot (at most :data:`WAIT_S` seconds), and commits the slot with every checksum in
 its authenticated record. A board record is input like any file: it counts only when it
 is the snapshot's, whole and of the expected length; a wrong checksum posted there makes
-the restore skip that snapshot (its data does not match), never restore it.
+the restore skip that snapshot (its data does not match), never restore it. A sharer that
+cannot copy its share says so (:meth:`Board.fail`), and the writer gives the snapshot up
+at once.
 """
 
 from __future__ import annotations
