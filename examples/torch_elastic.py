@@ -1,7 +1,8 @@
 """Elastic data-parallel training of a PyTorch MLP: a lost rank costs one step.
 
     mpistrat run -n 4 --min-ranks 2 --timeout 20 examples/torch_elastic.py \\
-        --checkpoint-dir /tmp/ckpt [--optimizer sgd|zero] [--epochs 3] [--workers N]
+        --checkpoint-dir /tmp/ckpt [--optimizer sgd|zero] [--epochs 3] [--workers N] \\
+        [--hidden 16]
 
 The loop is an ordinary torch loop over a ``DataLoader``; three things make it elastic:
 
@@ -52,9 +53,9 @@ def dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y, torch.arange(SAMPLES))
 
 
-def model() -> nn.Module:
+def model(hidden: int = 16) -> nn.Module:
     torch.manual_seed(1)
-    net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+    net = nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES))
     # how many times each sample was trained on: part of the state, so restored with it
     net.register_buffer("seen", torch.zeros(SAMPLES, dtype=torch.float64))
     return net
@@ -69,13 +70,16 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--hidden", type=int, default=16,
+                        help="the hidden layer's width (100000: a 4.6 MiB model, whose "
+                             "snapshots the ranks of a host copy side by side)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_SELF if args.reference else MPI.COMM_WORLD
     launch = ms.elastic.info()
     restart = launch.restart if launch is not None else 0
 
-    net = model()
+    net = model(args.hidden)
     ddp = mt.DistributedDataParallel(net, comm=comm)
     if args.optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)

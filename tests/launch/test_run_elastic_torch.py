@@ -5,8 +5,9 @@ first launch; the job ends well on 3 ranks, resumed from the snapshot taken befo
 step (not the checkpoint on disk), so one step is redone; the final weights are one
 process's on the same global batches, and every sample was applied exactly once per
 epoch. With torch.optim.SGD (momentum) and a DataLoader of 2 worker processes, which load
-4 batches ahead of the loop, and with ZeroRedundancyOptimizer (Adam), whose state, sharded
-over 4 ranks, is re-split over 3, and no worker processes."""
+4 batches ahead of the loop, and a hidden layer 100000 wide (a 4.6 MiB model and its
+momentum, whose snapshots the 4 ranks copy side by side); and with ZeroRedundancyOptimizer
+(Adam), whose state, sharded over 4 ranks, is re-split over 3, and no worker processes."""
 
 from __future__ import annotations
 
@@ -27,18 +28,19 @@ SCRIPT = ROOT / "examples" / "torch_elastic.py"
 EPOCHS, KILL_STEP = 3, 13
 
 
-@pytest.mark.parametrize("optimizer, workers", [("sgd", 2), ("zero", 0)])
+@pytest.mark.parametrize("optimizer, workers, hidden", [("sgd", 2, 100_000), ("zero", 0, 16)])
 def test_a_lost_rank_costs_one_step_of_a_torch_loop(mpistrat_cmd, tmp_path, optimizer,
-                                                    workers):
+                                                    workers, hidden):
     reference = subprocess.run(
         [sys.executable, str(SCRIPT), "--reference", "--optimizer", optimizer, "--epochs",
-         str(EPOCHS), "--out", str(tmp_path / "reference.npz")],
+         str(EPOCHS), "--hidden", str(hidden), "--out", str(tmp_path / "reference.npz")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert reference.returncode == 0, reference.stdout + reference.stderr
     result = subprocess.run(
         [*mpistrat_cmd, "run", "-n", "4", "--min-ranks", "2", "--timeout", "20",
          "--snapshot-every", "1", str(SCRIPT), "--optimizer", optimizer, "--epochs",
          str(EPOCHS), "--kill-step", str(KILL_STEP), "--workers", str(workers),
+         "--hidden", str(hidden),
          "--checkpoint-dir",
          str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.npz")],
         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
