@@ -144,16 +144,9 @@ def torch_resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
 def _state_bytes(state: list[Any]) -> int:
     if all(isinstance(v, ms.Variable) for v in state):
         return sum(np.asarray(v.numpy()).nbytes for v in state)
-    total, pending = 0, [obj.state_dict() for obj in state]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, dict):
-            pending.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            pending.extend(value)
-        elif hasattr(value, "element_size"):
-            total += value.numel() * value.element_size()
-    return total
+    from mpistrat.checkpoint._torch import nbytes
+
+    return sum(nbytes(obj) for obj in state)
 
 
 STATES = {"digits": digits_state, "resnet50": resnet50_state,

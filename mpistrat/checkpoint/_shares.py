@@ -20,6 +20,7 @@ at once.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import stat
@@ -61,8 +62,9 @@ def shares(sizes: Sequence[int], parts: int) -> list[list[Piece]]:
     cuts = [0]
     for j in range(1, parts):
         at = total * j // parts
-        i = max(k for k in range(len(sizes)) if starts[k] <= at) if sizes else 0
-        at = starts[i] + (at - starts[i]) // GRAIN * GRAIN if sizes else 0
+        if sizes:  # (back to a grain of the value it falls in)
+            i = min(bisect.bisect_right(starts, at), len(sizes)) - 1
+            at = starts[i] + (at - starts[i]) // GRAIN * GRAIN
         cuts.append(max(at, cuts[-1]))
     cuts.append(total)
     out: list[list[Piece]] = []

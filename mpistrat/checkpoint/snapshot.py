@@ -180,10 +180,11 @@ class SnapshotStore:
         # each leaf's kind, once: an object keeps its kind (a torch one exists only once
         # torch is imported), and take() runs at every step boundary
         self._kinds = [(name, obj, _kind(obj)) for name, obj in self.checkpoint._leaves]
-        gathered = any(kind == "stateful" and _torch().needs_gather(obj)
-                       for _, obj, kind in self._kinds)
+        # (a sharded optimizer's state is gathered on every host's writer)
+        self._gathered = any(kind == "stateful" and _torch().needs_gather(obj)
+                             for _, obj, kind in self._kinds)
         facts = self.comm.allgather((host, self._generators_room(), self._values_bytes(),
-                                     0 if gathered else self._states_bytes()))
+                                     0 if self._gathered else self._states_bytes()))
         hosts = [h for h, _, _, _ in facts]
         rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
@@ -198,7 +199,7 @@ class SnapshotStore:
         local = [r for r, h in enumerate(hosts) if h == host]
         same = len({fact[2:] for fact in facts}) == 1
         shared = same and facts[0][2] + facts[0][3] >= _shares.SHARE_BYTES
-        self._share_states = shared and not gathered and facts[0][3] > 0
+        self._share_states = shared and not self._gathered and facts[0][3] > 0
         self._parts = min(len(local), _shares.MAX_SHARERS) if shared else 1
         self._part = local.index(rank) if local.index(rank) < self._parts else -1
         self._sharing = shared and any(hosts.count(h) > 1 for h in hosts)
@@ -219,8 +220,9 @@ class SnapshotStore:
         problem = None
         if self._parts > 1:
             values = sum(1 for _, _, kind in self._kinds if kind not in _NO_VALUE)
+            room = values + (_STATE_PIECES + 1 if self._share_states else 0)
             self._board = _shares.Board(os.path.join(self.directory, "shares.board"),
-                                        self._parts, values + _STATE_PIECES + 1)
+                                        self._parts, room)
         if self.writer:
             try:
                 _private_directory(self.job_directory)
@@ -250,8 +252,7 @@ class SnapshotStore:
         shares of a large state (:mod:`._shares`), or a stateful leaf holds its state in
         shares (a ZeroRedundancyOptimizer), gathered on every host's writer at each
         snapshot."""
-        return self._sharing or any(kind == "stateful" and _torch().needs_gather(obj)
-                                    for _, obj, kind in self._kinds)
+        return self._sharing or self._gathered
 
     def _generators_room(self) -> int:
         """What this rank's generators' states take in a commit record, with room to
@@ -272,7 +273,7 @@ class SnapshotStore:
         for _, obj, kind in self._kinds:
             if kind not in _NO_VALUE:
                 dtype, shape = _describe(obj)
-                total += int(np.prod(shape, dtype=np.int64)) * _parse_dtype(dtype).itemsize
+                total += _nbytes(_parse_dtype(dtype), shape)
         return total
 
     @property
@@ -406,8 +407,7 @@ class SnapshotStore:
             value, fence = values[piece.value]
             source = sources.get(piece.value)
             if source is None:
-                source = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-                sources[piece.value] = source
+                source = sources[piece.value] = _flat_bytes(value)
             place = slot.views[piece.value].reshape(-1).view(np.uint8)
             copies.append((block, place[piece.start:piece.stop],
                            source[piece.start:piece.stop], fence))
@@ -446,8 +446,7 @@ class SnapshotStore:
                 start = entry["offset"] + piece.start
                 place = data[start:start + piece.stop - piece.start]
                 if j == self._part:
-                    source = np.ascontiguousarray(arrays[piece.value]).reshape(-1).view(
-                        np.uint8)[piece.start:piece.stop]
+                    source = _flat_bytes(arrays[piece.value])[piece.start:piece.stop]
                     copies.append((len(slot.blocks),
                                    np.frombuffer(place, np.uint8), source, False))
                 slot.blocks.append(place)
@@ -882,7 +881,7 @@ class SnapshotStore:
             if entry.get("dtype") != dtype or entry.get("shape") != list(shape):
                 raise ValueError(f"entry {name!r} is {entry.get('dtype')!r} "
                                  f"{entry.get('shape')!r}, the object {dtype} {list(shape)}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * _parse_dtype(dtype).itemsize
+            nbytes = _nbytes(_parse_dtype(dtype), shape)
             offset: Any = entry.get("offset")
             if entry.get("nbytes") != nbytes or not _is_count(offset) or offset < end or \
                     offset + nbytes > size:
@@ -962,7 +961,7 @@ class SnapshotStore:
         if not _is_count(state_parts) or state_parts not in (1, parts):
             raise ValueError(f"state_parts is {_short(state_parts)}, expected 1 or its "
                              f"parts ({parts})")
-        blocks = _blocks(layout, parts) + _state_blocks(extra, state_parts)
+        blocks = _blocks(layout, parts) + _entry_blocks(extra, state_parts)
         sums = record.get("checksums")
         if not isinstance(sums, list) or len(sums) != len(blocks) or \
                 not all(_is_count(c) for c in sums):
@@ -1073,7 +1072,7 @@ def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryvi
             if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
                 raise ValueError(f"the state of {name!r} has an array of shape "
                                  f"{_short(shape)}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = _nbytes(dtype, shape)
             if entry.get("nbytes") != nbytes or not _is_count(offset) or offset < end or \
                     offset + nbytes > place[0] or offset % dtype.alignment:
                 raise ValueError(f"the state of {name!r} has an array in a bad place "
@@ -1134,6 +1133,11 @@ def remove_job(job: str, root: str | None = None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _nbytes(dtype: np.dtype, shape: Any) -> int:
+    """The bytes of an array of ``dtype`` and ``shape``."""
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def _grow(fd: int, size: int) -> None:
     """Make the file ``fd`` at least ``size`` bytes long, never shorter (another process
     may make it longer meanwhile)."""
@@ -1155,10 +1159,10 @@ def _pieces(layout: dict[str, Any], parts: int) -> list[list[tuple[int, _shares.
     return out
 
 
-def _state_blocks(entries: list[dict[str, Any]], parts: int) -> list[tuple[str, int, int]]:
-    """What the commit record's checksums of the stateful leaves' arrays cover (after
-    :func:`_blocks`'), as ``(what a mismatch says, start, stop)``: each array whole, or
-    where ``parts`` ranks shared them, each piece of each share (:mod:`._shares`)."""
+def _entry_blocks(entries: list[dict[str, Any]], parts: int) -> list[tuple[str, int, int]]:
+    """What the checksums of ``entries`` (each with its name, offset and bytes in the
+    slot) cover, as ``(what a mismatch says, start, stop)``: each entry whole, or where
+    ``parts`` ranks shared them, each piece of each share (:mod:`._shares`)."""
     if parts == 1:
         return [(f"entry {e['name']!r} does not match its checksum", e["offset"],
                  e["offset"] + e["nbytes"]) for e in entries]
@@ -1179,18 +1183,12 @@ def _blocks(layout: dict[str, Any], parts: int = 1) -> list[tuple[str, int, int]
     values = [e for e in layout["entries"] if e["kind"] not in _NO_VALUE]
     if not values:
         return []
-    if parts > 1:
-        return [(f"entry {values[p.value]['name']!r} does not match its checksum (bytes "
-                 f"{p.start} to {p.stop}, share {j})", values[p.value]["offset"] + p.start,
-                 values[p.value]["offset"] + p.stop)
-                for j, share in enumerate(_pieces(layout, parts)) for _, p in share]
     start, stop = values[0]["offset"], values[-1]["offset"] + values[-1]["nbytes"]
-    if stop - start < _TOGETHER_BYTES and len(values) > 1:
+    if parts == 1 and stop - start < _TOGETHER_BYTES and len(values) > 1:
         names = ", ".join(repr(e["name"]) for e in values)
         return [(f"entries {names}, checked together, do not match their checksum",
                  start, stop)]
-    return [(f"entry {e['name']!r} does not match its checksum", e["offset"],
-             e["offset"] + e["nbytes"]) for e in values]
+    return _entry_blocks(values, parts)
 
 
 def _checksum(raw: memoryview) -> int:
@@ -1242,6 +1240,11 @@ def _copy_summed(target: np.ndarray, value: np.ndarray) -> int | None:
         mixed ^= int(np.bitwise_xor.reduce(words))
     place[whole:] = source[whole:]
     return _summed(total, mixed, place[whole:].tobytes(), length)
+
+
+def _flat_bytes(array: np.ndarray) -> np.ndarray:
+    """``array``'s bytes in order, as a flat uint8 array (a view where it is contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
 def _view(data: memoryview, entry: dict[str, Any]) -> np.ndarray:
