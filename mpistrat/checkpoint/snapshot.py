@@ -336,13 +336,16 @@ class SnapshotStore:
         fresh = self._layout is None or self._slots[self._next_slot].map is None
         layout = self._layout_for(values)
         places, index, size = _place_states(states, layout["size"])
+        # (then the states' checksums, past their index: a model's hundreds of arrays do
+        # not fit the record's room, which the layout fixes before any state exists)
+        room = _sums_room(places, self._parts) if states else 0
         slot_index = self._next_slot
         slot = self._slots[slot_index]
         self._next_slot = 1 - self._next_slot
         if self._part > 0:
             self._await_writer(slot_index)
         try:
-            data = self._mapped(slot, layout, size)
+            data = self._mapped(slot, layout, size + room)
         except OSError as exc:
             if self.writer:
                 raise
@@ -377,7 +380,8 @@ class SnapshotStore:
             at = size - len(index)
             data[at:size] = index
             extra["states"] = {"size": size, "index": [at, len(index)],
-                               "sha256": hashlib.sha256(index).hexdigest()}
+                               "sha256": hashlib.sha256(index).hexdigest(),
+                               "sums": [size, room]}  # (its place, then what it holds)
         if self.taken % 64 == 0:
             os.utime(self.job_directory)  # (a live job's snapshots are never swept)
         self._start(slot, copies, later, self._commit,
@@ -586,8 +590,18 @@ class SnapshotStore:
                                          f"{len(blocks)} (one per piece)")
                     for block, checksum in zip(blocks, found):
                         slot.sums[block] = checksum
-            extra["checksums"] = [_checksum(block) if found is None else found
-                                  for block, found in zip(slot.blocks, slot.sums)]
+            sums = [_checksum(block) if found is None else found
+                    for block, found in zip(slot.blocks, slot.sums)]
+            extra["checksums"] = sums[:len(slot.raw)]
+            if "states" in extra:
+                at, room = extra["states"]["sums"]
+                text = json.dumps(sums[len(slot.raw):], separators=(",", ":")).encode()
+                if len(text) > room:
+                    raise ValueError(f"the states' checksums take {len(text)} bytes, more "
+                                     f"than the {room} kept for them")
+                data[at:at + len(text)] = text
+                extra["states"]["sums"] = [at, len(text),
+                                           hashlib.sha256(text).hexdigest()]
             body = json.dumps(extra, separators=(",", ":")).encode()
             if len(body) > layout["header"] - _HEADER.size:
                 raise ValueError(f"the snapshot's record is {len(body)} bytes, more than the "
@@ -949,8 +963,9 @@ class SnapshotStore:
                 if why is not None:
                     raise ValueError(f"generator {name!r} {why}")
         states: list[tuple[str, Any, list[Any]]] = []
+        state_sums: list[Any] = []
         if any(kind == "stateful" for _, _, kind in self._kinds):
-            states = _check_states(record, layout, data, self.checkpoint._leaves)
+            states, state_sums = _check_states(record, layout, data, self.checkpoint._leaves)
         extra = [dict(entry, name=f"{name}[{j}]") for name, _, entries in states
                  for j, entry in enumerate(entries)]
         parts: Any = record.get("parts")
@@ -961,12 +976,16 @@ class SnapshotStore:
         if not _is_count(state_parts) or state_parts not in (1, parts):
             raise ValueError(f"state_parts is {_short(state_parts)}, expected 1 or its "
                              f"parts ({parts})")
-        blocks = _blocks(layout, parts) + _entry_blocks(extra, state_parts)
+        blocks = _blocks(layout, parts)
         sums = record.get("checksums")
         if not isinstance(sums, list) or len(sums) != len(blocks) or \
                 not all(_is_count(c) for c in sums):
             raise ValueError(f"its checksums are not the {len(blocks)} of its values")
-        for (what, start, stop), checksum in zip(blocks, sums):
+        state_blocks = _entry_blocks(extra, state_parts)
+        if len(state_sums) != len(state_blocks) or not all(_is_count(c) for c in state_sums):
+            raise ValueError(f"its states' checksums are not the {len(state_blocks)} of "
+                             f"their arrays")
+        for (what, start, stop), checksum in zip(blocks + state_blocks, sums + state_sums):
             if _checksum(data[start:stop]) != checksum:
                 raise ValueError(f"{what} (changed after the commit)")
         record["layout"] = layout
@@ -991,6 +1010,30 @@ class SnapshotStore:
                 pass
 
 
+def _digested_json(raw: memoryview, digest: Any, what: str, mismatch: str) -> Any:
+    """The JSON in ``raw`` once its SHA-256 is ``digest`` (hex, from an authenticated
+    record).
+
+    Raises:
+        ValueError: "``what`` ``mismatch``", or "``what``: not JSON ...".
+    """
+    body = bytes(raw)
+    if not isinstance(digest, str) or not hmac.compare_digest(
+            hashlib.sha256(body).hexdigest(), digest):
+        raise ValueError(f"{what} {mismatch}")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{what}: not JSON mpistrat could write "
+                         f"({type(exc).__name__})") from None
+
+
+def _sums_room(places: dict[str, dict[str, Any]], parts: int) -> int:
+    """Room for the JSON list of the states' checksums: 60 bytes each (58 digits at most)
+    for every array and every cut between ``parts`` shares."""
+    return 60 * (sum(len(place["arrays"]) for place in places.values()) + parts) + 2
+
+
 def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int
                   ) -> tuple[dict[str, dict[str, Any]], bytes, int]:
     """Where the stateful leaves' arrays go in a slot, from ``start`` (the layout's
@@ -1012,12 +1055,15 @@ def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int
 
 
 def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryview,
-                  leaves: list[tuple[str, Any]]) -> list[tuple[str, Any, list[Any]]]:
+                  leaves: list[tuple[str, Any]]
+                  ) -> tuple[list[tuple[str, Any, list[Any]]], list[Any]]:
     """The stateful leaves' part of a slot (record field ``states``), checked as
     untrusted input: its index where the record says, matching its SHA-256, JSON of
     the expected form, every array in the slot past the layout's values without
-    overlap, and each state one its object takes. Returns ``(name, tree, array
-    entries)`` per stateful leaf, in the checkpoint's order.
+    overlap, and each state one its object takes; then the arrays' checksums, right
+    after the index, matching their SHA-256, a JSON list. Returns ``(name, tree, array
+    entries)`` per stateful leaf, in the checkpoint's order, and the checksums (their
+    number and values are the caller's to check).
 
     Raises:
         ValueError: naming the first check that failed.
@@ -1035,15 +1081,8 @@ def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryvi
             and place[0] >= layout["size"] and place[0] + place[1] == size
             and place[1] <= MAX_LAYOUT):
         raise ValueError(f"its states' index is at {_short(place)}, not within its data")
-    body = bytes(data[place[0]:size])
-    if not isinstance(digest, str) or not hmac.compare_digest(
-            hashlib.sha256(body).hexdigest(), digest):
-        raise ValueError("its states' index does not match its checksum")
-    try:
-        index = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"its states' index is not JSON mpistrat could write "
-                         f"({type(exc).__name__})") from None
+    index = _digested_json(data[place[0]:size], digest, "its states' index",
+                           "does not match its checksum")
     names = [name for name, obj in leaves if _kind(obj) == "stateful"]
     if not isinstance(index, dict) or sorted(index) != sorted(names):
         found = sorted(index) if isinstance(index, dict) else index
@@ -1089,7 +1128,17 @@ def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryvi
             raise ValueError(f"the state of {name!r} cannot be checked "
                              f"({type(exc).__name__}: {exc})") from None
         found.append((name, state["tree"], arrays))
-    return found
+    sums: Any = states.get("sums")
+    if not (isinstance(sums, list) and len(sums) == 3 and _is_count(sums[0])
+            and _is_count(sums[1]) and sums[0] == size and size + sums[1] <= len(data)
+            and sums[1] <= MAX_LAYOUT and isinstance(sums[2], str)):
+        raise ValueError(f"its states' checksums are at {_short(sums)}, not right after "
+                         f"their index within its data")
+    listed = _digested_json(data[size:size + sums[1]], sums[2], "its states' checksums",
+                            "do not match their digest")
+    if not isinstance(listed, list):
+        raise ValueError(f"its states' checksums are {_short(listed)}, not a list")
+    return found, listed
 
 
 def _host_value(obj: Any) -> tuple[np.ndarray, bool]:

@@ -14,6 +14,7 @@ import contextlib
 import os
 import struct
 import uuid
+import warnings
 
 import pytest
 
@@ -218,7 +219,13 @@ def test_snapshots_follow_an_optimizer_state_that_appears(world, root, kind):
     store2.close()
 
 
-def test_a_damaged_states_index_is_skipped_with_its_reason(world, root):
+@pytest.mark.parametrize("where, reason", [
+    ("index", "states' index does not match its checksum"),
+    ("checksums", "states' checksums do not match their digest")])
+def test_a_damaged_states_index_is_skipped_with_its_reason(world, root, where, reason):
+    """A byte flipped in the newest slot's states index (its end), or in the states'
+    checksums that follow it: that snapshot is skipped with the reason, the one before
+    restored."""
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ckpt = Checkpoint(comm=world, model=model, optimizer=optimizer)
@@ -241,15 +248,15 @@ def test_a_damaged_states_index_is_skipped_with_its_reason(world, root):
             length = struct.unpack_from("<Q", head, 16)[0]
             record = json.loads(head[56:56 + length])
             end = record["states"]["size"]
-            file.seek(end - 2)
+            at = end - 2 if where == "index" else end + 2
+            file.seek(at)
             byte = file.read(1)
-            file.seek(end - 2)
+            file.seek(at)
             file.write(bytes([byte[0] ^ 1]))
     world.Barrier()
     info = store.restore()
     assert info.sequence == 1 and equal(weights(model), first)
-    assert len(info.skipped) == 1 and "states' index does not match its checksum" in \
-        info.skipped[0]
+    assert len(info.skipped) == 1 and reason in info.skipped[0], info.skipped
     store.close()
 
 
@@ -562,4 +569,34 @@ def test_a_sharer_whose_state_is_not_the_writers_leaves_the_previous_snapshot(wo
     info = store.restore()
     assert info.sequence == 1 and equal(weights(model), first_w)
     assert same_everywhere(world, info.skipped)
+    store.close()
+
+
+def test_a_model_of_hundreds_of_tensors_commits_its_snapshots(world, root):
+    """300 parameters of 16 KiB and their momentum (600 arrays, each with a checksum of
+    up to 58 digits: far more than a commit record holds): the states' checksums go past
+    their index, every snapshot commits, and the newest is restored on every rank."""
+    torch.manual_seed(0)
+    model = nn.ParameterList([nn.Parameter(torch.randn(4096)) for _ in range(300)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = Checkpoint(comm=world, model=model, optimizer=optimizer)
+    store = store_for(ckpt, new_job(world), root, world)
+
+    def step():
+        optimizer.zero_grad()
+        sum((p * p).sum() for p in model).backward()
+        optimizer.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+        store.take(("k", 1))
+        step()
+        store.take(("k", 2))
+        kept, momentum = weights(model), full_state(optimizer, world)
+        store.wait()
+    assert [str(w.message) for w in caught] == []
+    step()
+    info = store.restore()
+    assert info.sequence == 2 and info.skipped == ()
+    assert equal(weights(model), kept) and full_state(optimizer, world) == momentum
     store.close()
