@@ -28,6 +28,9 @@ States:
   momentum (195 MiB in all once it has stepped), snapshotted as the checkpoint's stateful
   leaves; a step all-reduces one flat gradient (``MPI_Allreduce``, standing for DDP's)
   and steps the optimizer.
+* ``torch-resnet50-zero``: the same with ``mpistrat.torch.ZeroRedundancyOptimizer``
+  (SGD with momentum): each rank of a host holds the momentum of its share of the
+  parameters, the parameters are one copy in the host's shared memory.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ def resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
     return params, lambda: strategy.run(replica_step)
 
 
-def torch_resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
+def torch_resnet50_state(strategy: Any, zero: bool = False) -> tuple[list[Any], Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -126,7 +129,13 @@ def torch_resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
     shapes = resnet50_gradient_shapes()
     model = torch.nn.ParameterList(
         [torch.nn.Parameter(torch.randn(*shape) * 0.01) for shape in shapes])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if zero:
+        import mpistrat.torch as mt
+
+        optimizer = mt.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
+                                               comm=strategy.comm, lr=0.01, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sizes = [int(np.prod(shape)) for shape in shapes]
     flat = np.full(sum(sizes), 1e-6, np.float32)
     reduced = np.empty_like(flat)
@@ -141,16 +150,21 @@ def torch_resnet50_state(strategy: Any) -> tuple[list[Any], Any]:
     return [model, optimizer], step
 
 
-def _state_bytes(state: list[Any]) -> int:
+def _state_bytes(state: list[Any], comm: Any) -> int:
+    """The state's bytes (collective: a ZeRO optimizer's shares are summed over the
+    ranks, of one host here)."""
     if all(isinstance(v, ms.Variable) for v in state):
         return sum(np.asarray(v.numpy()).nbytes for v in state)
     from mpistrat.checkpoint._torch import nbytes
 
-    return sum(nbytes(obj) for obj in state)
+    sharded = [obj for obj in state if hasattr(obj, "consolidate_state_dict")]
+    return sum(nbytes(obj) for obj in state if obj not in sharded) + comm.allreduce(
+        sum(nbytes(obj.optim) for obj in sharded if obj.optim is not None))
 
 
 STATES = {"digits": digits_state, "resnet50": resnet50_state,
-          "torch-resnet50": torch_resnet50_state}
+          "torch-resnet50": torch_resnet50_state,
+          "torch-resnet50-zero": lambda strategy: torch_resnet50_state(strategy, zero=True)}
 
 
 def main() -> None:
@@ -206,8 +220,8 @@ def main() -> None:
     times = {name: {k: v / block for k, v in t.items()} for name, t in times.items()}
     for store in stores.values():
         store.close(remove=True)
+    size = _state_bytes(state, comm)
     if comm.Get_rank() == 0:
-        size = _state_bytes(state)
         base = times["off"]["median"]
         print(f"{args.state}: {size / 2**20:.2f} MiB of state, {comm.Get_size()} ranks, "
               f"{args.compute_ms:g} ms of computation a step, "
