@@ -135,6 +135,10 @@ class Board:
         """Share ``part`` of snapshot ``sequence`` is in ``slot``, with checksums
         ``sums``: its record, the sequence at its head last."""
         assert self._board is not None
+        room = (self._words - 3) // 3
+        if len(sums) > room:
+            raise ValueError(f"share {part} has {len(sums)} checksums, more than the "
+                             f"{room} its record on the board holds")
         record = self._board[slot, part]
         record[0] = 0
         record[1] = len(sums)

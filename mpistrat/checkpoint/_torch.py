@@ -31,7 +31,8 @@ import torch
 from ..backends.torch_dtypes import numpy_dtype as _numpy_dtype
 
 __all__ = ["is_stateful", "numpy_dtype", "describe", "host_value", "assign", "expand",
-           "decode", "check_fits", "signature", "gather", "needs_gather", "nbytes",
+           "expand_value", "renumber", "join_shards", "sharded", "decode", "check_fits",
+           "signature", "gather", "needs_gather", "nbytes",
            "MAX_DEPTH"]
 
 MAX_DEPTH = 64
@@ -87,6 +88,12 @@ def assign(tensor: torch.Tensor, value: np.ndarray) -> None:
 
 def expand(obj: Any, name: str) -> tuple[Any, list[np.ndarray]]:
     """``obj.state_dict()`` as (the JSON tree, the arrays of its tensors)."""
+    return expand_value(obj.state_dict(), name)
+
+
+def expand_value(state: Any, name: str) -> tuple[Any, list[np.ndarray]]:
+    """``state`` (a state_dict or part of one; of the object ``name``) as (the JSON tree,
+    the arrays of its tensors)."""
     arrays: list[np.ndarray] = []
 
     def encode(value: Any, path: str, depth: int) -> Any:
@@ -114,8 +121,42 @@ def expand(obj: Any, name: str) -> tuple[Any, list[np.ndarray]]:
                         f"{type(value).__name__} at {path or '/'}; a state_dict may hold "
                         f"tensors, None, bools, numbers, strings, lists, tuples and dicts")
 
-    tree = encode(obj.state_dict(), "", 0)
+    tree = encode(state, "", 0)
     return tree, arrays
+
+
+def renumber(tree: Any, base: int) -> Any:
+    """``tree`` (one :func:`expand_value` wrote) with every array index moved by
+    ``base``: its arrays follow ``base`` others."""
+    if isinstance(tree, dict):
+        (tag, body), = tree.items()
+        if tag == "T":
+            return {"T": body + base}
+        if tag in ("l", "t"):
+            return {tag: [renumber(item, base) for item in body]}
+        if tag == "d":
+            return {"d": [[renumber(k, base), renumber(v, base)] for k, v in body]}
+    return tree
+
+
+def join_shards(shards: list[tuple[Any, int]], rest: tuple[Any, int]) -> Any:
+    """The tree of a sharded optimizer's whole state_dict from its ranks' shares: each
+    ``(tree, arrays)`` of :func:`expand_value` of a ``shard_state()``'s first part (their
+    arrays numbered one share after the other), then ``rest``, its second part's (the
+    ``param_groups``; its arrays last)."""
+    entries: list[Any] = []
+    base = 0
+    for tree, count in shards:
+        entries += renumber(tree, base)["d"]
+        base += count
+    return {"d": [["state", {"d": entries}], *renumber(rest[0], base)["d"]]}
+
+
+def sharded(obj: Any) -> bool:
+    """Whether ``obj`` keeps its state in shares its ranks can save side by side
+    (:meth:`mpistrat.torch.ZeroRedundancyOptimizer.shard_state`)."""
+    return callable(getattr(obj, "shard_state", None)) and \
+        callable(getattr(obj, "shard_params", None)) and hasattr(obj, "shard_comm")
 
 
 def decode(tree: Any, count: int, leaf: Callable[[int], Any]) -> Any:

@@ -180,29 +180,47 @@ class SnapshotStore:
         # each leaf's kind, once: an object keeps its kind (a torch one exists only once
         # torch is imported), and take() runs at every step boundary
         self._kinds = [(name, obj, _kind(obj)) for name, obj in self.checkpoint._leaves]
-        # (a sharded optimizer's state is gathered on every host's writer)
-        self._gathered = any(kind == "stateful" and _torch().needs_gather(obj)
-                             for _, obj, kind in self._kinds)
-        facts = self.comm.allgather((host, self._generators_room(), self._values_bytes(),
-                                     0 if self._gathered else self._states_bytes()))
-        hosts = [h for h, _, _, _ in facts]
         rank = self.comm.Get_rank()
+        hosts = self.comm.allgather(host)
+        local = [r for r, h in enumerate(hosts) if h == host]
+        # a sharded optimizer's state (a ZeroRedundancyOptimizer's, which each host's
+        # ranks hold between them): each rank copies its own share, where the ranks that
+        # hold it are the host's and can all share its snapshots; else it is gathered on
+        # every host's writer
+        torch_leaves = _torch() if any(k == "stateful" for _, _, k in self._kinds) else None
+        sharded = [(name, obj) for name, obj, kind in self._kinds if kind == "stateful"
+                   and torch_leaves is not None and torch_leaves.needs_gather(obj)]
+        fits = len(local) <= _shares.MAX_SHARERS
+        owned_params = 0
+        for _, obj in sharded:
+            if torch_leaves is not None and torch_leaves.sharded(obj):
+                fits = obj.shard_comm.allgather(rank) == local and fits
+                owned_params += obj.shard_params()
+            else:
+                fits = False
+        facts = self.comm.allgather((fits, owned_params, self._generators_room(),
+                                     self._values_bytes(), self._states_bytes()))
+        owned = bool(sharded) and all(fact[0] for fact in facts)
+        self._sharded = {name for name, _ in sharded} if owned else set()
+        self._shard_texts: dict[str, tuple[list[bytes], list[Any]]] = {}  # (the last seen)
+        self._owners: dict[str, list[int | None]] = {}  # each array's share, if its own
+        self._gathered = bool(sharded) and not owned
         self._size = self.comm.Get_size()
         self.writer = hosts.index(host) == rank  # this host's lowest rank
         self._writers = sorted({hosts.index(h) for h in hosts})  # every host's
         self._host_writer = hosts.index(host)
         # (every rank's layout the same: the generators' room is the largest any needs)
-        self._room = max(room for _, room, _, _ in facts)
+        self._room = max(fact[2] for fact in facts)
         # a large state is copied by the host's ranks side by side (_shares), where every
-        # rank holds the same values; the stateful leaves' states too, unless one is
-        # gathered on the writers (a sharded optimizer's)
-        local = [r for r, h in enumerate(hosts) if h == host]
-        same = len({fact[2:] for fact in facts}) == 1
-        shared = same and facts[0][2] + facts[0][3] >= _shares.SHARE_BYTES
-        self._share_states = shared and not self._gathered and facts[0][3] > 0
-        self._parts = min(len(local), _shares.MAX_SHARERS) if shared else 1
+        # rank holds the same values; the stateful leaves' states too (but a sharded
+        # optimizer's: each rank copies its own share, or the writers the gathered state)
+        same = len({fact[3:] for fact in facts}) == 1
+        states_bytes = 0 if self._gathered else facts[0][4]
+        large = same and facts[0][3] + states_bytes >= _shares.SHARE_BYTES
+        self._share_states = large and not self._gathered and facts[0][4] > 0
+        self._parts = min(len(local), _shares.MAX_SHARERS) if large or owned else 1
         self._part = local.index(rank) if local.index(rank) < self._parts else -1
-        self._sharing = shared and any(hosts.count(h) > 1 for h in hosts)
+        self._sharing = (large or owned) and any(hosts.count(h) > 1 for h in hosts)
         self._board: _shares.Board | None = None
         self._pieces: list[list[tuple[int, _shares.Piece]]] | None = None  # each share's
         self._written = [0, 0]  # the snapshot a sharer wrote last into each slot
@@ -221,6 +239,8 @@ class SnapshotStore:
         if self._parts > 1:
             values = sum(1 for _, _, kind in self._kinds if kind not in _NO_VALUE)
             room = values + (_STATE_PIECES + 1 if self._share_states else 0)
+            if self._sharded:  # (each owned parameter's arrays: Adam's are 3, AMSGrad's 4)
+                room += 1 + 4 * max(fact[1] for fact in facts)
             self._board = _shares.Board(os.path.join(self.directory, "shares.board"),
                                         self._parts, room)
         if self.writer:
@@ -254,6 +274,12 @@ class SnapshotStore:
         snapshot."""
         return self._sharing or self._gathered
 
+    @property
+    def _states_everywhere(self) -> bool:
+        """Whether every sharer expands the stateful leaves too (to copy a share of
+        them, or its own share of a sharded optimizer's state)."""
+        return self._parts > 1 and (self._share_states or bool(self._sharded))
+
     def _generators_room(self) -> int:
         """What this rank's generators' states take in a commit record, with room to
         spare: twice their length, in whole 4 KiB (a state's length varies a little with
@@ -264,8 +290,9 @@ class SnapshotStore:
 
     def _states_bytes(self) -> int:
         """The bytes of the stateful leaves' tensors now (an optimizer's grow at its
-        first step)."""
-        return sum(_torch().nbytes(obj) for _, obj, kind in self._kinds if kind == "stateful")
+        first step), but a sharded optimizer's."""
+        return sum(_torch().nbytes(obj) for _, obj, kind in self._kinds
+                   if kind == "stateful" and not _torch().needs_gather(obj))
 
     def _values_bytes(self) -> int:
         """The bytes of the layout's values (without copying them)."""
@@ -335,7 +362,7 @@ class SnapshotStore:
         # ones cost, which --snapshot-every auto weighs)
         fresh = self._layout is None or self._slots[self._next_slot].map is None
         layout = self._layout_for(values)
-        places, index, size = _place_states(states, layout["size"])
+        places, index, size = _place_states(states, layout["size"], self._owners)
         # (then the states' checksums, past their index: a model's hundreds of arrays do
         # not fit the record's room, which the layout fixes before any state exists)
         room = _sums_room(places, self._parts) if states else 0
@@ -361,7 +388,7 @@ class SnapshotStore:
         owners = [mine + theirs for mine, theirs in zip(owners, state_owners)]
         # (the sharers' states must be the writer's: their structure's digest goes along)
         digest = int.from_bytes(hashlib.sha256(index).digest()[:24], "little") \
-            if state_parts > 1 else None
+            if states and self._states_everywhere else None
         if not self.writer:  # (a share of the host's: its checksums go on the board)
             self._start(slot, copies, later, self._post,
                         (slot_index, self.sequence, owners[self._part], digest), started,
@@ -423,38 +450,37 @@ class SnapshotStore:
                       ) -> tuple[list[tuple[int, np.ndarray, np.ndarray, bool]],
                                  list[list[int]], int]:
         """The stateful leaves' part of a snapshot: this rank's copies (as
-        :meth:`_value_copies`'), each share's blocks, and how many ranks share them: the
-        host's sharers where every rank expanded its own replica (a piece each, cut as
-        the values are), else 1 (the writer copies each array whole). Sets the slot's
-        ``blocks``: the values', then these."""
+        :meth:`_value_copies`'), each share's blocks, and how many ranks share the arrays
+        every rank holds: the host's sharers where every rank expanded its own replica (a
+        piece each, cut as the values are), else 1 (the writer copies each such array
+        whole). A sharded optimizer's arrays are copied whole by the rank that holds
+        them (:func:`_state_shares`). Sets the slot's ``blocks``: the values', then these."""
         entries = [entry for place in places.values() for entry in place["arrays"]]
         arrays = [array for _, _, found in states for array in found]
-        base = len(slot.raw)
-        cut = _shares.shares([e["nbytes"] for e in entries], self._parts) \
-            if self._share_states and self._parts > 1 else []
-        copies: list[tuple[int, np.ndarray, np.ndarray, bool]] = []
-        if not cut or max(len(share) for share in cut) > _STATE_PIECES:
-            views = [_view(data, entry) for entry in entries]
-            slot.blocks = slot.raw + [_bytes(view) for view in views]
-            if self.writer:
-                copies = [(base + k, view, array, False)
-                          for k, (view, array) in enumerate(zip(views, arrays))]
-            return (copies, [list(range(base, len(slot.blocks)))]
-                    + [[] for _ in range(self._parts - 1)], 1)
+        cut = self._share_states and self._parts > 1
+        shares = _state_shares(entries, self._parts, cut)
+        if cut and max(sum(1 for p in share if "owner" not in entries[p.value])
+                       for share in shares) > _STATE_PIECES:
+            cut, shares = False, _state_shares(entries, self._parts, False)
         slot.blocks = list(slot.raw)
+        copies: list[tuple[int, np.ndarray, np.ndarray, bool]] = []
         owners = []
-        for j, share in enumerate(cut):
+        for j, share in enumerate(shares):
             owners.append(list(range(len(slot.blocks), len(slot.blocks) + len(share))))
             for piece in share:
                 entry = entries[piece.value]
-                start = entry["offset"] + piece.start
-                place = data[start:start + piece.stop - piece.start]
-                if j == self._part:
+                if piece.start == 0 and piece.stop == entry["nbytes"]:  # (whole)
+                    place = _view(data, entry)
+                    source = arrays[piece.value]
+                else:
+                    start = entry["offset"] + piece.start
+                    place = np.frombuffer(data[start:start + piece.stop - piece.start],
+                                          np.uint8)
                     source = _flat_bytes(arrays[piece.value])[piece.start:piece.stop]
-                    copies.append((len(slot.blocks),
-                                   np.frombuffer(place, np.uint8), source, False))
-                slot.blocks.append(place)
-        return copies, owners, self._parts
+                if j == self._part:
+                    copies.append((len(slot.blocks), place, source, False))
+                slot.blocks.append(_bytes(place))
+        return copies, owners, self._parts if cut else 1
 
     def _start(self, slot: _Slot, copies: list[tuple[int, np.ndarray, np.ndarray, bool]],
                later: bool, finish: Any, args: tuple[Any, ...], started: float,
@@ -643,15 +669,52 @@ class SnapshotStore:
         rank = self.comm.Get_rank() if self.comm is not None else 0
         states: list[tuple[str, Any, list[np.ndarray]]] = []
         for name, obj in leaves:
-            if torch_leaves.needs_gather(obj):
+            if name in self._sharded:
+                states.append((name, *self._expand_shards(name, obj)))
+            elif torch_leaves.needs_gather(obj):
                 for writer in self._writers:
                     torch_leaves.gather(obj, writer)
                     if writer == rank:
                         states.append((name, *torch_leaves.expand(obj, name)))
-            elif self.writer or (self._share_states and self._part > 0):
+            elif self.writer or (self._states_everywhere and self._part > 0):
                 states.append((name, *torch_leaves.expand(obj, name)))
         return [(name, tree, [_storable(name, np.asarray(a)) for a in arrays])
                 for name, tree, arrays in states]
+
+    def _expand_shards(self, name: str, obj: Any) -> tuple[Any, list[np.ndarray]]:
+        """A sharded optimizer's whole state, as every rank of the host sees it: the tree
+        of its whole state_dict, its arrays (this rank's share's; for the other shares,
+        read-only stand-ins of their dtype and shape), each array's share in
+        ``self._owners[name]`` (None: held by every rank). Collective over the host's
+        ranks (they tell each other their shares' structure, when it changed)."""
+        torch_leaves = _torch()
+        mine, rest = obj.shard_state()
+        tree, arrays = torch_leaves.expand_value(mine, name)
+        rest_tree, rest_arrays = torch_leaves.expand_value(rest, name)
+        arrays = [_storable(name, np.asarray(a)) for a in arrays]
+        text = json.dumps([tree, [[a.dtype.name, list(a.shape)] for a in arrays]],
+                          separators=(",", ":")).encode()
+        comm = obj.shard_comm
+        digests = comm.allgather(hashlib.sha256(text).digest())
+        seen = self._shard_texts.get(name)
+        if seen is None or seen[0] != digests:
+            seen = self._shard_texts[name] = (digests, [json.loads(t)
+                                                        for t in comm.allgather(text)])
+        shares = seen[1]
+        everything: list[np.ndarray] = []
+        owners: list[int | None] = []
+        for part, (part_tree, described) in enumerate(shares):
+            if part == self._part:
+                everything += arrays
+            else:
+                everything += [np.broadcast_to(np.zeros((), _parse_dtype(dtype)), shape)
+                               for dtype, shape in described]
+            owners += [part] * len(described)
+        everything += rest_arrays
+        owners += [None] * len(rest_arrays)
+        self._owners[name] = owners
+        return torch_leaves.join_shards([(t, len(d)) for t, d in shares],
+                                        (rest_tree, len(rest_arrays))), everything
 
     def _layout_for(self, values: list[tuple[np.ndarray, bool]]) -> dict[str, Any]:
         """This process's layout (the same on every rank; written to :attr:`layout_path`
@@ -981,7 +1044,12 @@ class SnapshotStore:
         if not isinstance(sums, list) or len(sums) != len(blocks) or \
                 not all(_is_count(c) for c in sums):
             raise ValueError(f"its checksums are not the {len(blocks)} of its values")
-        state_blocks = _entry_blocks(extra, state_parts)
+        for entry in extra:
+            owner = entry.get("owner", 0)
+            if not _is_count(owner) or owner >= parts:
+                raise ValueError(f"{entry['name']} is held by share {_short(owner)}, not "
+                                 f"one of its {parts}")
+        state_blocks = _entry_blocks(extra, parts, state_parts > 1)
         if len(state_sums) != len(state_blocks) or not all(_is_count(c) for c in state_sums):
             raise ValueError(f"its states' checksums are not the {len(state_blocks)} of "
                              f"their arrays")
@@ -1034,18 +1102,23 @@ def _sums_room(places: dict[str, dict[str, Any]], parts: int) -> int:
     return 60 * (sum(len(place["arrays"]) for place in places.values()) + parts) + 2
 
 
-def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int
+def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int,
+                  owners: dict[str, list[int | None]]
                   ) -> tuple[dict[str, dict[str, Any]], bytes, int]:
     """Where the stateful leaves' arrays go in a slot, from ``start`` (the layout's
-    end) on, and the index that says so (JSON, after them); the slot's size."""
+    end) on, and the index that says so (JSON, after them); the slot's size. An array
+    of a sharded optimizer's share has the share's number as its ``owner``
+    (``owners``: each such leaf's, None for an array every rank holds)."""
     places: dict[str, dict[str, Any]] = {}
     offset = start
     for name, tree, arrays in states:
         entries = []
-        for value in arrays:
+        for value, owner in zip(arrays, owners.get(name) or [None] * len(arrays)):
             offset = -(-offset // _ALIGN) * _ALIGN
             entries.append({"dtype": value.dtype.name, "shape": list(value.shape),
                             "offset": offset, "nbytes": int(value.nbytes)})
+            if owner is not None:
+                entries[-1]["owner"] = owner
             offset += value.nbytes
         places[name] = {"tree": tree, "arrays": entries}
     if not states:
@@ -1208,18 +1281,41 @@ def _pieces(layout: dict[str, Any], parts: int) -> list[list[tuple[int, _shares.
     return out
 
 
-def _entry_blocks(entries: list[dict[str, Any]], parts: int) -> list[tuple[str, int, int]]:
+def _state_shares(entries: list[dict[str, Any]], parts: int, cut: bool
+                  ) -> list[list[_shares.Piece]]:
+    """Which of ``parts`` shares copies what of ``entries`` (each with its bytes, and an
+    ``owner`` where one share holds it: a sharded optimizer's array, copied whole by
+    its share): the others cut among the shares (:func:`._shares.shares`) where ``cut``,
+    else whole in share 0 (the writer's). Each share's pieces: those cut, then its own."""
+    common = [i for i, e in enumerate(entries) if "owner" not in e]
+    out: list[list[_shares.Piece]] = [[] for _ in range(parts)]
+    if cut:
+        for j, share in enumerate(_shares.shares([entries[i]["nbytes"] for i in common],
+                                                 parts)):
+            out[j] = [_shares.Piece(common[p.value], p.start, p.stop) for p in share]
+    else:
+        out[0] = [_shares.Piece(i, 0, entries[i]["nbytes"]) for i in common]
+    for i, entry in enumerate(entries):
+        if "owner" in entry:
+            out[entry["owner"]].append(_shares.Piece(i, 0, entry["nbytes"]))
+    return out
+
+
+def _entry_blocks(entries: list[dict[str, Any]], parts: int, cut: bool
+                  ) -> list[tuple[str, int, int]]:
     """What the checksums of ``entries`` (each with its name, offset and bytes in the
-    slot) cover, as ``(what a mismatch says, start, stop)``: each entry whole, or where
-    ``parts`` ranks shared them, each piece of each share (:mod:`._shares`)."""
-    if parts == 1:
-        return [(f"entry {e['name']!r} does not match its checksum", e["offset"],
-                 e["offset"] + e["nbytes"]) for e in entries]
-    return [(f"entry {entries[p.value]['name']!r} does not match its checksum (bytes "
-             f"{p.start} to {p.stop}, share {j})", entries[p.value]["offset"] + p.start,
-             entries[p.value]["offset"] + p.stop)
-            for j, share in enumerate(_shares.shares([e["nbytes"] for e in entries], parts))
-            for p in share]
+    slot) cover, as ``(what a mismatch says, start, stop)``: each piece of each of
+    ``parts`` shares (:func:`_state_shares`; each entry whole in one share where nothing
+    is ``cut``)."""
+    found = []
+    for j, share in enumerate(_state_shares(entries, parts, cut)):
+        for p in share:
+            entry = entries[p.value]
+            where = f" (bytes {p.start} to {p.stop}, share {j})" if cut and \
+                "owner" not in entry else f" (share {j}'s own)" if "owner" in entry else ""
+            found.append((f"entry {entry['name']!r} does not match its checksum{where}",
+                          entry["offset"] + p.start, entry["offset"] + p.stop))
+    return found
 
 
 def _blocks(layout: dict[str, Any], parts: int = 1) -> list[tuple[str, int, int]]:
@@ -1237,7 +1333,7 @@ def _blocks(layout: dict[str, Any], parts: int = 1) -> list[tuple[str, int, int]
         names = ", ".join(repr(e["name"]) for e in values)
         return [(f"entries {names}, checked together, do not match their checksum",
                  start, stop)]
-    return _entry_blocks(values, parts)
+    return _entry_blocks(values, parts, parts > 1)
 
 
 def _checksum(raw: memoryview) -> int:

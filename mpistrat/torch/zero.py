@@ -305,6 +305,32 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     self.state[self._all[i]] = state
             self._consolidated_on = to
 
+    @property
+    def shard_comm(self) -> Comm:
+        """The ranks that hold the optimizer state between them: this rank's node's (each
+        node holds it whole)."""
+        return self._node
+
+    def shard_state(self) -> tuple[dict[int, Any], dict[str, Any]]:
+        """This rank's share of :meth:`state_dict`, without gathering anything: the state
+        of each parameter this rank steps, keyed by the parameter's number in
+        ``state_dict()`` (its place among every group's parameters), and the state_dict's
+        other entries (``param_groups``, the same on every rank). The shares of the
+        ranks of :attr:`shard_comm` together are ``state_dict()["state"]``: an elastic
+        job's snapshot copies each rank's share side by side
+        (:mod:`mpistrat.checkpoint.snapshot`), and ``load_state_dict`` takes them joined."""
+        number = {id(p): i for i, p in enumerate(self._all)}
+        mine = {number[id(p)]: state for p, state in self.optim.state.items()} \
+            if self.optim is not None else {}
+        rest = {key: value for key, value in torch.optim.Optimizer.state_dict(self).items()
+                if key != "state"}
+        return mine, rest
+
+    def shard_params(self) -> int:
+        """How many parameters this rank steps (whose state :meth:`shard_state` holds)."""
+        return sum(len(g["params"]) for g in self.optim.param_groups) \
+            if self.optim is not None else 0
+
     def state_dict(self) -> dict[str, Any]:
         """The state of an ordinary ``optimizer_class`` over all the parameters, on the
         rank that :meth:`consolidate_state_dict` gathered it on.

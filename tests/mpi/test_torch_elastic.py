@@ -219,6 +219,60 @@ def test_snapshots_follow_an_optimizer_state_that_appears(world, root, kind):
     store2.close()
 
 
+def test_each_rank_copies_its_own_share_of_a_zero_state(world, root, monkeypatch):
+    """mpistrat's ZeroRedundancyOptimizer (Adam) over the host's ranks: a snapshot gathers
+    nothing (no consolidate_state_dict); each rank copies the arrays of the parameters it
+    steps, the index names the share that holds each (every rank's share there), and
+    the whole state comes back on every rank. A byte flipped after the commit in an array
+    of the last rank's share: that snapshot is skipped, naming the share, the one before
+    restored."""
+    model = net(width=9)
+    ddp = mt.DistributedDataParallel(model, comm=world)
+    optimizer = make_optimizer("zero", model, world)
+    ckpt = Checkpoint(comm=world, model=model, optimizer=optimizer)
+    store = store_for(ckpt, new_job(world), root, world)
+    train(ddp, optimizer, 2)
+    gathered = []
+    consolidate = mt.ZeroRedundancyOptimizer.consolidate_state_dict
+    monkeypatch.setattr(mt.ZeroRedundancyOptimizer, "consolidate_state_dict",
+                        lambda self, to=0: gathered.append(to))
+    store.take(("k", 2))
+    store.wait()
+    assert gathered == []
+    monkeypatch.setattr(mt.ZeroRedundancyOptimizer, "consolidate_state_dict", consolidate)
+    first_w, first_opt = weights(model), full_state(optimizer, world)
+    train(ddp, optimizer, 1, seed=4)
+    store.take(("k", 3))
+    store.wait()
+    last = world.size - 1
+    world.Barrier()
+    if store.writer:
+        path = store_slot(store, 1)
+        record = store.check(path, store.check_layout(store.layout_path))
+        (_, _, entries), = [s for s in record["states"] if s[0] == "optimizer"]
+        owners = [e.get("owner") for e in entries]
+        assert record["parts"] == world.size and set(owners) - {None} == set(range(world.size))
+        # the newest: a byte of the last share's largest array flipped
+        record = store.check(store_slot(store, 2), store.check_layout(store.layout_path))
+        (_, _, entries), = [s for s in record["states"] if s[0] == "optimizer"]
+        entry = max((e for e in entries if e.get("owner") == last), key=lambda e: e["nbytes"])
+        with open(store_slot(store, 2), "r+b") as file:
+            file.seek(entry["offset"] + entry["nbytes"] // 2)
+            byte = file.read(1)
+            file.seek(entry["offset"] + entry["nbytes"] // 2)
+            file.write(bytes([byte[0] ^ 1]))
+    world.Barrier()
+    info = store.restore()
+    assert info.sequence == 1 and equal(weights(model), first_w)
+    assert full_state(optimizer, world) == first_opt
+    assert len(info.skipped) == 1 and "does not match its checksum" in info.skipped[0] \
+        and f"share {last}'s own" in info.skipped[0], info.skipped
+    # training goes on from it as from the state it holds
+    train(ddp, optimizer, 1, seed=4)
+    assert same_everywhere(world, [t.numpy().tobytes() for t in weights(model)])
+    store.close()
+
+
 @pytest.mark.parametrize("where, reason", [
     ("index", "states' index does not match its checksum"),
     ("checksums", "states' checksums do not match their digest")])
@@ -493,8 +547,9 @@ def test_the_gradient_is_the_global_batchs_mean_whatever_the_shares(world, globa
 def test_auto_snapshots_of_a_sharded_optimizer_are_taken_by_every_rank_or_none(
         world, root, monkeypatch):
     """``--snapshot-every auto`` with a ZeroRedundancyOptimizer, whose snapshot is
-    collective: rank 0 decides for every rank (only writers know a snapshot's cost), so
-    a skipped snapshot is skipped everywhere, never a gather some ranks wait in."""
+    collective on a host of several ranks (each copies its own share): rank 0 decides for
+    every rank (only writers know a snapshot's cost), so a skipped snapshot is skipped
+    everywhere, never one some ranks wait in."""
     monkeypatch.setenv("MPISTRAT_ELASTIC_DIR", root)
     for name, value in ElasticEnv(new_job(world), 0, (world.size,), (), 0).as_env().items():
         monkeypatch.setenv(name, value)
@@ -506,7 +561,7 @@ def test_auto_snapshots_of_a_sharded_optimizer_are_taken_by_every_rank_or_none(
     sampler = mt.DistributedBatchSampler(40, 8, comm=world)
     for index, _ in enumerate(sampler):
         store = manager._snapshots
-        assert store is not None and store.collective
+        assert store is not None and store.collective == (world.size > 1)
         if index == 1:  # the writers find snapshots too costly now; the others cannot know
             store.last_cost = 1e9 if store.writer else 0.0
             taken = store.sequence  # (a slot's first snapshot does not count as a cost)
