@@ -31,7 +31,7 @@ import torch
 from ..backends.torch_dtypes import numpy_dtype as _numpy_dtype
 
 __all__ = ["is_stateful", "numpy_dtype", "describe", "host_value", "assign", "expand",
-           "expand_value", "renumber", "join_shards", "sharded", "decode", "check_fits",
+           "expand_value", "on_device", "host_piece", "renumber", "join_shards", "sharded", "decode", "check_fits",
            "signature", "gather", "needs_gather", "nbytes",
            "MAX_DEPTH"]
 
@@ -86,15 +86,17 @@ def assign(tensor: torch.Tensor, value: np.ndarray) -> None:
 # --- stateful objects ------------------------------------------------------------------
 
 
-def expand(obj: Any, name: str) -> tuple[Any, list[np.ndarray]]:
-    """``obj.state_dict()`` as (the JSON tree, the arrays of its tensors)."""
-    return expand_value(obj.state_dict(), name)
+def expand(obj: Any, name: str, lazy: bool = False) -> tuple[Any, list[Any]]:
+    """``obj.state_dict()`` as (the JSON tree, the arrays of its tensors; with ``lazy``
+    the tensors themselves, detached: a snapshot brings to the host only the pieces it
+    copies of a GPU tensor)."""
+    return expand_value(obj.state_dict(), name, lazy)
 
 
-def expand_value(state: Any, name: str) -> tuple[Any, list[np.ndarray]]:
+def expand_value(state: Any, name: str, lazy: bool = False) -> tuple[Any, list[Any]]:
     """``state`` (a state_dict or part of one; of the object ``name``) as (the JSON tree,
-    the arrays of its tensors)."""
-    arrays: list[np.ndarray] = []
+    the arrays of its tensors, or with ``lazy`` the tensors, detached)."""
+    arrays: list[Any] = []
 
     def encode(value: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -107,7 +109,9 @@ def expand_value(state: Any, name: str) -> tuple[Any, list[np.ndarray]]:
         if isinstance(value, float):
             return float(value) if math.isfinite(value) else {"f": repr(float(value))}
         if isinstance(value, torch.Tensor):
-            arrays.append(host_value(value))
+            if lazy:
+                numpy_dtype(value.dtype)  # (a dtype no checkpoint holds: refused now)
+            arrays.append(value.detach() if lazy else host_value(value))
             return {"T": len(arrays) - 1}
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return encode(value.item(), path, depth)
@@ -123,6 +127,20 @@ def expand_value(state: Any, name: str) -> tuple[Any, list[np.ndarray]]:
 
     tree = encode(state, "", 0)
     return tree, arrays
+
+
+def on_device(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are in device memory (a copy brings them to the host)."""
+    return tensor.device.type != "cpu"
+
+
+def host_piece(tensor: torch.Tensor, start: int, stop: int) -> np.ndarray:
+    """Bytes ``start:stop`` of ``tensor``'s values in order (multiples of its element
+    size), as a flat uint8 array in host memory: only those elements are copied from a
+    device (none from a contiguous CPU tensor: a view)."""
+    size = tensor.element_size()
+    flat = tensor.detach().reshape(-1)[start // size:stop // size]
+    return host_value(flat).reshape(-1).view(np.uint8)
 
 
 def renumber(tree: Any, base: int) -> Any:

@@ -445,7 +445,7 @@ class SnapshotStore:
         return copies, [[block for block, _ in share] for share in self._pieces]
 
     def _state_copies(self, slot: _Slot, data: memoryview,
-                      states: list[tuple[str, Any, list[np.ndarray]]],
+                      states: list[tuple[str, Any, list[Any]]],
                       places: dict[str, dict[str, Any]]
                       ) -> tuple[list[tuple[int, np.ndarray, np.ndarray, bool]],
                                  list[list[int]], int]:
@@ -465,19 +465,29 @@ class SnapshotStore:
         slot.blocks = list(slot.raw)
         copies: list[tuple[int, np.ndarray, np.ndarray, bool]] = []
         owners = []
+        hosted: dict[int, Any] = {}  # (this rank's arrays: a host tensor's, a view)
         for j, share in enumerate(shares):
             owners.append(list(range(len(slot.blocks), len(slot.blocks) + len(share))))
             for piece in share:
                 entry = entries[piece.value]
-                if piece.start == 0 and piece.stop == entry["nbytes"]:  # (whole)
+                whole = piece.start == 0 and piece.stop == entry["nbytes"]
+                if whole:
                     place = _view(data, entry)
-                    source = arrays[piece.value]
                 else:
                     start = entry["offset"] + piece.start
                     place = np.frombuffer(data[start:start + piece.stop - piece.start],
                                           np.uint8)
-                    source = _flat_bytes(arrays[piece.value])[piece.start:piece.stop]
-                if j == self._part:
+                if j == self._part:  # (a device tensor's piece comes to the host alone)
+                    array = hosted.get(piece.value)
+                    if array is None:
+                        array = hosted[piece.value] = _hosted(arrays[piece.value])
+                    if isinstance(array, np.ndarray):
+                        source = array if whole else \
+                            _flat_bytes(array)[piece.start:piece.stop]
+                    else:
+                        source = _torch().host_piece(array, piece.start, piece.stop)
+                        if whole:
+                            source = source.view(place.dtype).reshape(place.shape)
                     copies.append((len(slot.blocks), place, source, False))
                 slot.blocks.append(_bytes(place))
         return copies, owners, self._parts if cut else 1
@@ -655,10 +665,12 @@ class SnapshotStore:
             self._thread = None
         _IN_FLIGHT.discard(self)
 
-    def _expand_states(self) -> list[tuple[str, Any, list[np.ndarray]]]:
+    def _expand_states(self) -> list[tuple[str, Any, list[Any]]]:
         """The stateful leaves' states on this host's writer (and its sharers, where
         they share them): ``(name, tree, arrays)`` each
-        (:func:`mpistrat.checkpoint._torch.expand`); nothing on the other ranks.
+        (:func:`mpistrat.checkpoint._torch.expand`; torch tensors in place of their
+        arrays, which :meth:`_state_copies` brings to the host piece by piece, each
+        rank its own pieces); nothing on the other ranks.
         A sharded optimizer's state is gathered on every host's writer in turn, so
         this is collective when the checkpoint holds one (every rank is at the same
         step boundary)."""
@@ -667,7 +679,7 @@ class SnapshotStore:
             return []
         torch_leaves = _torch()
         rank = self.comm.Get_rank() if self.comm is not None else 0
-        states: list[tuple[str, Any, list[np.ndarray]]] = []
+        states: list[tuple[str, Any, list[Any]]] = []
         for name, obj in leaves:
             if name in self._sharded:
                 states.append((name, *self._expand_shards(name, obj)))
@@ -677,11 +689,12 @@ class SnapshotStore:
                     if writer == rank:
                         states.append((name, *torch_leaves.expand(obj, name)))
             elif self.writer or (self._states_everywhere and self._part > 0):
-                states.append((name, *torch_leaves.expand(obj, name)))
-        return [(name, tree, [_storable(name, np.asarray(a)) for a in arrays])
+                states.append((name, *torch_leaves.expand(obj, name, lazy=True)))
+        return [(name, tree, [_storable(name, a) if isinstance(a, np.ndarray) else a
+                              for a in arrays])
                 for name, tree, arrays in states]
 
-    def _expand_shards(self, name: str, obj: Any) -> tuple[Any, list[np.ndarray]]:
+    def _expand_shards(self, name: str, obj: Any) -> tuple[Any, list[Any]]:
         """A sharded optimizer's whole state, as every rank of the host sees it: the tree
         of its whole state_dict, its arrays (this rank's share's; for the other shares,
         read-only stand-ins of their dtype and shape), each array's share in
@@ -689,10 +702,9 @@ class SnapshotStore:
         ranks (they tell each other their shares' structure, when it changed)."""
         torch_leaves = _torch()
         mine, rest = obj.shard_state()
-        tree, arrays = torch_leaves.expand_value(mine, name)
-        rest_tree, rest_arrays = torch_leaves.expand_value(rest, name)
-        arrays = [_storable(name, np.asarray(a)) for a in arrays]
-        text = json.dumps([tree, [[a.dtype.name, list(a.shape)] for a in arrays]],
+        tree, arrays = torch_leaves.expand_value(mine, name, lazy=True)
+        rest_tree, rest_arrays = torch_leaves.expand_value(rest, name, lazy=True)
+        text = json.dumps([tree, [_array_meta(a)[:2] for a in arrays]],
                           separators=(",", ":")).encode()
         comm = obj.shard_comm
         digests = comm.allgather(hashlib.sha256(text).digest())
@@ -701,7 +713,7 @@ class SnapshotStore:
             seen = self._shard_texts[name] = (digests, [json.loads(t)
                                                         for t in comm.allgather(text)])
         shares = seen[1]
-        everything: list[np.ndarray] = []
+        everything: list[Any] = []
         owners: list[int | None] = []
         for part, (part_tree, described) in enumerate(shares):
             if part == self._part:
@@ -1102,7 +1114,7 @@ def _sums_room(places: dict[str, dict[str, Any]], parts: int) -> int:
     return 60 * (sum(len(place["arrays"]) for place in places.values()) + parts) + 2
 
 
-def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int,
+def _place_states(states: list[tuple[str, Any, list[Any]]], start: int,
                   owners: dict[str, list[int | None]]
                   ) -> tuple[dict[str, dict[str, Any]], bytes, int]:
     """Where the stateful leaves' arrays go in a slot, from ``start`` (the layout's
@@ -1115,16 +1127,35 @@ def _place_states(states: list[tuple[str, Any, list[np.ndarray]]], start: int,
         entries = []
         for value, owner in zip(arrays, owners.get(name) or [None] * len(arrays)):
             offset = -(-offset // _ALIGN) * _ALIGN
-            entries.append({"dtype": value.dtype.name, "shape": list(value.shape),
-                            "offset": offset, "nbytes": int(value.nbytes)})
+            dtype, shape, nbytes = _array_meta(value)
+            entries.append({"dtype": dtype, "shape": shape, "offset": offset,
+                            "nbytes": nbytes})
             if owner is not None:
                 entries[-1]["owner"] = owner
-            offset += value.nbytes
+            offset += nbytes
         places[name] = {"tree": tree, "arrays": entries}
     if not states:
         return places, b"", start
     index = json.dumps(places, separators=(",", ":")).encode()
     return places, index, offset + len(index)
+
+
+def _hosted(value: Any) -> Any:
+    """A state's array in host memory: a NumPy array as it is, a host tensor's values (a
+    view), a device tensor itself (its pieces are brought over one by one)."""
+    if isinstance(value, np.ndarray):
+        return value
+    torch_leaves = _torch()
+    return value if torch_leaves.on_device(value) else torch_leaves.host_value(value)
+
+
+def _array_meta(value: Any) -> tuple[str, list[int], int]:
+    """A state's array's dtype (by name), shape and bytes: a NumPy array's, or a torch
+    tensor's as its array will be (:func:`._torch.describe`), without its values."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.name, list(value.shape), int(value.nbytes)
+    dtype, shape = _torch().describe(value)
+    return dtype, list(shape), _nbytes(_parse_dtype(dtype), shape)
 
 
 def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryview,

@@ -600,6 +600,37 @@ def test_a_large_replicated_state_is_shared_by_the_hosts_ranks(world, root):
     store.close()
 
 
+def test_each_rank_brings_only_its_pieces_of_the_states_to_the_host(world, root,
+                                                                    monkeypatch):
+    """The states are expanded as tensors, and a rank brings to host memory only the
+    pieces it copies of a device tensor (only those bytes cross the bus; the tensors here
+    taken for device ones): over the host's ranks, the states' bytes once, each rank
+    about its share."""
+    from mpistrat.checkpoint import _torch as torch_leaves
+
+    model = net(width=160_000)
+    ddp = mt.DistributedDataParallel(model, comm=world)
+    optimizer = make_optimizer("sgd", model, world)
+    train(ddp, optimizer, 1)
+    total = torch_leaves.nbytes(model) + torch_leaves.nbytes(optimizer)
+    store = store_for(Checkpoint(comm=world, model=model, optimizer=optimizer),
+                      new_job(world), root, world)
+    asked = []
+    monkeypatch.setattr(torch_leaves, "on_device", lambda tensor: True)
+    host_value = torch_leaves.host_value
+    monkeypatch.setattr(torch_leaves, "host_value", lambda tensor: asked.append(
+        tensor.numel() * tensor.element_size()) or host_value(tensor))
+    store.take(("k", 1))
+    store.wait()
+    assert world.allreduce(sum(asked)) == total
+    assert abs(sum(asked) - total / world.size) <= 4096 * world.size
+    monkeypatch.undo()
+    saved = weights(model)
+    train(ddp, optimizer, 1, seed=2)
+    assert store.restore().sequence == 1 and equal(weights(model), saved)
+    store.close()
+
+
 def test_a_sharer_whose_state_is_not_the_writers_leaves_the_previous_snapshot(world, root):
     """A sharer's optimizer holding one more state than the writer's: the writer finds
     that its structure is another (the digest posted with its checksums), warns, and
