@@ -219,14 +219,16 @@ def test_snapshots_follow_an_optimizer_state_that_appears(world, root, kind):
     store2.close()
 
 
-def test_each_rank_copies_its_own_share_of_a_zero_state(world, root, monkeypatch):
+@pytest.mark.parametrize("width", [9, 160_000])  # (the module's state shared too: 4.3 MiB)
+def test_each_rank_copies_its_own_share_of_a_zero_state(world, root, monkeypatch, width):
     """mpistrat's ZeroRedundancyOptimizer (Adam) over the host's ranks: a snapshot gathers
     nothing (no consolidate_state_dict); each rank copies the arrays of the parameters it
     steps, the index names the share that holds each (every rank's share there), and
     the whole state comes back on every rank. A byte flipped after the commit in an array
     of the last rank's share: that snapshot is skipped, naming the share, the one before
-    restored."""
-    model = net(width=9)
+    restored. With a module of 4.3 MiB, the host's ranks share the copy of its state
+    too."""
+    model = net(width=width)
     ddp = mt.DistributedDataParallel(model, comm=world)
     optimizer = make_optimizer("zero", model, world)
     ckpt = Checkpoint(comm=world, model=model, optimizer=optimizer)
@@ -252,6 +254,7 @@ def test_each_rank_copies_its_own_share_of_a_zero_state(world, root, monkeypatch
         (_, _, entries), = [s for s in record["states"] if s[0] == "optimizer"]
         owners = [e.get("owner") for e in entries]
         assert record["parts"] == world.size and set(owners) - {None} == set(range(world.size))
+        assert record["state_parts"] == (world.size if width > 9 else 1)
         # the newest: a byte of the last share's largest array flipped
         record = store.check(store_slot(store, 2), store.check_layout(store.layout_path))
         (_, _, entries), = [s for s in record["states"] if s[0] == "optimizer"]
