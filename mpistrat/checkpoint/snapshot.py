@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from .._atomic import write_atomically
+from ..backends.interop import to_host
 from ..elastic import hooks
 from ..elastic.env import ElasticEnv
 from ..runtime import recorder
@@ -68,6 +69,7 @@ from .checkpoint import (
     Checkpoint,
     _assign,
     _describe,
+    _is_tensor,
     _kind,
     _on_chief,
     _parse_dtype,
@@ -427,21 +429,17 @@ class SnapshotStore:
         (:mod:`._shares`)."""
         if self._parts == 1:
             alone = len(slot.raw) == len(slot.views)
-            return ([(i if alone else -1, target, value, fence)
+            return ([(i if alone else -1, target, _whole(value), fence)
                      for i, (target, (value, fence)) in enumerate(zip(slot.views, values))],
                     [list(range(len(slot.raw)))])
         if self._pieces is None:
             self._pieces = _pieces(layout, self._parts)
         copies = []
-        sources: dict[int, np.ndarray] = {}
         for block, piece in self._pieces[self._part]:
             value, fence = values[piece.value]
-            source = sources.get(piece.value)
-            if source is None:
-                source = sources[piece.value] = _flat_bytes(value)
             place = slot.views[piece.value].reshape(-1).view(np.uint8)
             copies.append((block, place[piece.start:piece.stop],
-                           source[piece.start:piece.stop], fence))
+                           _piece_of(value, piece.start, piece.stop), fence))
         return copies, [[block for block, _ in share] for share in self._pieces]
 
     def _state_copies(self, slot: _Slot, data: memoryview,
@@ -481,13 +479,8 @@ class SnapshotStore:
                     array = hosted.get(piece.value)
                     if array is None:
                         array = hosted[piece.value] = _hosted(arrays[piece.value])
-                    if isinstance(array, np.ndarray):
-                        source = array if whole else \
-                            _flat_bytes(array)[piece.start:piece.stop]
-                    else:
-                        source = _torch().host_piece(array, piece.start, piece.stop)
-                        if whole:
-                            source = source.view(place.dtype).reshape(place.shape)
+                    source = _whole(array) if whole else \
+                        _piece_of(array, piece.start, piece.stop)
                     copies.append((len(slot.blocks), place, source, False))
                 slot.blocks.append(_bytes(place))
         return copies, owners, self._parts if cut else 1
@@ -739,12 +732,11 @@ class SnapshotStore:
             if kind in ("generator", "stateful"):
                 entries.append({"name": name, "kind": kind})
                 continue
-            value = next(arrays)[0]
+            dtype, shape, nbytes = _array_meta(next(arrays)[0])
             offset = -(-offset // _ALIGN) * _ALIGN
-            entries.append({"name": name, "kind": kind, "dtype": value.dtype.name,
-                            "shape": list(value.shape), "offset": offset,
-                            "nbytes": int(value.nbytes)})
-            offset += value.nbytes
+            entries.append({"name": name, "kind": kind, "dtype": dtype, "shape": shape,
+                            "offset": offset, "nbytes": nbytes})
+            offset += nbytes
         # (the record: its fields, the generators' states, a checksum per value and per
         # cut between shares, 58 digits at most; not the number of shares of this launch:
         # a relaunch with another number of ranks on the host keeps the layout, and with
@@ -1150,11 +1142,11 @@ def _hosted(value: Any) -> Any:
 
 
 def _array_meta(value: Any) -> tuple[str, list[int], int]:
-    """A state's array's dtype (by name), shape and bytes: a NumPy array's, or a torch
-    tensor's as its array will be (:func:`._torch.describe`), without its values."""
+    """An array's dtype (by name), shape and bytes: a NumPy array's, or a device array's
+    (a torch tensor's, a CuPy array's) as its host array will be, without its values."""
     if isinstance(value, np.ndarray):
         return value.dtype.name, list(value.shape), int(value.nbytes)
-    dtype, shape = _torch().describe(value)
+    dtype, shape = _describe(value)
     return dtype, list(shape), _nbytes(_parse_dtype(dtype), shape)
 
 
@@ -1245,21 +1237,54 @@ def _check_states(record: dict[str, Any], layout: dict[str, Any], data: memoryvi
     return found, listed
 
 
-def _host_value(obj: Any) -> tuple[np.ndarray, bool]:
-    """``obj``'s value in host memory, without a copy where it lives there already; and
-    whether every change to it waits for :func:`mpistrat.elastic.hooks.before_write`
-    (mpistrat's variables on the host: the value may be copied later)."""
+def _host_value(obj: Any) -> tuple[Any, bool]:
+    """``obj``'s value in host memory, without a copy where it lives there already, or
+    where it lives on a device (a torch tensor's or mpistrat's GPU variable's), that
+    value there (:func:`_piece_of` brings over what a rank copies of it); and whether
+    every change to it waits for :func:`mpistrat.elastic.hooks.before_write` (mpistrat's
+    variables on the host: the value may be copied later)."""
     value: Any = obj
     fenced = False
-    if not isinstance(obj, np.ndarray):
+    if _is_tensor(obj):
+        if _torch().on_device(obj):
+            return obj.detach(), False
+    elif not isinstance(obj, np.ndarray):
         read = getattr(obj, "_read_array", None)  # mpistrat's variables: no copy
         value = read() if callable(read) else None
         fenced = isinstance(value, np.ndarray)
-        if not fenced:
-            value = _value(obj)  # (a tensor: a view, copied before take() returns)
+        if not fenced and value is not None and _on_gpu(value):
+            return value, False
+    if not isinstance(value, np.ndarray):
+        value = _value(obj)  # (a tensor: a view, copied before take() returns)
     if value.dtype.byteorder not in "=|":
         value, fenced = value.astype(value.dtype.newbyteorder("=")), False
     return value, fenced
+
+
+def _on_gpu(value: Any) -> bool:
+    """Whether ``value`` is a CuPy array (mpistrat's GPU variables hold their values so)."""
+    return type(value).__module__.split(".")[0] == "cupy"
+
+
+def _piece_of(value: Any, start: int, stop: int) -> np.ndarray:
+    """Bytes ``start:stop`` of a value's or state's array in order (multiples of its
+    element size), as a flat uint8 array in host memory: a view of a host array; of a
+    device one (a torch tensor, a CuPy array), those bytes alone copied over."""
+    if isinstance(value, np.ndarray):
+        return _flat_bytes(value)[start:stop]
+    if _is_tensor(value):
+        return _torch().host_piece(value, start, stop)  # type: ignore[no-any-return]
+    size = value.dtype.itemsize
+    return to_host(value.reshape(-1)[start // size:stop // size]).reshape(-1).view(np.uint8)
+
+
+def _whole(value: Any) -> np.ndarray:
+    """A value's or state's array whole in host memory (a view where it is there)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if _is_tensor(value):
+        return _torch().host_value(value)  # type: ignore[no-any-return]
+    return to_host(value)
 
 
 def snapshot_root(root: str | None = None) -> str:

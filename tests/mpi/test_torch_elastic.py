@@ -634,6 +634,30 @@ def test_each_rank_brings_only_its_pieces_of_the_states_to_the_host(world, root,
     store.close()
 
 
+def test_each_rank_brings_only_its_pieces_of_a_device_tensor_value_to_the_host(
+        world, root, monkeypatch):
+    """A tensor of 4.6 MiB as a value of the checkpoint (taken for a device one): it stays
+    where it is, and each rank brings over only the bytes of its share of the copy."""
+    from mpistrat.checkpoint import _torch as torch_leaves
+
+    table = torch.arange(1_200_000, dtype=torch.float32)
+    store = store_for(Checkpoint(comm=world, table=table), new_job(world), root, world)
+    asked = []
+    monkeypatch.setattr(torch_leaves, "on_device", lambda tensor: True)
+    host_value = torch_leaves.host_value
+    monkeypatch.setattr(torch_leaves, "host_value", lambda tensor: asked.append(
+        tensor.numel() * tensor.element_size()) or host_value(tensor))
+    store.take(("k", 1))
+    store.wait()
+    assert world.allreduce(sum(asked)) == table.numel() * 4
+    assert abs(sum(asked) - table.numel() * 4 / world.size) <= 4096 * world.size
+    monkeypatch.undo()
+    saved = table.clone()
+    table.mul_(-1)
+    assert store.restore().sequence == 1 and torch.equal(table, saved)
+    store.close()
+
+
 def test_a_sharer_whose_state_is_not_the_writers_leaves_the_previous_snapshot(world, root):
     """A sharer's optimizer holding one more state than the writer's: the writer finds
     that its structure is another (the digest posted with its checksums), warns, and
