@@ -603,6 +603,24 @@ def test_a_large_replicated_state_is_shared_by_the_hosts_ranks(world, root):
     store.close()
 
 
+def take_as_if_on_a_device(store, comm, monkeypatch, total):
+    """Take a snapshot with every tensor taken for a device one, and check that the
+    bytes brought to host memory over the host's ranks (all of ``comm``) are the
+    ``total`` bytes of the state once, each rank about its share."""
+    from mpistrat.checkpoint import _torch as torch_leaves
+
+    asked = []
+    monkeypatch.setattr(torch_leaves, "on_device", lambda tensor: True)
+    host_value = torch_leaves.host_value
+    monkeypatch.setattr(torch_leaves, "host_value", lambda tensor: asked.append(
+        tensor.numel() * tensor.element_size()) or host_value(tensor))
+    store.take(("k", 1))
+    store.wait()
+    monkeypatch.undo()
+    assert comm.allreduce(sum(asked)) == total
+    assert abs(sum(asked) - total / comm.size) <= 4096 * comm.size
+
+
 def test_each_rank_brings_only_its_pieces_of_the_states_to_the_host(world, root,
                                                                     monkeypatch):
     """The states are expanded as tensors, and a rank brings to host memory only the
@@ -618,16 +636,7 @@ def test_each_rank_brings_only_its_pieces_of_the_states_to_the_host(world, root,
     total = torch_leaves.nbytes(model) + torch_leaves.nbytes(optimizer)
     store = store_for(Checkpoint(comm=world, model=model, optimizer=optimizer),
                       new_job(world), root, world)
-    asked = []
-    monkeypatch.setattr(torch_leaves, "on_device", lambda tensor: True)
-    host_value = torch_leaves.host_value
-    monkeypatch.setattr(torch_leaves, "host_value", lambda tensor: asked.append(
-        tensor.numel() * tensor.element_size()) or host_value(tensor))
-    store.take(("k", 1))
-    store.wait()
-    assert world.allreduce(sum(asked)) == total
-    assert abs(sum(asked) - total / world.size) <= 4096 * world.size
-    monkeypatch.undo()
+    take_as_if_on_a_device(store, world, monkeypatch, total)
     saved = weights(model)
     train(ddp, optimizer, 1, seed=2)
     assert store.restore().sequence == 1 and equal(weights(model), saved)
@@ -638,20 +647,9 @@ def test_each_rank_brings_only_its_pieces_of_a_device_tensor_value_to_the_host(
         world, root, monkeypatch):
     """A tensor of 4.6 MiB as a value of the checkpoint (taken for a device one): it stays
     where it is, and each rank brings over only the bytes of its share of the copy."""
-    from mpistrat.checkpoint import _torch as torch_leaves
-
     table = torch.arange(1_200_000, dtype=torch.float32)
     store = store_for(Checkpoint(comm=world, table=table), new_job(world), root, world)
-    asked = []
-    monkeypatch.setattr(torch_leaves, "on_device", lambda tensor: True)
-    host_value = torch_leaves.host_value
-    monkeypatch.setattr(torch_leaves, "host_value", lambda tensor: asked.append(
-        tensor.numel() * tensor.element_size()) or host_value(tensor))
-    store.take(("k", 1))
-    store.wait()
-    assert world.allreduce(sum(asked)) == table.numel() * 4
-    assert abs(sum(asked) - table.numel() * 4 / world.size) <= 4096 * world.size
-    monkeypatch.undo()
+    take_as_if_on_a_device(store, world, monkeypatch, table.numel() * 4)
     saved = table.clone()
     table.mul_(-1)
     assert store.restore().sequence == 1 and torch.equal(table, saved)
