@@ -31,8 +31,8 @@ import torch
 from ..backends.torch_dtypes import numpy_dtype as _numpy_dtype
 
 __all__ = ["is_stateful", "numpy_dtype", "describe", "host_value", "assign", "expand",
-           "expand_value", "on_device", "host_piece", "renumber", "join_shards", "sharded", "decode", "check_fits",
-           "signature", "gather", "needs_gather", "nbytes",
+           "expand_value", "on_device", "host_piece", "renumber", "join_shards", "sharded",
+           "decode", "check_fits", "signature", "gather", "needs_gather", "nbytes",
            "MAX_DEPTH"]
 
 MAX_DEPTH = 64

@@ -271,9 +271,9 @@ class SnapshotStore:
     @property
     def collective(self) -> bool:
         """Whether every rank must take every snapshot or none: a host's ranks copy
-        shares of a large state (:mod:`._shares`), or a stateful leaf holds its state in
-        shares (a ZeroRedundancyOptimizer), gathered on every host's writer at each
-        snapshot."""
+        shares of a large state (:mod:`._shares`) or each its own share of a sharded
+        optimizer's (a ZeroRedundancyOptimizer's), or such a state is gathered on every
+        host's writer at each snapshot."""
         return self._sharing or self._gathered
 
     @property
@@ -663,10 +663,10 @@ class SnapshotStore:
         they share them): ``(name, tree, arrays)`` each
         (:func:`mpistrat.checkpoint._torch.expand`; torch tensors in place of their
         arrays, which :meth:`_state_copies` brings to the host piece by piece, each
-        rank its own pieces); nothing on the other ranks.
-        A sharded optimizer's state is gathered on every host's writer in turn, so
-        this is collective when the checkpoint holds one (every rank is at the same
-        step boundary)."""
+        rank its own pieces); nothing on the other ranks. A sharded optimizer's state
+        is expanded by each rank of the host, its own share (:meth:`_expand_shards`),
+        or where its ranks are not the host's, gathered on every host's writer in turn:
+        collective either way (every rank is at the same step boundary)."""
         leaves = [(name, obj) for name, obj, kind in self._kinds if kind == "stateful"]
         if not leaves:
             return []
