@@ -603,6 +603,54 @@ def test_a_large_replicated_state_is_shared_by_the_hosts_ranks(world, root):
     store.close()
 
 
+def test_an_index_naming_a_share_that_was_not_is_skipped(world, root):
+    """The newest ZeRO snapshot's index, rewritten to say that one of its arrays is held
+    by share 7 of a host that had fewer, and authenticated again (as a faulty writer
+    would have committed it): the restore skips it with the reason on every rank and
+    restores the one before, never reading a share that is not there."""
+    import hashlib
+    import json
+
+    model = net(width=9)
+    ddp = mt.DistributedDataParallel(model, comm=world)
+    optimizer = make_optimizer("zero", model, world)
+    store = store_for(Checkpoint(comm=world, model=model, optimizer=optimizer),
+                      new_job(world), root, world)
+    train(ddp, optimizer, 1)
+    store.take(("k", 1))
+    first_w, first_opt = weights(model), full_state(optimizer, world)
+    train(ddp, optimizer, 1, seed=2)
+    store.take(("k", 2))
+    store.wait()
+    world.Barrier()
+    if store.writer:
+        layout = store.check_layout(store.layout_path)
+        with open(store_slot(store, 2), "r+b") as file:
+            head = file.read(4096)
+            length = struct.unpack_from("<Q", head, 16)[0]
+            record = json.loads(head[56:56 + length])
+            at, size = record["states"]["index"]
+            file.seek(at)
+            index = file.read(size)
+            owner = f'"owner":{world.size - 1}'.encode()
+            assert owner in index
+            index = index.replace(owner, b'"owner":7', 1)
+            file.seek(at)
+            file.write(index)
+            record["states"]["sha256"] = hashlib.sha256(index).hexdigest()
+            body = json.dumps(record, separators=(",", ":")).encode()
+            assert len(body) == length
+            file.seek(24)
+            file.write(store._mac(layout["digest"], 2, body) + body)
+    world.Barrier()
+    info = store.restore()
+    assert info.sequence == 1 and equal(weights(model), first_w)
+    assert full_state(optimizer, world) == first_opt
+    assert len(info.skipped) == 1 and "is held by share 7, not one of its " \
+        f"{world.size}" in info.skipped[0], info.skipped
+    store.close()
+
+
 def take_as_if_on_a_device(store, comm, monkeypatch, total):
     """Take a snapshot with every tensor taken for a device one, and check that the
     bytes brought to host memory over the host's ranks (all of ``comm``) are the
