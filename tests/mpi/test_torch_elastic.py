@@ -603,6 +603,28 @@ def test_a_large_replicated_state_is_shared_by_the_hosts_ranks(world, root):
     store.close()
 
 
+def test_a_zero_state_whose_ranks_are_not_the_hosts_is_gathered(world, root, monkeypatch):
+    """ZeroRedundancyOptimizer on virtual nodes of one rank (MPISTRAT_RANKS_PER_NODE=1):
+    each rank holds the whole state, but the host's ranks are not the optimizer's, so
+    the state is gathered on the host's writer at each snapshot (as for torch's own
+    ZeroRedundancyOptimizer), and round-trips on every rank."""
+    monkeypatch.setenv("MPISTRAT_RANKS_PER_NODE", "1")
+    model = net(width=9)
+    ddp = mt.DistributedDataParallel(model, comm=world)
+    optimizer = make_optimizer("zero", model, world)
+    store = store_for(Checkpoint(comm=world, model=model, optimizer=optimizer),
+                      new_job(world), root, world)
+    assert store._gathered == (world.size > 1) and bool(store._sharded) == (world.size == 1)
+    train(ddp, optimizer, 2)
+    store.take(("k", 2))
+    saved_w, saved_opt = weights(model), full_state(optimizer, world)
+    train(ddp, optimizer, 1, seed=3)
+    info = store.restore()
+    assert info.sequence == 1 and info.skipped == ()
+    assert equal(weights(model), saved_w) and full_state(optimizer, world) == saved_opt
+    store.close()
+
+
 def test_an_index_naming_a_share_that_was_not_is_skipped(world, root):
     """The newest ZeRO snapshot's index, rewritten to say that one of its arrays is held
     by share 7 of a host that had fewer, and authenticated again (as a faulty writer
