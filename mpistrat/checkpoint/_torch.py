@@ -88,14 +88,15 @@ def assign(tensor: torch.Tensor, value: np.ndarray) -> None:
 
 def expand(obj: Any, name: str, lazy: bool = False) -> tuple[Any, list[Any]]:
     """``obj.state_dict()`` as (the JSON tree, the arrays of its tensors; with ``lazy``
-    the tensors themselves, detached: a snapshot brings to the host only the pieces it
-    copies of a GPU tensor)."""
+    a device tensor itself, detached, in place of its array: a snapshot brings to the
+    host only the pieces it copies of it)."""
     return expand_value(obj.state_dict(), name, lazy)
 
 
 def expand_value(state: Any, name: str, lazy: bool = False) -> tuple[Any, list[Any]]:
     """``state`` (a state_dict or part of one; of the object ``name``) as (the JSON tree,
-    the arrays of its tensors, or with ``lazy`` the tensors, detached)."""
+    the arrays of its tensors, with ``lazy`` a device tensor itself in place of its
+    array)."""
     arrays: list[Any] = []
 
     def encode(value: Any, path: str, depth: int) -> Any:
@@ -109,9 +110,11 @@ def expand_value(state: Any, name: str, lazy: bool = False) -> tuple[Any, list[A
         if isinstance(value, float):
             return float(value) if math.isfinite(value) else {"f": repr(float(value))}
         if isinstance(value, torch.Tensor):
-            if lazy:
+            if lazy and on_device(value):
                 numpy_dtype(value.dtype)  # (a dtype no checkpoint holds: refused now)
-            arrays.append(value.detach() if lazy else host_value(value))
+                arrays.append(value.detach())
+            else:
+                arrays.append(host_value(value))
             return {"T": len(arrays) - 1}
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return encode(value.item(), path, depth)

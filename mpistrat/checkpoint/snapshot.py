@@ -463,7 +463,6 @@ class SnapshotStore:
         slot.blocks = list(slot.raw)
         copies: list[tuple[int, np.ndarray, np.ndarray, bool]] = []
         owners = []
-        hosted: dict[int, Any] = {}  # (this rank's arrays: a host tensor's, a view)
         for j, share in enumerate(shares):
             owners.append(list(range(len(slot.blocks), len(slot.blocks) + len(share))))
             for piece in share:
@@ -476,9 +475,7 @@ class SnapshotStore:
                     place = np.frombuffer(data[start:start + piece.stop - piece.start],
                                           np.uint8)
                 if j == self._part:  # (a device tensor's piece comes to the host alone)
-                    array = hosted.get(piece.value)
-                    if array is None:
-                        array = hosted[piece.value] = _hosted(arrays[piece.value])
+                    array = arrays[piece.value]
                     source = _whole(array) if whole else \
                         _piece_of(array, piece.start, piece.stop)
                     copies.append((len(slot.blocks), place, source, False))
@@ -661,9 +658,9 @@ class SnapshotStore:
     def _expand_states(self) -> list[tuple[str, Any, list[Any]]]:
         """The stateful leaves' states on this host's writer (and its sharers, where
         they share them): ``(name, tree, arrays)`` each
-        (:func:`mpistrat.checkpoint._torch.expand`; torch tensors in place of their
-        arrays, which :meth:`_state_copies` brings to the host piece by piece, each
-        rank its own pieces); nothing on the other ranks. A sharded optimizer's state
+        (:func:`mpistrat.checkpoint._torch.expand`; a device tensor in place of its
+        array, which :meth:`_state_copies` brings to the host piece by piece, each rank
+        its own pieces); nothing on the other ranks. A sharded optimizer's state
         is expanded by each rank of the host, its own share (:meth:`_expand_shards`),
         or where its ranks are not the host's, gathered on every host's writer in turn:
         collective either way (every rank is at the same step boundary)."""
@@ -1130,15 +1127,6 @@ def _place_states(states: list[tuple[str, Any, list[Any]]], start: int,
         return places, b"", start
     index = json.dumps(places, separators=(",", ":")).encode()
     return places, index, offset + len(index)
-
-
-def _hosted(value: Any) -> Any:
-    """A state's array in host memory: a NumPy array as it is, a host tensor's values (a
-    view), a device tensor itself (its pieces are brought over one by one)."""
-    if isinstance(value, np.ndarray):
-        return value
-    torch_leaves = _torch()
-    return value if torch_leaves.on_device(value) else torch_leaves.host_value(value)
 
 
 def _array_meta(value: Any) -> tuple[str, list[int], int]:
