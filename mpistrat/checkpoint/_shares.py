@@ -93,6 +93,7 @@ class Board:
     def __init__(self, path: str, parts: int, pieces: int) -> None:
         self.path = path
         self.parts = parts
+        self.room = pieces  # checksums a record holds
         self._words = 3 + 3 * pieces  # (a record's)
         self.nbytes = 2 * parts * self._words * 8
         self._map: mmap.mmap | None = None
@@ -135,10 +136,9 @@ class Board:
         """Share ``part`` of snapshot ``sequence`` is in ``slot``, with checksums
         ``sums``: its record, the sequence at its head last."""
         assert self._board is not None
-        room = (self._words - 3) // 3
-        if len(sums) > room:
+        if len(sums) > self.room:
             raise ValueError(f"share {part} has {len(sums)} checksums, more than the "
-                             f"{room} its record on the board holds")
+                             f"{self.room} its record on the board holds")
         record = self._board[slot, part]
         record[0] = 0
         record[1] = len(sums)
@@ -168,7 +168,7 @@ class Board:
         """
         assert self._board is not None
         record = self._board[slot, part]
-        room = (self._words - 3) // 3
+        room = self.room
         pause = 5e-5
         while True:
             if int(record[0]) == sequence:

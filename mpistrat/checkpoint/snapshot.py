@@ -452,14 +452,14 @@ class SnapshotStore:
         every rank holds: the host's sharers where every rank expanded its own replica (a
         piece each, cut as the values are), else 1 (the writer copies each such array
         whole). A sharded optimizer's arrays are copied whole by the rank that holds
-        them (:func:`_state_shares`). Sets the slot's ``blocks``: the values', then these."""
+        them (:func:`_cut_shares`). Sets the slot's ``blocks``: the values', then these."""
         entries = [entry for place in places.values() for entry in place["arrays"]]
         arrays = [array for _, _, found in states for array in found]
         cut = self._share_states and self._parts > 1
-        shares = _state_shares(entries, self._parts, cut)
+        shares = _cut_shares(entries, self._parts, cut)
         if cut and max(sum(1 for p in share if "owner" not in entries[p.value])
                        for share in shares) > _STATE_PIECES:
-            cut, shares = False, _state_shares(entries, self._parts, False)
+            cut, shares = False, _cut_shares(entries, self._parts, False)
         slot.blocks = list(slot.raw)
         copies: list[tuple[int, np.ndarray, np.ndarray, bool]] = []
         owners = []
@@ -1315,18 +1315,18 @@ def _grow(fd: int, size: int) -> None:
 
 
 def _pieces(layout: dict[str, Any], parts: int) -> list[list[tuple[int, _shares.Piece]]]:
-    """The layout's values cut into ``parts`` shares (:func:`._shares.shares`): each
+    """The layout's values cut into ``parts`` shares (:func:`_cut_shares`): each
     share's pieces, each with the index of its checksum among the slot's blocks."""
-    sizes = [e["nbytes"] for e in layout["entries"] if e["kind"] not in _NO_VALUE]
+    values = [e for e in layout["entries"] if e["kind"] not in _NO_VALUE]
     out, block = [], 0
-    for share in _shares.shares(sizes, parts):
+    for share in _cut_shares(values, parts, True):
         out.append([(block + k, piece) for k, piece in enumerate(share)])
         block += len(share)
     return out
 
 
-def _state_shares(entries: list[dict[str, Any]], parts: int, cut: bool
-                  ) -> list[list[_shares.Piece]]:
+def _cut_shares(entries: list[dict[str, Any]], parts: int, cut: bool
+                ) -> list[list[_shares.Piece]]:
     """Which of ``parts`` shares copies what of ``entries`` (each with its bytes, and an
     ``owner`` where one share holds it: a sharded optimizer's array, copied whole by
     its share): the others cut among the shares (:func:`._shares.shares`) where ``cut``,
@@ -1349,10 +1349,10 @@ def _entry_blocks(entries: list[dict[str, Any]], parts: int, cut: bool
                   ) -> list[tuple[str, int, int]]:
     """What the checksums of ``entries`` (each with its name, offset and bytes in the
     slot) cover, as ``(what a mismatch says, start, stop)``: each piece of each of
-    ``parts`` shares (:func:`_state_shares`; each entry whole in one share where nothing
+    ``parts`` shares (:func:`_cut_shares`; each entry whole in one share where nothing
     is ``cut``)."""
     found = []
-    for j, share in enumerate(_state_shares(entries, parts, cut)):
+    for j, share in enumerate(_cut_shares(entries, parts, cut)):
         for p in share:
             entry = entries[p.value]
             where = f" (bytes {p.start} to {p.stop}, share {j})" if cut and \
